@@ -1,0 +1,269 @@
+"""Llama-family decoder (SmolLM2, Llama 2/3, Mistral-style GQA) as pure JAX functions.
+
+The parameters are a plain pytree with one dict of weights per layer, and the layers are
+unrolled: on CPU, XLA copies each layer's weights out of a stacked array inside ``lax.scan``
+before its matmuls, which measured twice as slow per token for SmolLM2-135M (see
+docs/design.md). An early exit after layer ``l`` runs the first ``l`` layer dicts. See
+``Llama.forward`` for the model contract shared by every specjax model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Bool, Float, Int
+
+from specjax.models import kv_cache
+from specjax.models.kv_cache import KVCache
+
+Params = Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling, as HF configs name it (``rope_type``).
+
+    ``default`` leaves frequencies alone; ``linear`` divides them by ``factor``; ``llama3``
+    applies Llama 3.1's smooth band-wise rescaling.
+    """
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"unsupported rope_type {self.rope_type!r}; "
+                             "supported: default, linear, llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Architecture of one Llama-family model size."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+
+
+SMOLLM2_135M = LlamaConfig(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+    num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
+    tie_embeddings=True, max_position_embeddings=8192)
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> Float[Array, "H2"]:
+    """Inverse frequencies of the rotary embedding, after scaling."""
+    half = jnp.arange(0, cfg.head_dim, 2, dtype=jnp.float32) / cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** half)
+    s = cfg.rope_scaling
+    if s.rope_type == "linear":
+        return inv / s.factor
+    if s.rope_type == "llama3":
+        old = s.original_max_position_embeddings
+        wavelen = 2 * math.pi / inv
+        low_wl, high_wl = old / s.low_freq_factor, old / s.high_freq_factor
+        scaled = jnp.where(wavelen > low_wl, inv / s.factor, inv)
+        smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+        medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+        return jnp.where(medium, smoothed, scaled)
+    return inv
+
+
+def apply_rope(x: Float[Array, "B T N H"], positions: Int[Array, "B T"],
+               inv_freq: Float[Array, "H2"]) -> Float[Array, "B T N H"]:
+    """Rotates query/key heads by their positions (HF's half-split convention)."""
+    ang = positions[..., None].astype(jnp.float32) * inv_freq  # [B,T,H/2]
+    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+    """RMSNorm computed in float32 and cast back before the gain, as HF Llama does."""
+    xf = x.astype(jnp.float32)
+    xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def _attention(q, k_new, v_new, k_cache, v_cache, length, mask):
+    """Grouped-query attention of new tokens over the committed cache and each other.
+
+    q: [B,K,G,T,H]; k_new, v_new: [B,K,T,H]; k_cache: [B,K,H,S]; v_cache: [B,K,S,H]; length: [B];
+    mask: [B,T,T]. Query ``i`` sees cache slots ``< length`` and new keys ``j`` with
+    ``mask[b, i, j]``. Returns [B,K,G,T,H]. The cache is only read here, and written after,
+    so XLA can update it in place inside a decode loop.
+    """
+    b, nk, g, t, hd = q.shape
+    s = k_cache.shape[3]
+    qf = q.reshape(b, nk, g * t, hd)
+    # b batch, k kv-head, s cache slot, n new key, q = (g query heads per kv-head, t query), h head dim
+    scores = jnp.concatenate([jnp.einsum("bkqh,bkhs->bkqs", qf, k_cache),
+                              jnp.einsum("bkqh,bknh->bkqn", qf, k_new)], axis=3)
+    scores = scores.astype(jnp.float32).reshape(b, nk, g, t, s + t) / math.sqrt(hd)
+    old_ok = jnp.broadcast_to((jnp.arange(s)[None, :] < length[:, None])[:, None, :], (b, t, s))
+    ok = jnp.concatenate([old_ok, mask], axis=2)  # [B, T queries, S+T keys]
+    scores = jnp.where(ok[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype).reshape(b, nk, g * t, s + t)
+    out = (jnp.einsum("bkqs,bksh->bkqh", probs[..., :s], v_cache)
+           + jnp.einsum("bkqn,bknh->bkqh", probs[..., s:], v_new.astype(v_cache.dtype)))
+    return out.reshape(b, nk, g, t, hd)
+
+
+def _layer(cfg: LlamaConfig, lp: Params, x, k_cache, v_cache, length, mask, positions):
+    """One decoder layer; returns the new residual stream and this layer's K/V cache."""
+    b, t, _ = x.shape
+    nq, nk, hd, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    inv_freq = rope_inv_freq(cfg)
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    qkv = jnp.einsum("btd,de->bte", h, lp["qkv"])  # e = (nq + 2 nk) * hd
+    q, k, v = jnp.split(qkv.reshape(b, t, nq + 2 * nk, hd), [nq, nq + nk], axis=2)
+    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    q = q.reshape(b, t, nk, nq // nk, hd).transpose(0, 2, 3, 1, 4)  # [B,K,G,T,H]
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B,K,T,H]
+    att = _attention(q, k, v, k_cache, v_cache, length, mask)
+    att = att.transpose(0, 3, 1, 2, 4).reshape(b, t, nq * hd)
+    x = x + jnp.einsum("bte,ed->btd", att, lp["o"])
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    gate, up = jnp.split(jnp.einsum("btd,df->btf", h, lp["gate_up"]), [f], axis=-1)
+    # down is stored [D, F] (out, in): the faster matrix-vector layout on CPU
+    x = x + jnp.einsum("btf,df->btd", jax.nn.silu(gate) * up, lp["down"])
+    return (x, kv_cache.write(k_cache, length, k.transpose(0, 1, 3, 2), axis=3),
+            kv_cache.write(v_cache, length, v, axis=2))
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama:
+    """A Llama-family model bound to its configuration. Hashable, so it can be static."""
+
+    config: LlamaConfig
+
+    def init_cache(self, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
+        c = self.config
+        return KVCache.zeros(c.num_layers, batch, capacity, c.num_kv_heads, c.head_dim, dtype)
+
+    def logits(self, params: Params, hidden: Float[Array, "... D"],
+               head: Array | None = None) -> Float[Array, "... V"]:
+        """Final norm and LM head (float32 logits). ``head`` ([D,V]) overrides the model's."""
+        h = rms_norm(hidden, params["final_norm"], self.config.rms_norm_eps)
+        if head is not None:
+            return jnp.einsum("...d,dv->...v", h, head).astype(jnp.float32)
+        if self.config.tie_embeddings:
+            return jnp.einsum("...d,vd->...v", h, params["embed"]).astype(jnp.float32)
+        return jnp.einsum("...d,dv->...v", h, params["lm_head"]).astype(jnp.float32)
+
+    def forward(
+        self,
+        params: Params,
+        tokens: Int[Array, "B T"],
+        positions: Int[Array, "B T"],
+        cache: KVCache,
+        mask: Bool[Array, "B T T"] | None = None,
+        *,
+        exit_layer: int | None = None,
+        return_layers: tuple[int, ...] = (),
+        compute_logits: bool = True,
+    ) -> tuple[Float[Array, "B T V"] | None, dict[int, Array], KVCache]:
+        """Runs new tokens against the cache.
+
+        Guarantees:
+          * new token ``i`` of row ``b`` attends to cache slots ``[0, length[b])`` and to the
+            new tokens ``j`` with ``mask[b, i, j]`` (default: causal), and is rotated by
+            ``positions[b, i]``;
+          * its K/V are written at slot ``length[b] + i`` of each layer that runs;
+            ``cache.length`` is unchanged (advance or commit afterwards). The caller keeps
+            ``length + T <= capacity`` (``generate`` checks it before running);
+          * only the first ``exit_layer`` layers run (default: all); the logits then come
+            from the final norm and LM head applied after that layer (an early exit);
+          * ``hidden`` maps ``l`` to the residual stream after ``l`` layers (``0`` is the
+            embedding) for ``l`` in ``return_layers``, and always holds the last layer run.
+
+        Returns ``(logits [B,T,V] float32 or None, hidden, cache)``.
+        """
+        cfg = self.config
+        n = cfg.num_layers if exit_layer is None else exit_layer
+        if not 1 <= n <= cfg.num_layers:
+            raise ValueError(f"exit_layer={exit_layer} outside [1, {cfg.num_layers}]")
+        bad = [l for l in return_layers if not 0 <= l <= n]
+        if bad:
+            raise ValueError(f"return_layers {bad} outside [0, {n}] (layers that run)")
+        b, t = tokens.shape
+        if mask is None:
+            mask = kv_cache.causal_mask(b, t)
+        x = params["embed"][tokens]
+        hidden = {0: x} if 0 in return_layers else {}
+        ks, vs = list(cache.k), list(cache.v)
+        for i in range(n):
+            x, ks[i], vs[i] = _layer(cfg, params["layers"][i], x, ks[i], vs[i], cache.length,
+                                     mask, positions)
+            if i + 1 in return_layers:
+                hidden[i + 1] = x
+        hidden[n] = x
+        cache = cache.replace(k=tuple(ks), v=tuple(vs))
+        logits = self.logits(params, x) if compute_logits else None
+        return logits, hidden, cache
+
+
+def init_params(cfg: LlamaConfig, key: Array, dtype=jnp.float32) -> Params:
+    """Random parameters with the right shapes (for tests and toy models)."""
+    d = cfg.hidden_size
+    keys = jax.random.split(key, cfg.num_layers + 2)
+    layers = []
+    for lk in keys[: cfg.num_layers]:
+        shapes = layer_shapes(cfg)
+        ws = {n: (jax.random.normal(k, s) * 0.05).astype(dtype)
+              for (n, s), k in zip(shapes.items(), jax.random.split(lk, len(shapes)))}
+        ws["attn_norm"] = ws["attn_norm"] + 1
+        ws["mlp_norm"] = ws["mlp_norm"] + 1
+        layers.append(ws)
+    params = {"embed": (jax.random.normal(keys[-2], (cfg.vocab_size, d)) * 0.05).astype(dtype),
+              "layers": layers, "final_norm": jnp.ones((d,), dtype)}
+    if not cfg.tie_embeddings:
+        params["lm_head"] = (jax.random.normal(keys[-1], (d, cfg.vocab_size)) * 0.05).astype(dtype)
+    return params
+
+
+def layer_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of each weight of one decoder layer.
+
+    ``qkv`` is [D, (Nq + 2 Nkv) * H]: the Q, K and V projections side by side, each head's
+    columns in HF's half-split RoPE order. ``gate_up`` is [D, 2F], gate first. ``down`` is
+    [D, F], the transpose of the usual [F, D]. The fused, mixed layouts are the fastest
+    matrix-vector products XLA emits on CPU (docs/design.md).
+    """
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    return {
+        "attn_norm": (d,), "qkv": (d, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd),
+        "o": (cfg.num_heads * hd, d), "mlp_norm": (d,), "gate_up": (d, 2 * f), "down": (d, f),
+    }
+
+
+def top_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of each weight outside the decoder layers."""
+    shapes = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
+    return shapes

@@ -1,0 +1,235 @@
+"""Weight loading: GGUF (llama.cpp) files and local HF directories, into a Llama params pytree.
+
+Each source format has an explicit table from its tensor names to ours. Loading fails with a
+message naming the tensor or path when a tensor is missing, unexpected, or of the wrong
+shape; it never fills in or drops weights silently.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.models.llama import LlamaConfig, RopeScaling, top_shapes
+
+Transform = Callable[[np.ndarray, LlamaConfig], np.ndarray]
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint that does not match the architecture it claims."""
+
+
+def _t(w, cfg):  # torch/ggml [out, in] -> ours [in, out]
+    return w.T
+
+
+def _unpermute(n_heads: Callable[[LlamaConfig], int]) -> Transform:
+    """Undoes llama.cpp's row permutation of Q/K (interleaved -> half-split RoPE), then [in, out]."""
+    def f(w, cfg):
+        n = n_heads(cfg)
+        w = w.reshape(n, cfg.head_dim // 2, 2, w.shape[-1]).swapaxes(1, 2).reshape(w.shape)
+        return w.T
+    return f
+
+
+_same = lambda w, cfg: w  # noqa: E731
+
+# (source name pattern with {i} for the layer, our unfused name, transform to our layout)
+GGUF_KEYS = [
+    ("token_embd.weight", "embed", _same),
+    ("output_norm.weight", "final_norm", _same),
+    ("output.weight", "lm_head", _t),
+    ("blk.{i}.attn_norm.weight", "layers/attn_norm", _same),
+    ("blk.{i}.attn_q.weight", "layers/q", _unpermute(lambda c: c.num_heads)),
+    ("blk.{i}.attn_k.weight", "layers/k", _unpermute(lambda c: c.num_kv_heads)),
+    ("blk.{i}.attn_v.weight", "layers/v", _t),
+    ("blk.{i}.attn_output.weight", "layers/o", _t),
+    ("blk.{i}.ffn_norm.weight", "layers/mlp_norm", _same),
+    ("blk.{i}.ffn_gate.weight", "layers/gate", _t),
+    ("blk.{i}.ffn_up.weight", "layers/up", _t),
+    ("blk.{i}.ffn_down.weight", "layers/down", _same),  # kept [out, in]
+]
+
+HF_KEYS = [
+    ("model.embed_tokens.weight", "embed", _same),
+    ("model.norm.weight", "final_norm", _same),
+    ("lm_head.weight", "lm_head", _t),
+    ("model.layers.{i}.input_layernorm.weight", "layers/attn_norm", _same),
+    ("model.layers.{i}.self_attn.q_proj.weight", "layers/q", _t),
+    ("model.layers.{i}.self_attn.k_proj.weight", "layers/k", _t),
+    ("model.layers.{i}.self_attn.v_proj.weight", "layers/v", _t),
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers/o", _t),
+    ("model.layers.{i}.post_attention_layernorm.weight", "layers/mlp_norm", _same),
+    ("model.layers.{i}.mlp.gate_proj.weight", "layers/gate", _t),
+    ("model.layers.{i}.mlp.up_proj.weight", "layers/up", _t),
+    ("model.layers.{i}.mlp.down_proj.weight", "layers/down", _same),  # kept [out, in]
+]
+
+
+def unfused_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of the per-matrix weights that source formats store, in our [in, out] layout."""
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    layer = {"attn_norm": (d,), "q": (d, cfg.num_heads * hd), "k": (d, cfg.num_kv_heads * hd),
+             "v": (d, cfg.num_kv_heads * hd), "o": (cfg.num_heads * hd, d), "mlp_norm": (d,),
+             "gate": (d, f), "up": (d, f), "down": (d, f)}
+    return {**top_shapes(cfg), **{f"layers/{k}": v for k, v in layer.items()}}
+
+
+def pack_layer(w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Fuses one layer's separate matrices into the layout ``Llama.forward`` reads."""
+    return {"attn_norm": w["attn_norm"], "qkv": np.concatenate([w["q"], w["k"], w["v"]], axis=1),
+            "o": w["o"], "mlp_norm": w["mlp_norm"],
+            "gate_up": np.concatenate([w["gate"], w["up"]], axis=1), "down": w["down"]}
+
+
+def _match(name: str, keys) -> tuple[str, int | None, Transform] | None:
+    for pattern, ours, fn in keys:
+        rx = "^" + re.escape(pattern).replace(r"\{i\}", r"(\d+)") + "$"
+        m = re.match(rx, name)
+        if m:
+            return ours, (int(m.group(1)) if m.groups() else None), fn
+    return None
+
+
+def assemble(cfg: LlamaConfig, tensors: dict[str, np.ndarray], keys, source: str,
+             dtype=jnp.float32, ignore: tuple[str, ...] = ()) -> dict:
+    """Maps source tensors to a params pytree, checking names and shapes exactly."""
+    shapes = unfused_shapes(cfg)
+    per_layer: dict[str, list] = {k: [None] * cfg.num_layers for k in shapes if k.startswith("layers/")}
+    flat: dict[str, np.ndarray] = {}
+    for name, w in tensors.items():
+        if name in ignore:
+            continue
+        hit = _match(name, keys)
+        if hit is None or (hit[0] not in shapes) or (hit[1] is not None and hit[1] >= cfg.num_layers):
+            raise WeightLoadError(f"{source}: unexpected tensor {name!r} (shape {w.shape}) "
+                                  f"for a {cfg.num_layers}-layer Llama with "
+                                  f"tie_embeddings={cfg.tie_embeddings}")
+        ours, layer, fn = hit
+        want = shapes[ours]
+        try:
+            arr = fn(np.asarray(w), cfg)
+        except ValueError as e:
+            raise WeightLoadError(f"{source}: tensor {name!r} has shape {w.shape}, which does not "
+                                  f"fit {ours} of shape {want}: {e}") from None
+        if arr.shape != tuple(want):
+            raise WeightLoadError(f"{source}: tensor {name!r} has shape {w.shape}; expected "
+                                  f"a tensor mapping to {ours} of shape {tuple(want)}, got {arr.shape}")
+        if layer is None:
+            flat[ours] = arr
+        else:
+            per_layer[ours][layer] = arr
+    missing = [k for k in shapes if not k.startswith("layers/") and k not in flat]
+    missing += [f"{k}[{i}]" for k, ws in per_layer.items() for i, w in enumerate(ws) if w is None]
+    if missing:
+        src = {ours: pat for pat, ours, _ in keys}
+        names = [src[m.split("[")[0]].replace("{i}", m.split("[")[1][:-1]) if "[" in m else src[m]
+                 for m in missing]
+        raise WeightLoadError(f"{source}: missing tensors {names[:8]}"
+                              f"{' and %d more' % (len(names) - 8) if len(names) > 8 else ''}")
+    params = {k: jnp.asarray(v, dtype) for k, v in flat.items()}
+    for i in range(cfg.num_layers):
+        layer = pack_layer({k.split("/")[1]: ws[i] for k, ws in per_layer.items()})
+        params.setdefault("layers", []).append({k: jnp.asarray(v, dtype) for k, v in layer.items()})
+    return params
+
+
+# --------------------------------------------------------------------------- GGUF
+
+def _gguf_field(reader, key, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_config(reader) -> LlamaConfig:
+    """The architecture recorded in a GGUF file's metadata."""
+    arch = _gguf_field(reader, "general.architecture")
+    if arch != "llama":
+        raise WeightLoadError(f"GGUF architecture {arch!r} is not 'llama'")
+    g = lambda k, d=None: _gguf_field(reader, f"llama.{k}", d)  # noqa: E731
+    heads = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    names = {t.name for t in reader.tensors}
+    vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    scaling = RopeScaling()
+    if g("rope.scaling.type") == "linear":
+        scaling = RopeScaling("linear", factor=float(g("rope.scaling.factor")))
+    return LlamaConfig(
+        vocab_size=int(vocab), hidden_size=hidden,
+        intermediate_size=int(g("feed_forward_length")), num_layers=int(g("block_count")),
+        num_heads=heads, num_kv_heads=int(g("attention.head_count_kv", heads)),
+        head_dim=int(g("rope.dimension_count", hidden // heads)),
+        rope_theta=float(g("rope.freq_base", 10000.0)), rope_scaling=scaling,
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings="output.weight" not in names,
+        max_position_embeddings=int(g("context_length", 4096)))
+
+
+def load_gguf(path: str | Path, dtype=jnp.float32) -> tuple[LlamaConfig, dict]:
+    """Reads and dequantizes a llama-architecture GGUF file (any ggml quantization)."""
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # gguf raises assorted errors on corrupt files
+        raise WeightLoadError(f"{path}: not a readable GGUF file ({e})") from e
+    cfg = gguf_config(reader)
+    tensors = {}
+    for t in reader.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+        tensors[t.name] = np.asarray(w, np.float32).reshape(tuple(reversed(t.shape.tolist())))
+    return cfg, assemble(cfg, tensors, GGUF_KEYS, str(path), dtype)
+
+
+# --------------------------------------------------------------------------- HF directory
+
+def hf_config(d: dict) -> LlamaConfig:
+    """A LlamaConfig from an HF ``config.json`` (transformers v4 or v5 RoPE fields)."""
+    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    fields = {f: rope[f] for f in ("factor", "low_freq_factor", "high_freq_factor",
+                                   "original_max_position_embeddings") if f in rope}
+    heads = d["num_attention_heads"]
+    return LlamaConfig(
+        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=d.get("num_key_value_heads", heads),
+        head_dim=d.get("head_dim") or d["hidden_size"] // heads, rope_theta=float(theta),
+        rope_scaling=RopeScaling(kind, **fields), rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        tie_embeddings=d.get("tie_word_embeddings", False),
+        max_position_embeddings=d.get("max_position_embeddings", 4096))
+
+
+def load_hf_dir(path: str | Path, dtype=jnp.float32) -> tuple[LlamaConfig, dict]:
+    """Loads ``config.json`` and every ``*.safetensors`` file of a local HF directory."""
+    from safetensors.flax import load_file
+
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{path}: no config.json")
+    d = json.loads(cfg_file.read_text())
+    if d.get("model_type", "llama") not in ("llama", "mistral", "qwen2"):
+        raise WeightLoadError(f"{cfg_file}: model_type {d.get('model_type')!r} is not a Llama")
+    cfg = hf_config(d)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    tensors = {}
+    for f in files:
+        try:
+            loaded = load_file(str(f))
+        except Exception as e:
+            raise WeightLoadError(f"{f}: not a readable safetensors file ({e})") from e
+        tensors.update({k: np.asarray(v.astype(jnp.float32)) for k, v in loaded.items()})
+    ignore = ("lm_head.weight",) if cfg.tie_embeddings else ()
+    return cfg, assemble(cfg, tensors, HF_KEYS, str(path), dtype, ignore=ignore)

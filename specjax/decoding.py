@@ -1,0 +1,178 @@
+"""Autoregressive decoding: one jitted ``lax.while_loop``, batched, with per-row stops.
+
+Shapes are bucketed so that a new prompt length or token budget does not recompile: the
+prompt buffer is as wide as the cache (a multiple of 128 by default), prefill runs in
+fixed-size chunks for as many chunks as the longest prompt needs, and budgets, lengths and
+sampler settings are arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+from jaxtyping import Array, Bool, Float, Int
+
+from specjax import sampling
+from specjax.models.kv_cache import KVCache
+
+PAD = -1  # token id written after a row's last generated token
+
+
+@struct.dataclass
+class GenerateOutput:
+    """Generated tokens ``[B, N]`` (``PAD`` after each row's end) and per-row counts."""
+
+    tokens: Int[Array, "B N"]
+    lengths: Int[Array, "B"]
+
+    def to_lists(self) -> list[list[int]]:
+        toks, lens = np.asarray(self.tokens), np.asarray(self.lengths)
+        return [toks[b, : lens[b]].tolist() for b in range(toks.shape[0])]
+
+
+@struct.dataclass
+class DecodeState:
+    tokens: Int[Array, "B N"]
+    num: Int[Array, "B"]
+    done: Bool[Array, "B"]
+    last: Int[Array, "B"]
+    cache: KVCache
+    key: Array
+
+
+def stops(tok: Int[Array, "B"], num: Int[Array, "B"], budget: Int[Array, "B"],
+          eos_ids: Int[Array, "E"]) -> Bool[Array, "B"]:
+    """Whether a row ends after emitting ``tok`` as its ``num``-th token."""
+    return jnp.any(tok[:, None] == eos_ids[None, :], axis=-1) | (num >= budget)
+
+
+def prefill(model, params, prompt: Int[Array, "B S"], prompt_len: Int[Array, "B"],
+            cache: KVCache, chunk: int) -> tuple[Float[Array, "B D"], KVCache]:
+    """Writes each row's prompt into the cache in chunks of ``chunk`` tokens.
+
+    Returns the last layer's hidden state at each row's final prompt token, and the cache
+    with ``length == prompt_len``.
+    """
+    b = prompt.shape[0]
+    n_chunks = (jnp.max(prompt_len) + chunk - 1) // chunk
+    depth = model.config.num_layers
+
+    def body(i, carry):
+        h_last, c = carry
+        start = i * chunk
+        toks = lax.dynamic_slice_in_dim(prompt, start, chunk, axis=1)
+        pos = jnp.broadcast_to(start + jnp.arange(chunk), (b, chunk))
+        _, hidden, c = model.forward(params, toks, pos, c, compute_logits=False)
+        c = c.replace(length=c.length + chunk)
+        idx = prompt_len - 1 - start
+        here = (idx >= 0) & (idx < chunk)
+        h = hidden[depth][jnp.arange(b), jnp.clip(idx, 0, chunk - 1)]
+        return jnp.where(here[:, None], h, h_last), c
+
+    h0 = jnp.zeros((b, model.config.hidden_size), params["embed"].dtype)
+    cache = cache.replace(length=jnp.zeros_like(cache.length))
+    h_last, cache = lax.fori_loop(0, n_chunks, body, (h0, cache))
+    return h_last, cache.replace(length=prompt_len.astype(jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("model", "capacity", "max_out", "chunk"))
+def _decode(model, params, prompt, prompt_len, budget, sampler, key, eos_ids, *,
+            capacity: int, max_out: int, chunk: int) -> GenerateOutput:
+    b = prompt.shape[0]
+    cache = model.init_cache(b, capacity, params["embed"].dtype)
+    h_last, cache = prefill(model, params, prompt, prompt_len, cache, chunk)
+    key, sub = jax.random.split(key)
+    first = sampling.sample(sub, model.logits(params, h_last), sampler)
+    one = jnp.ones((b,), jnp.int32)
+    state = DecodeState(
+        tokens=jnp.full((b, max_out), PAD, jnp.int32).at[:, 0].set(first), num=one,
+        done=stops(first, one, budget, eos_ids), last=first, cache=cache, key=key)
+
+    def step(s: DecodeState) -> DecodeState:
+        logits, _, cache = model.forward(params, s.last[:, None], s.cache.length[:, None], s.cache)
+        key, sub = jax.random.split(s.key)
+        tok = sampling.sample(sub, logits[:, 0], sampler)
+        active = ~s.done
+        slot = jnp.where(active, s.num, max_out)  # done rows write out of bounds: dropped
+        num = s.num + active
+        return DecodeState(
+            tokens=s.tokens.at[jnp.arange(b), slot].set(tok, mode="drop"), num=num,
+            done=s.done | stops(tok, num, budget, eos_ids), last=jnp.where(active, tok, s.last),
+            cache=cache.advance(active), key=key)
+
+    state = lax.while_loop(lambda s: jnp.any(~s.done), step, state)
+    return GenerateOutput(tokens=state.tokens, lengths=state.num)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def plan_shapes(prompt_lens: Sequence[int], budgets: Sequence[int], max_positions: int,
+                cache_size: int | None, chunk: int) -> tuple[int, int]:
+    """The (cache capacity, output width) a call compiles for; raises if a row cannot fit.
+
+    Raises ``ValueError`` naming the row when its prompt plus budget exceeds the cache or
+    the model's context, before anything is compiled or run.
+    """
+    if min(prompt_lens) < 1:
+        raise ValueError("every prompt needs at least one token")
+    if min(budgets) < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {min(budgets)}")
+    need = [p + n for p, n in zip(prompt_lens, budgets)]
+    row = int(np.argmax(need))
+    if need[row] > max_positions:
+        raise ValueError(f"row {row}: prompt of {prompt_lens[row]} tokens + {budgets[row]} new "
+                         f"tokens exceeds the model's context of {max_positions} positions")
+    if cache_size is None:
+        capacity = min(_round_up(need[row], 128), _round_up(max_positions, chunk))
+    else:
+        if cache_size % chunk:
+            raise ValueError(f"cache_size={cache_size} must be a multiple of the prefill "
+                             f"chunk ({chunk})")
+        capacity = cache_size
+    if need[row] > capacity:
+        raise ValueError(f"row {row}: prompt of {prompt_lens[row]} tokens + {budgets[row]} new "
+                         f"tokens = {need[row]} does not fit the cache of {capacity} entries")
+    max_out = max(16, 1 << (max(budgets) - 1).bit_length())
+    return capacity, max_out
+
+
+def generate(model, params, prompts: Sequence[Sequence[int]], *,
+             max_new_tokens: int | Sequence[int], sampler: sampling.Sampler = sampling.Greedy(),
+             key: Array | None = None, eos_ids: Sequence[int] = (),
+             cache_size: int | None = None, chunk: int = 64) -> GenerateOutput:
+    """Decodes a batch of prompts of any lengths, one token per target forward.
+
+    Each row stops after an id in ``eos_ids`` (which is kept) or after its budget. Greedy
+    rows are exactly the argmax rollout of ``model``; ``Sample`` needs an explicit ``key``.
+    Calls with the same batch size, cache capacity and output bucket reuse one compilation.
+    """
+    if not prompts:
+        raise ValueError("no prompts given")
+    if isinstance(sampler, sampling.Sample) and key is None:
+        raise ValueError("sampling needs an explicit PRNG key (key=jax.random.key(seed))")
+    lens = [len(p) for p in prompts]
+    budgets = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, (int, np.integer))
+               else list(max_new_tokens))
+    if len(budgets) != len(prompts):
+        raise ValueError(f"{len(budgets)} budgets for {len(prompts)} prompts")
+    capacity, max_out = plan_shapes(lens, budgets, model.config.max_position_embeddings,
+                                    cache_size, chunk)
+    buf = np.zeros((len(prompts), capacity), np.int32)
+    for i, p in enumerate(prompts):
+        buf[i, : len(p)] = p
+    vocab = model.config.vocab_size
+    if buf.max() >= vocab or buf.min() < 0:
+        raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+    eos = np.asarray(list(eos_ids) or [PAD], np.int32)
+    return _decode(model, params, jnp.asarray(buf), jnp.asarray(lens, jnp.int32),
+                   jnp.asarray(budgets, jnp.int32), sampler,
+                   jax.random.key(0) if key is None else key, jnp.asarray(eos),
+                   capacity=capacity, max_out=max_out, chunk=chunk)

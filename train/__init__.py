@@ -1,0 +1,1 @@
+"""Optax training of draft heads with Orbax checkpoints (EAGLE, ReDrafter, exit heads)."""
