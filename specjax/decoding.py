@@ -8,7 +8,6 @@ sampler settings are arrays.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Sequence
 
 import jax
@@ -19,6 +18,7 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
 from specjax import sampling
+from specjax._compile import AotCache
 from specjax.models.kv_cache import KVCache
 
 PAD = -1  # token id written after a row's last generated token
@@ -30,6 +30,7 @@ class GenerateOutput:
 
     tokens: Int[Array, "B N"]
     lengths: Int[Array, "B"]
+    compile_s: float = struct.field(pytree_node=False, default=0.0)
 
     def to_lists(self) -> list[list[int]]:
         toks, lens = np.asarray(self.tokens), np.asarray(self.lengths)
@@ -81,9 +82,8 @@ def prefill(model, params, prompt: Int[Array, "B S"], prompt_len: Int[Array, "B"
     return h_last, cache.replace(length=prompt_len.astype(jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("model", "capacity", "max_out", "chunk"))
-def _decode(model, params, prompt, prompt_len, budget, sampler, key, eos_ids, *,
-            capacity: int, max_out: int, chunk: int) -> GenerateOutput:
+def _decode(params, prompt, prompt_len, budget, sampler, key, eos_ids, *,
+            model, capacity: int, max_out: int, chunk: int) -> GenerateOutput:
     b = prompt.shape[0]
     cache = model.init_cache(b, capacity, params["embed"].dtype)
     h_last, cache = prefill(model, params, prompt, prompt_len, cache, chunk)
@@ -108,6 +108,9 @@ def _decode(model, params, prompt, prompt_len, budget, sampler, key, eos_ids, *,
 
     state = lax.while_loop(lambda s: jnp.any(~s.done), step, state)
     return GenerateOutput(tokens=state.tokens, lengths=state.num)
+
+
+_DECODE = AotCache(_decode, ("model", "capacity", "max_out", "chunk"))
 
 
 def _round_up(n: int, m: int) -> int:
@@ -152,7 +155,8 @@ def generate(model, params, prompts: Sequence[Sequence[int]], *,
 
     Each row stops after an id in ``eos_ids`` (which is kept) or after its budget. Greedy
     rows are exactly the argmax rollout of ``model``; ``Sample`` needs an explicit ``key``.
-    Calls with the same batch size, cache capacity and output bucket reuse one compilation.
+    Calls with the same batch size, cache capacity and output bucket reuse one compilation;
+    ``compile_s`` of the result says how long this call spent compiling.
     """
     if not prompts:
         raise ValueError("no prompts given")
@@ -172,7 +176,8 @@ def generate(model, params, prompts: Sequence[Sequence[int]], *,
     if buf.max() >= vocab or buf.min() < 0:
         raise ValueError(f"prompt token ids must lie in [0, {vocab})")
     eos = np.asarray(list(eos_ids) or [PAD], np.int32)
-    return _decode(model, params, jnp.asarray(buf), jnp.asarray(lens, jnp.int32),
-                   jnp.asarray(budgets, jnp.int32), sampler,
-                   jax.random.key(0) if key is None else key, jnp.asarray(eos),
-                   capacity=capacity, max_out=max_out, chunk=chunk)
+    out, compile_s = _DECODE(params, jnp.asarray(buf), jnp.asarray(lens, jnp.int32),
+                             jnp.asarray(budgets, jnp.int32), sampler,
+                             jax.random.key(0) if key is None else key, jnp.asarray(eos),
+                             model=model, capacity=capacity, max_out=max_out, chunk=chunk)
+    return out.replace(compile_s=compile_s)

@@ -1,0 +1,201 @@
+"""Benchmark harness: our decoding methods against HF transformers, side by side in one run.
+
+Every method decodes the same prompts with the same model and thread count. Methods are
+interleaved per prompt so that machine noise hits all of them alike. Compile time is
+excluded from tokens/s and reported separately.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import threading
+import time
+from collections import defaultdict
+from importlib import resources
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
+            "humanities"}
+CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+
+
+@dataclasses.dataclass(frozen=True)
+class Question:
+    qid: int
+    category: str
+    text: str
+
+
+def load_questions(path: str | Path | None = None, categories: Sequence[str] | None = None,
+                   limit: int | None = None) -> list[Question]:
+    """Questions in Spec-Bench's ``question.jsonl`` format (first turn only).
+
+    MT-bench's eight categories are grouped as ``mt_bench``, as Spec-Bench reports them.
+    ``limit`` keeps that many questions in total, taken round-robin over the categories so
+    that they are spread evenly. Without ``path``, the project's own small prompt set is used.
+    """
+    if path is None:
+        text = resources.files("specjax").joinpath("data/prompts.jsonl").read_text()
+    else:
+        text = Path(path).read_text()
+    by_cat: dict[str, list[Question]] = defaultdict(list)
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        cat = "mt_bench" if row["category"] in MT_BENCH else row["category"]
+        if categories and cat not in categories:
+            continue
+        by_cat[cat].append(Question(int(row["question_id"]), cat, row["turns"][0]))
+    if categories:
+        unknown = set(categories) - set(by_cat)
+        if unknown:
+            raise ValueError(f"no questions in categories {sorted(unknown)}; "
+                             f"available: {sorted(by_cat)}")
+    picked, i = [], 0
+    total = sum(len(v) for v in by_cat.values())
+    limit = total if limit is None else min(limit, total)
+    while len(picked) < limit:
+        for cat in by_cat:
+            if i < len(by_cat[cat]) and len(picked) < limit:
+                picked.append(by_cat[cat][i])
+        i += 1
+    return picked
+
+
+@dataclasses.dataclass
+class Run:
+    """One method on one prompt."""
+
+    tokens: list[int]
+    seconds: float
+    target_forwards: int
+    compile_s: float = 0.0
+
+
+Method = Callable[[list[int], int], Run]
+
+
+def ar_method(lm) -> Method:
+    """specjax autoregressive greedy decoding (one jitted while_loop)."""
+    from specjax.decoding import generate
+
+    def run(ids: list[int], n: int) -> Run:
+        out = generate(lm.model, lm.params, [ids], max_new_tokens=n, eos_ids=lm.eos_ids)
+        out.tokens.block_until_ready()
+        compile_s = out.compile_s
+        t = time.perf_counter()  # timed on a compiled executable
+        out = generate(lm.model, lm.params, [ids], max_new_tokens=n, eos_ids=lm.eos_ids)
+        out.tokens.block_until_ready()
+        toks = out.to_lists()[0]
+        return Run(toks, time.perf_counter() - t, len(toks), compile_s)
+
+    return run
+
+
+def hf_method(lm, threads: int, hf=None) -> Method:
+    """HF transformers' greedy ``generate`` on the same GGUF weights, in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    if hf is None:
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(lm.source.parent), gguf_file=lm.source.name, dtype=torch.float32).eval()
+    eos = list(lm.eos_ids)
+
+    def run(ids: list[int], n: int) -> Run:
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            t = time.perf_counter()
+            y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                            do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
+            dt = time.perf_counter() - t
+        toks = y[0, len(ids):].tolist()
+        return Run(toks, dt, len(toks))
+
+    run(lm.encode("warm up"), 4)
+    return run
+
+
+def copy_bandwidth(nbytes: int = 256 << 20, threads: int | None = None, repeats: int = 5) -> float:
+    """Best-of-``repeats`` memory copy bandwidth in bytes/s, counting bytes read + written.
+
+    ``threads`` threads (default: all cores) each copy their own slice of a ``nbytes``
+    buffer with NumPy (which releases the GIL), so every core streams memory at once.
+    """
+    threads = threads or os.cpu_count() or 1
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    parts = np.array_split(np.arange(src.size), threads)
+    bounds = [(p[0], p[-1] + 1) for p in parts]
+
+    def copy(lo, hi):
+        np.copyto(dst[lo:hi], src[lo:hi])
+
+    best = float("inf")
+    for _ in range(repeats):
+        ts = [threading.Thread(target=copy, args=b) for b in bounds]
+        t = time.perf_counter()
+        for th in ts:
+            th.start()
+        for th in ts:
+            th.join()
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.nbytes / best
+
+
+def _summary(runs: list[tuple[Question, Run]]) -> dict:
+    toks = sum(len(r.tokens) for _, r in runs)
+    secs = sum(r.seconds for _, r in runs)
+    fwd = sum(r.target_forwards for _, r in runs)
+    return {"tokens_per_s": toks / secs if secs else 0.0, "new_tokens": toks, "seconds": secs,
+            "tau": toks / fwd if fwd else 0.0, "n": len(runs),
+            "compile_s": sum(r.compile_s for _, r in runs)}
+
+
+def summarize(results: dict[str, list[tuple[Question, Run]]]) -> dict:
+    """Per-method and per-category tokens/s, speedup vs ``ar`` and tau."""
+    out = {}
+    for name, runs in results.items():
+        s = _summary(runs)
+        cats = defaultdict(list)
+        for q, r in runs:
+            cats[q.category].append((q, r))
+        s["per_category"] = {c: _summary(v) for c, v in cats.items()}
+        out[name] = s
+    if "ar" in out:
+        ar = out["ar"]
+        for s in out.values():
+            s["speedup_vs_ar"] = s["tokens_per_s"] / ar["tokens_per_s"]
+            for c, cs in s["per_category"].items():
+                cs["speedup_vs_ar"] = cs["tokens_per_s"] / ar["per_category"][c]["tokens_per_s"]
+    return out
+
+
+def format_table(summary: dict) -> str:
+    cats = sorted({c for s in summary.values() for c in s["per_category"]})
+    head = f"{'method':<10}{'tok/s':>8}{'vs ar':>7}{'tau':>6}  " + "".join(f"{c[:12]:>13}" for c in cats)
+    lines = [head, "-" * len(head)]
+    for name, s in summary.items():
+        per = "".join(f"{s['per_category'][c]['tokens_per_s']:>8.1f}"
+                      f"{'(' + format(s['per_category'][c].get('speedup_vs_ar', 0), '.2f') + ')':>5}"
+                      if c in s["per_category"] else f"{'-':>13}" for c in cats)
+        lines.append(f"{name:<10}{s['tokens_per_s']:>8.1f}{s.get('speedup_vs_ar', 0):>7.2f}"
+                     f"{s['tau']:>6.2f}  {per}")
+    lines.append("per category: tok/s (speedup vs ar)")
+    return "\n".join(lines)
+
+
+def machine_info() -> dict:
+    import jax
+
+    return {"platform": platform.platform(), "processor": platform.processor(),
+            "cpu_count": os.cpu_count(), "jax": jax.__version__,
+            "jax_devices": [str(d) for d in jax.devices()]}

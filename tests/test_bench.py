@@ -1,0 +1,61 @@
+"""The benchmark harness: question selection, summaries, and a tiny end-to-end run."""
+
+import json
+
+import pytest
+
+from specjax import bench
+
+
+def test_builtin_prompts_cover_all_categories():
+    qs = bench.load_questions()
+    assert {q.category for q in qs} == set(bench.CATEGORIES)
+
+
+def test_spec_bench_format_grouping_and_round_robin(tmp_path):
+    rows = [{"question_id": i, "category": c, "turns": [f"q{i}", "second turn"]}
+            for i, c in enumerate(["writing", "coding", "translation", "translation", "rag",
+                                   "rag", "rag"])]
+    f = tmp_path / "question.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows))
+    qs = bench.load_questions(f, limit=4)
+    assert [q.category for q in qs] == ["mt_bench", "translation", "rag", "mt_bench"]
+    assert qs[0].text == "q0"
+    assert [q.qid for q in bench.load_questions(f, categories=["rag"])] == [4, 5, 6]
+    with pytest.raises(ValueError, match="no questions in categories"):
+        bench.load_questions(f, categories=["math_reasoning"])
+
+
+def test_summary_ratios():
+    q1, q2 = bench.Question(1, "qa", "a"), bench.Question(2, "rag", "b")
+    res = {"ar": [(q1, bench.Run([1] * 10, 1.0, 10)), (q2, bench.Run([1] * 10, 2.0, 10))],
+           "x": [(q1, bench.Run([1] * 10, 0.5, 4)), (q2, bench.Run([1] * 10, 0.5, 5))]}
+    s = bench.summarize(res)
+    assert s["ar"]["tokens_per_s"] == pytest.approx(20 / 3) and s["ar"]["tau"] == 1.0
+    assert s["x"]["speedup_vs_ar"] == pytest.approx(20 / 1.0 / (20 / 3))
+    assert s["x"]["per_category"]["rag"]["speedup_vs_ar"] == pytest.approx(4.0)
+    assert s["x"]["tau"] == pytest.approx(20 / 9)
+
+
+def test_copy_bandwidth_is_positive():
+    assert bench.copy_bandwidth(nbytes=8 << 20, repeats=2) > 1e8
+
+
+@pytest.mark.slow
+def test_cli_bench_end_to_end(smollm, hf_smollm, monkeypatch, tmp_path, capsys):
+    from specjax import cli
+
+    monkeypatch.setattr("specjax.models.load", lambda *a, **k: smollm)
+    real = bench.hf_method
+    monkeypatch.setattr(bench, "hf_method", lambda lm, threads: real(lm, threads, hf=hf_smollm))
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--methods", "ar,hf", "--limit", "2", "--max-new-tokens", "8",
+                     "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    for m in ("ar", "hf"):
+        s = rep["methods"][m]
+        assert s["tokens_per_s"] > 0 and s["n"] == 2 and set(s["per_category"]) <= set(bench.CATEGORIES)
+    assert rep["methods"]["ar"]["speedup_vs_ar"] == 1.0 and rep["methods"]["ar"]["tau"] == 1.0
+    assert rep["greedy_mismatch_ar_vs_hf"] == []
+    assert 0 < rep["bandwidth"]["ar_fraction_of_bound"]
+    assert "method" in capsys.readouterr().out
