@@ -43,9 +43,9 @@ class KVCache:
                    v=tuple(jnp.zeros(vshape, dtype) for _ in range(num_layers)),
                    length=jnp.zeros((batch,), jnp.int32))
 
-    def advance(self, n: Int[Array, "B"]) -> "KVCache":
+    def advance(self, n: Int[Array, "B"] | int) -> "KVCache":
         """Commits the first ``n[b]`` entries written after each row's length."""
-        return self.replace(length=self.length + n.astype(jnp.int32))
+        return self.replace(length=self.length + jnp.asarray(n, jnp.int32))
 
 
 def write(layer_kv: Array, length: Int[Array, "B"], new: Array, axis: int) -> Array:

@@ -157,8 +157,11 @@ def gguf_config(reader) -> LlamaConfig:
     names = {t.name for t in reader.tensors}
     vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     scaling = RopeScaling()
-    if g("rope.scaling.type") == "linear":
+    kind = g("rope.scaling.type")
+    if kind == "linear":
         scaling = RopeScaling("linear", factor=float(g("rope.scaling.factor")))
+    elif kind not in (None, "none"):
+        raise WeightLoadError(f"GGUF rope.scaling.type {kind!r} is not supported (linear only)")
     return LlamaConfig(
         vocab_size=int(vocab), hidden_size=hidden,
         intermediate_size=int(g("feed_forward_length")), num_layers=int(g("block_count")),
@@ -218,7 +221,7 @@ def load_hf_dir(path: str | Path, dtype=jnp.float32) -> tuple[LlamaConfig, dict]
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{path}: no config.json")
     d = json.loads(cfg_file.read_text())
-    if d.get("model_type", "llama") not in ("llama", "mistral", "qwen2"):
+    if d.get("model_type", "llama") != "llama":
         raise WeightLoadError(f"{cfg_file}: model_type {d.get('model_type')!r} is not a Llama")
     cfg = hf_config(d)
     files = sorted(path.glob("*.safetensors"))
@@ -231,5 +234,11 @@ def load_hf_dir(path: str | Path, dtype=jnp.float32) -> tuple[LlamaConfig, dict]
         except Exception as e:
             raise WeightLoadError(f"{f}: not a readable safetensors file ({e})") from e
         tensors.update({k: np.asarray(v.astype(jnp.float32)) for k, v in loaded.items()})
-    ignore = ("lm_head.weight",) if cfg.tie_embeddings else ()
+    ignore = ()
+    if cfg.tie_embeddings and "lm_head.weight" in tensors:
+        emb = tensors.get("model.embed_tokens.weight")
+        if emb is None or not np.array_equal(emb, tensors["lm_head.weight"]):
+            raise WeightLoadError(f"{path}: config.json ties the embeddings, but "
+                                  "'lm_head.weight' differs from 'model.embed_tokens.weight'")
+        ignore = ("lm_head.weight",)  # a saved copy of the tied embedding
     return cfg, assemble(cfg, tensors, HF_KEYS, str(path), dtype, ignore=ignore)

@@ -64,6 +64,8 @@ def resolve(name_or_path: str) -> Path:
     p = Path(name_or_path)
     if p.exists():
         return p
+    if "/" in name_or_path or name_or_path.endswith(".gguf"):
+        raise FileNotFoundError(f"model path {name_or_path!r} does not exist")
     raise KeyError(f"unknown model {name_or_path!r}: not a registered name "
                    f"({', '.join(sorted(REGISTRY))}) and not an existing path")
 
