@@ -114,8 +114,6 @@ def cmd_bench(args) -> int:
               "n_questions": len(questions), "machine": bench.machine_info(),
               "methods": summary, "greedy_mismatch_ar_vs_hf": mismatches}
     if "ar" in summary:
-        import numpy as np
-
         import jax
 
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(lm.params))
@@ -129,7 +127,6 @@ def cmd_bench(args) -> int:
                                          "read + written bytes"}
         print(f"\nbandwidth: {bw / 1e9:.1f} GB/s copy; weights {weight_bytes / 1e6:.0f} MB/token "
               f"-> bound {bound:.1f} tok/s; ar reaches {100 * summary['ar']['tokens_per_s'] / bound:.0f}%")
-        del np
     if mismatches:
         print(f"note: greedy ar and hf outputs differ on questions {mismatches}")
     if args.out:

@@ -78,12 +78,11 @@ def test_greedy_equals_teacher_forced_argmax_toy(toy):
 
 def test_no_recompile_for_new_prompt_length_or_budget(toy):
     model, params = toy
-    first = specjax.generate(model, params, [[1, 2, 3]], max_new_tokens=10, cache_size=128)
+    specjax.generate(model, params, [[1, 2, 3]], max_new_tokens=10, cache_size=128)
     n_exes = len(decoding._DECODE._exes)
     again = specjax.generate(model, params, [[5, 6, 7, 8, 9, 10, 11]], max_new_tokens=13,
                              cache_size=128)
     assert again.compile_s == 0.0 and len(decoding._DECODE._exes) == n_exes
-    assert first.compile_s > 0.0 or n_exes >= 1
     assert int(again.lengths[0]) == 13
 
 
