@@ -9,10 +9,14 @@ decoding). Everything here has static shapes and runs on device.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from flax import struct
 from jaxtyping import Array, Bool, Int
+
+
+_UNROLL_ROWS = 8  # up to this batch, rows are updated by unrolled in-place slice updates
 
 
 @struct.dataclass
@@ -47,6 +51,42 @@ class KVCache:
         """Commits the first ``n[b]`` entries written after each row's length."""
         return self.replace(length=self.length + jnp.asarray(n, jnp.int32))
 
+    def commit(self, src: Int[Array, "B M"], count: Int[Array, "B"], window: int) -> "KVCache":
+        """Keeps an accepted subset of the ``window`` entries written after each row's length.
+
+        Entry ``length[b] + src[b, i]`` moves to ``length[b] + i`` for ``i < count[b]``, in
+        every layer, and the row's length grows by ``count[b]``. ``src`` must be increasing
+        (a path through a draft tree is) and below ``window``; ``length + window`` must fit
+        the capacity, as it does after a forward of ``window`` tokens.
+        """
+        m = src.shape[1]
+        ident = jnp.arange(window, dtype=jnp.int32)
+        keep = jnp.arange(m)[None, :] < count[:, None]
+        src = jnp.where(keep, src, ident[None, :m])
+        src = jnp.concatenate([src, jnp.broadcast_to(ident[m:], (src.shape[0], window - m))], 1)
+        k = tuple(_gather_window(x, self.length, src, axis=3) for x in self.k)
+        v = tuple(_gather_window(x, self.length, src, axis=2) for x in self.v)
+        return KVCache(k=k, v=v, length=self.length + count.astype(jnp.int32))
+
+
+def _gather_window(layer_kv: Array, length: Int[Array, "B"], src: Int[Array, "B W"],
+                   axis: int) -> Array:
+    """Per row, slots ``length + i`` take the old slots ``length + src[i]`` (in place)."""
+    w = src.shape[1]
+    if layer_kv.shape[0] > _UNROLL_ROWS:
+        def row(l, s, idx):
+            win = lax.dynamic_slice_in_dim(l, s, w, axis - 1)
+            return lax.dynamic_update_slice_in_dim(l, jnp.take(win, idx, axis - 1), s, axis - 1)
+        return jax.vmap(row)(layer_kv, length, src)
+    for b in range(layer_kv.shape[0]):
+        start = [b] + [0] * (layer_kv.ndim - 1)
+        start[axis] = length[b]
+        size = list(layer_kv.shape)
+        size[0], size[axis] = 1, w
+        win = lax.dynamic_slice(layer_kv, start, size)
+        layer_kv = lax.dynamic_update_slice(layer_kv, jnp.take(win, src[b], axis=axis), start)
+    return layer_kv
+
 
 def write(layer_kv: Array, length: Int[Array, "B"], new: Array, axis: int) -> Array:
     """Returns ``layer_kv`` with ``new`` at slots ``length[b] + j`` along its slot ``axis``.
@@ -55,6 +95,9 @@ def write(layer_kv: Array, length: Int[Array, "B"], new: Array, axis: int) -> Ar
     ``length[b] + T <= capacity``; the slice update is in place inside a loop.
     """
     new = new.astype(layer_kv.dtype)
+    if new.shape[0] > _UNROLL_ROWS:  # one batched scatter
+        upd = lambda l, n, s: lax.dynamic_update_slice_in_dim(l, n, s, axis - 1)
+        return jax.vmap(upd)(layer_kv, new, length)
     for b in range(new.shape[0]):  # one slice update per row
         start = [b] + [0] * (layer_kv.ndim - 1)
         start[axis] = length[b]

@@ -77,9 +77,25 @@ class Run:
     seconds: float
     target_forwards: int
     compile_s: float = 0.0
+    accepted_at: list[int] | None = None  # rounds whose accepted path reached position i
 
 
 Method = Callable[[list[int], int], Run]
+
+
+def _timed(call):
+    """``(output, seconds, compile_s)``; a call that compiled is repeated, so the time is
+    always that of an already-compiled executable."""
+    t = time.perf_counter()
+    out = call()
+    out.tokens.block_until_ready()
+    dt, compile_s = time.perf_counter() - t, out.compile_s
+    if compile_s > 0:
+        t = time.perf_counter()
+        out = call()
+        out.tokens.block_until_ready()
+        dt = time.perf_counter() - t
+    return out, dt, compile_s
 
 
 def ar_method(lm) -> Method:
@@ -87,27 +103,69 @@ def ar_method(lm) -> Method:
     from specjax.decoding import generate
 
     def run(ids: list[int], n: int) -> Run:
-        out = generate(lm.model, lm.params, [ids], max_new_tokens=n, eos_ids=lm.eos_ids)
-        out.tokens.block_until_ready()
-        compile_s = out.compile_s
-        t = time.perf_counter()  # timed on a compiled executable
-        out = generate(lm.model, lm.params, [ids], max_new_tokens=n, eos_ids=lm.eos_ids)
-        out.tokens.block_until_ready()
+        call = lambda: generate(lm.model, lm.params, [ids], max_new_tokens=n, eos_ids=lm.eos_ids)
+        out, dt, compile_s = _timed(call)
         toks = out.to_lists()[0]
-        return Run(toks, time.perf_counter() - t, len(toks), compile_s)
+        return Run(toks, dt, len(toks), compile_s)
 
+    return run
+
+
+def sd_method(lm, drafter, dparams=None) -> Method:
+    """specjax speculative decoding, greedy, with ``drafter``."""
+    from specjax.speculative import speculative_generate
+
+    def run(ids: list[int], n: int) -> Run:
+        kw = dict(max_new_tokens=n, eos_ids=lm.eos_ids)
+        out, dt, compile_s = _timed(
+            lambda: speculative_generate(lm.model, lm.params, drafter, dparams, [ids], **kw))
+        return Run(out.to_lists()[0], dt, int(out.target_forwards[0]), compile_s,
+                   np.asarray(out.accepted_at[0]).tolist())
+
+    return run
+
+
+def load_hf(lm):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(lm.source.parent), gguf_file=lm.source.name, dtype=torch.float32).eval()
+
+
+def hf_pld_method(lm, threads: int, hf=None, num_tokens: int = 10) -> Method:
+    """HF transformers' prompt-lookup assisted generation (greedy), the peer of the n-gram
+    drafter; target forwards are counted with a forward hook."""
+    import torch
+
+    torch.set_num_threads(threads)
+    hf = load_hf(lm) if hf is None else hf
+    eos = list(lm.eos_ids)
+    calls = [0]
+    hf.model.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+
+    def run(ids: list[int], n: int) -> Run:
+        x = torch.tensor([ids])
+        calls[0] = 0
+        with torch.inference_mode():
+            t = time.perf_counter()
+            y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                            do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
+                            prompt_lookup_num_tokens=num_tokens)
+            dt = time.perf_counter() - t
+        toks = y[0, len(ids):].tolist()
+        return Run(toks, dt, calls[0])
+
+    run(lm.encode("warm up"), 4)
     return run
 
 
 def hf_method(lm, threads: int, hf=None) -> Method:
     """HF transformers' greedy ``generate`` on the same GGUF weights, in float32."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
-    if hf is None:
-        hf = AutoModelForCausalLM.from_pretrained(
-            str(lm.source.parent), gguf_file=lm.source.name, dtype=torch.float32).eval()
+    hf = load_hf(lm) if hf is None else hf
     eos = list(lm.eos_ids)
 
     def run(ids: list[int], n: int) -> Run:
@@ -155,9 +213,14 @@ def _summary(runs: list[tuple[Question, Run]]) -> dict:
     toks = sum(len(r.tokens) for _, r in runs)
     secs = sum(r.seconds for _, r in runs)
     fwd = sum(r.target_forwards for _, r in runs)
-    return {"tokens_per_s": toks / secs if secs else 0.0, "new_tokens": toks, "seconds": secs,
-            "tau": toks / fwd if fwd else 0.0, "n": len(runs),
-            "compile_s": sum(r.compile_s for _, r in runs)}
+    out = {"tokens_per_s": toks / secs if secs else 0.0, "new_tokens": toks, "seconds": secs,
+           "tau": toks / fwd if fwd else 0.0, "n": len(runs), "target_forwards": fwd,
+           "compile_s": sum(r.compile_s for _, r in runs), "acceptance_by_position": None}
+    acc = [r.accepted_at for _, r in runs]
+    if all(a is not None for a in acc) and acc:
+        rounds = sum(r.target_forwards - 1 for _, r in runs)  # the prefill is not a round
+        out["acceptance_by_position"] = (np.sum(acc, axis=0) / max(rounds, 1)).tolist()
+    return out
 
 
 def summarize(results: dict[str, list[tuple[Question, Run]]]) -> dict:

@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
 
 
 def _dtype(name: str):
@@ -26,25 +25,42 @@ def _sampler(args):
     return specjax.Sample(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
 
 
+def _decoder(lm, args):
+    """``(fn(ids, **kw) -> output, drafter name or None)`` for ``--method``."""
+    import specjax
+    from specjax import drafters
+
+    if args.method == "ar":
+        return (lambda ids, **kw: specjax.generate(lm.model, lm.params, [ids], **kw)), None
+    drafter = drafters.from_spec(args.drafter, lm.model, args.draft_len)
+    run = lambda ids, **kw: specjax.speculative_generate(lm.model, lm.params, drafter, None,
+                                                         [ids], **kw)
+    return run, args.drafter
+
+
 def _generate_once(lm, ids, args) -> dict:
     import jax
 
-    import specjax
-
+    run, drafter = _decoder(lm, args)
     kw = dict(max_new_tokens=args.max_new_tokens, sampler=_sampler(args),
               key=jax.random.key(args.seed), eos_ids=lm.eos_ids)
-    out = specjax.generate(lm.model, lm.params, [ids], **kw)
+    out = run(ids, **kw)
     out.tokens.block_until_ready()
     compile_s = out.compile_s
     t = time.perf_counter()
-    out = specjax.generate(lm.model, lm.params, [ids], **kw)  # timed: already compiled
+    out = run(ids, **kw)  # timed: already compiled
     out.tokens.block_until_ready()
     dt = time.perf_counter() - t
     toks = out.to_lists()[0]
-    return {"method": args.method, "model": args.model, "dtype": args.dtype,
-            "text": lm.tokenizer.decode(toks, skip_special_tokens=True), "token_ids": toks,
-            "prompt_tokens": len(ids), "new_tokens": len(toks), "seconds": dt,
-            "tokens_per_s": len(toks) / dt, "compile_s": compile_s}
+    res = {"method": args.method, "drafter": drafter, "model": args.model, "dtype": args.dtype,
+           "text": lm.tokenizer.decode(toks, skip_special_tokens=True), "token_ids": toks,
+           "prompt_tokens": len(ids), "new_tokens": len(toks), "seconds": dt,
+           "tokens_per_s": len(toks) / dt, "compile_s": compile_s, "tau": 1.0,
+           "target_forwards": len(toks), "acceptance_by_position": None}
+    if drafter is not None:
+        res.update(tau=out.tau, target_forwards=int(out.target_forwards[0]),
+                   acceptance_by_position=out.acceptance_by_position().tolist())
+    return res
 
 
 def cmd_generate(args) -> int:
@@ -64,18 +80,33 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    from specjax import bench
     from specjax.models import load
 
     print(f"loading {args.model} ...", flush=True)
     lm = load(args.model, _dtype(args.dtype))
-    ids = lm.encode(args.prompt, chat=True)
-    print(f"prompt: {args.prompt}\ncompiling and decoding {args.max_new_tokens} tokens ...",
-          flush=True)
-    res = _generate_once(lm, ids, args)
-    print("\n" + res["text"] + "\n")
-    print(f"[ar, {args.dtype}] {res['new_tokens']} tokens in {res['seconds']:.2f} s = "
-          f"{res['tokens_per_s']:.1f} tok/s  (compile {res['compile_s']:.1f} s, excluded)")
-    return 0
+    prompt = args.prompt or next(q.text for q in bench.load_questions()
+                                 if q.category == "summarization")
+    ids = lm.encode(prompt, chat=True)
+    print(f"prompt ({len(ids)} tokens): {prompt[:200]}{'...' if len(prompt) > 200 else ''}")
+    runs = {}
+    for method in ("ar", "sd"):
+        args.method = method
+        print(f"[{method}] compiling and decoding {args.max_new_tokens} tokens ...", flush=True)
+        runs[method] = _generate_once(lm, ids, args)
+    ar, sd = runs["ar"], runs["sd"]
+    print("\n" + sd["text"] + "\n")
+    for r in (ar, sd):
+        name = r["method"] + (f" ({r['drafter']} drafter)" if r["drafter"] else "")
+        print(f"{name:<22} {r['new_tokens']} tokens in {r['seconds']:.2f} s = "
+              f"{r['tokens_per_s']:.1f} tok/s, tau {r['tau']:.2f} tokens/forward "
+              f"(compile {r['compile_s']:.1f} s, excluded)")
+    print(f"speedup of sd over ar: {sd['tokens_per_s'] / ar['tokens_per_s']:.2f}x")
+    if args.temperature > 0:
+        return 0
+    same = ar["token_ids"] == sd["token_ids"]
+    print(f"greedy sd output is {'identical to' if same else 'DIFFERENT FROM'} ar")
+    return 0 if same else 1
 
 
 def cmd_bench(args) -> int:
@@ -84,15 +115,25 @@ def cmd_bench(args) -> int:
     from specjax import bench
     from specjax.models import load
 
+    from specjax import drafters
+
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    known = {"ar", "hf"}
-    bad = [m for m in methods if m not in known]
+    known = {"ar", "hf", "hf-pld"}
+    bad = [m for m in methods if m not in known and not m.startswith("sd-")]
     if bad:
-        raise SystemExit(f"unknown methods {bad}; available: {sorted(known)}")
+        raise SystemExit(f"unknown methods {bad}; available: {sorted(known)} and "
+                         f"sd-ngram, sd-early-exit:L")
     questions = bench.load_questions(args.questions, args.categories, args.limit)
     lm = load(args.model, _dtype(args.dtype))
     threads = args.threads or os.cpu_count() or 1
-    runners = {"ar": lambda: bench.ar_method(lm), "hf": lambda: bench.hf_method(lm, threads)}
+    hf = bench.load_hf(lm) if {"hf", "hf-pld"} & set(methods) else None
+    runners = {"ar": lambda: bench.ar_method(lm), "hf": lambda: bench.hf_method(lm, threads, hf),
+               "hf-pld": lambda: bench.hf_pld_method(lm, threads, hf)}
+    for m in methods:
+        if m.startswith("sd-"):
+            d = drafters.from_spec(m[3:], lm.model, args.draft_len)
+            d.check(lm.model)
+            runners[m] = lambda d=d: bench.sd_method(lm, d)
     run = {m: runners[m]() for m in methods}
     results = {m: [] for m in methods}
     mismatches = []
@@ -103,8 +144,10 @@ def cmd_bench(args) -> int:
             bar.set_postfix_str(f"{q.category} {m}")
             results[m].append((q, run[m](ids, args.max_new_tokens)))
             bar.update()
-        if "ar" in results and "hf" in results and results["ar"][-1][1].tokens != results["hf"][-1][1].tokens:
-            mismatches.append(q.qid)
+        if "ar" in results:
+            for m in methods:  # every greedy method must reproduce ar
+                if results[m][-1][1].tokens != results["ar"][-1][1].tokens:
+                    mismatches.append({"question": q.qid, "method": m})
     bar.close()
     summary = bench.summarize(results)
     print(bench.format_table(summary))
@@ -112,7 +155,8 @@ def cmd_bench(args) -> int:
               "max_new_tokens": args.max_new_tokens, "threads": threads,
               "questions": args.questions or "specjax/data/prompts.jsonl",
               "n_questions": len(questions), "machine": bench.machine_info(),
-              "methods": summary, "greedy_mismatch_ar_vs_hf": mismatches}
+              "methods": summary, "greedy_mismatch_vs_ar": mismatches,
+              "draft_len": args.draft_len}
     if "ar" in summary:
         import jax
 
@@ -128,7 +172,7 @@ def cmd_bench(args) -> int:
         print(f"\nbandwidth: {bw / 1e9:.1f} GB/s copy; weights {weight_bytes / 1e6:.0f} MB/token "
               f"-> bound {bound:.1f} tok/s; ar reaches {100 * summary['ar']['tokens_per_s'] / bound:.0f}%")
     if mismatches:
-        print(f"note: greedy ar and hf outputs differ on questions {mismatches}")
+        print(f"note: greedy outputs differ from ar: {mismatches}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2))
@@ -151,7 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--top-k", type=int, default=0)
         s.add_argument("--top-p", type=float, default=1.0)
         s.add_argument("--seed", type=int, default=0)
-        s.add_argument("--method", default="ar", choices=["ar"])
+        s.add_argument("--method", default="ar", choices=["ar", "sd"],
+                       help="ar: one token per forward; sd: speculative decoding")
+        s.add_argument("--drafter", default="ngram", help="for sd: ngram | early-exit:L")
+        s.add_argument("--draft-len", type=int, help="draft tokens per round (default: the "
+                                                      "drafter's own)")
 
     g = sub.add_parser("generate", help="decode one prompt")
     common(g)
@@ -164,12 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="decode a real prompt and show tokens/s")
     common(d)
     sampling(d)
-    d.add_argument("--prompt", default=DEMO_PROMPT)
+    d.add_argument("--prompt", help="default: the built-in summarization prompt")
     d.set_defaults(fn=cmd_demo)
 
     b = sub.add_parser("bench", help="tokens/s of methods side by side")
     common(b)
-    b.add_argument("--methods", default="ar,hf")
+    b.add_argument("--methods", default="ar,hf",
+                   help="comma-separated: ar, hf, hf-pld, sd-ngram, sd-early-exit:L")
+    b.add_argument("--draft-len", type=int, help="draft tokens per round for sd-* methods")
     b.add_argument("--questions", help="Spec-Bench question.jsonl (default: built-in prompts)")
     b.add_argument("--categories", nargs="*", help="e.g. mt_bench translation summarization qa "
                                                    "math_reasoning rag")

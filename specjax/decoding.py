@@ -118,21 +118,23 @@ def _round_up(n: int, m: int) -> int:
 
 
 def plan_shapes(prompt_lens: Sequence[int], budgets: Sequence[int], max_positions: int,
-                cache_size: int | None, chunk: int) -> tuple[int, int]:
+                cache_size: int | None, chunk: int, extra: int = 0) -> tuple[int, int]:
     """The (cache capacity, output width) a call compiles for; raises if a row cannot fit.
 
-    Raises ``ValueError`` naming the row when its prompt plus budget exceeds the cache or
-    the model's context, before anything is compiled or run.
+    Each row needs its prompt, its budget and ``extra`` scratch slots (one round's draft).
+    Raises ``ValueError`` naming the row when that exceeds the cache or the model's
+    context, before anything is compiled or run.
     """
     if min(prompt_lens) < 1:
         raise ValueError("every prompt needs at least one token")
     if min(budgets) < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {min(budgets)}")
-    need = [p + n for p, n in zip(prompt_lens, budgets)]
+    need = [p + n + extra for p, n in zip(prompt_lens, budgets)]
     row = int(np.argmax(need))
+    what = (f"row {row}: prompt of {prompt_lens[row]} tokens + {budgets[row]} new tokens"
+            + (f" + {extra} draft slots" if extra else ""))
     if need[row] > max_positions:
-        raise ValueError(f"row {row}: prompt of {prompt_lens[row]} tokens + {budgets[row]} new "
-                         f"tokens exceeds the model's context of {max_positions} positions")
+        raise ValueError(f"{what} exceeds the model's context of {max_positions} positions")
     if cache_size is None:
         capacity = min(_round_up(need[row], 128), _round_up(max_positions, chunk))
     else:
@@ -141,8 +143,7 @@ def plan_shapes(prompt_lens: Sequence[int], budgets: Sequence[int], max_position
                              f"chunk ({chunk})")
         capacity = cache_size
     if need[row] > capacity:
-        raise ValueError(f"row {row}: prompt of {prompt_lens[row]} tokens + {budgets[row]} new "
-                         f"tokens = {need[row]} does not fit the cache of {capacity} entries")
+        raise ValueError(f"{what} = {need[row]} does not fit the cache of {capacity} entries")
     max_out = max(16, 1 << (max(budgets) - 1).bit_length())
     return capacity, max_out
 

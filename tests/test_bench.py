@@ -46,16 +46,20 @@ def test_cli_bench_end_to_end(smollm, hf_smollm, monkeypatch, tmp_path, capsys):
     from specjax import cli
 
     monkeypatch.setattr("specjax.models.load", lambda *a, **k: smollm)
-    real = bench.hf_method
-    monkeypatch.setattr(bench, "hf_method", lambda lm, threads: real(lm, threads, hf=hf_smollm))
+    monkeypatch.setattr(bench, "load_hf", lambda lm: hf_smollm)
     out = tmp_path / "bench.json"
-    assert cli.main(["bench", "--methods", "ar,hf", "--limit", "2", "--max-new-tokens", "8",
-                     "--out", str(out)]) == 0
+    methods = ["ar", "hf", "hf-pld", "sd-ngram"]
+    assert cli.main(["bench", "--methods", ",".join(methods), "--limit", "2",
+                     "--max-new-tokens", "8", "--out", str(out)]) == 0
     rep = json.loads(out.read_text())
-    for m in ("ar", "hf"):
+    for m in methods:
         s = rep["methods"][m]
         assert s["tokens_per_s"] > 0 and s["n"] == 2 and set(s["per_category"]) <= set(bench.CATEGORIES)
+        assert 1.0 <= s["tau"] <= 8 + 1
     assert rep["methods"]["ar"]["speedup_vs_ar"] == 1.0 and rep["methods"]["ar"]["tau"] == 1.0
-    assert rep["greedy_mismatch_ar_vs_hf"] == []
+    acc = rep["methods"]["sd-ngram"]["acceptance_by_position"]
+    assert len(acc) == 8 and all(0 <= a <= 1 for a in acc)
+    assert acc == sorted(acc, reverse=True)  # reaching position i+1 implies reaching i
+    assert rep["greedy_mismatch_vs_ar"] == []
     assert 0 < rep["bandwidth"]["ar_fraction_of_bound"]
     assert "method" in capsys.readouterr().out

@@ -1,0 +1,88 @@
+"""Where a speculative round's time goes on this machine: the target forward at each
+verification width, and the drafting, verification and KV-commit steps, each jitted and
+timed alone (median of repeats) at one cache capacity. Writes JSON.
+
+    .venv/bin/python scripts/profile_round.py --capacity 1024 --out docs/results/profile_round_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import specjax  # noqa: F401
+from specjax import sampling, tree
+from specjax.drafters import Context, NGramDrafter
+from specjax.models import load
+from specjax.verify import Draft, verify
+
+
+def _median_ms(fn, *args, repeats=15):
+    out = fn(*args)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(times))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--capacity", type=int, default=1024)
+    p.add_argument("--filled", type=int, default=800)
+    p.add_argument("--widths", default="1,2,3,5,9,17")
+    p.add_argument("--out")
+    args = p.parse_args()
+    lm = load(args.model, tokenizer=False)
+    m, params = lm.model, lm.params
+    cache = m.init_cache(1, args.capacity).replace(length=jnp.asarray([args.filled]))
+    res = {"capacity": args.capacity, "filled": args.filled, "forward_ms": {}}
+
+    @jax.jit
+    def fwd(params, toks, cache):
+        n = toks.shape[1]
+        parents = tree.chain(1, n - 1)
+        logits, _, c = m.forward(params, toks, tree.positions(cache.length, parents), cache,
+                                 tree.attention_mask(parents))
+        return logits, c.length
+
+    for w in [int(x) for x in args.widths.split(",")]:
+        toks = jnp.ones((1, w), jnp.int32)
+        res["forward_ms"][w] = _median_ms(fwd, params, toks, cache)
+        print(f"target forward, {w} tokens: {res['forward_ms'][w]:.1f} ms", flush=True)
+
+    hist = jnp.asarray(np.random.default_rng(0).integers(0, 1000, (1, args.capacity)), jnp.int32)
+    ctx = Context(tokens=hist, length=jnp.asarray([args.filled]), prompt_len=jnp.asarray([10]),
+                  cache=cache, params=params)
+    ng = NGramDrafter()
+    draft_fn = jax.jit(lambda ctx: ng.propose(None, (), ctx, None, sampling.Greedy())[0].tokens)
+    res["ngram_propose_ms"] = _median_ms(draft_fn, ctx)
+    n = ng.depth
+    logits = jax.random.normal(jax.random.key(0), (1, n + 1, m.config.vocab_size))
+    d = Draft(tokens=jnp.zeros((1, n), jnp.int32), parents=tree.chain(1, n),
+              valid=jnp.ones((1, n), bool))
+    res["verify_greedy_ms"] = _median_ms(jax.jit(lambda lg, d: verify(lg, d, None).tokens), logits, d)
+    src = jnp.arange(n + 1, dtype=jnp.int32)[None]
+    commit = jax.jit(lambda c: c.commit(src, jnp.asarray([n + 1]), window=n + 1).length)
+    res["kv_commit_ms"] = _median_ms(commit, cache)
+    for k in ("ngram_propose_ms", "verify_greedy_ms", "kv_commit_ms"):
+        print(f"{k}: {res[k]:.2f}")
+    f1 = res["forward_ms"][1]
+    res["forward_cost_vs_one_token"] = {w: t / f1 for w, t in res["forward_ms"].items()}
+    print("forward cost relative to 1 token:",
+          {w: round(r, 2) for w, r in res["forward_cost_vs_one_token"].items()})
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""Speculative decoding end to end: greedy exactness on the real model with every drafter,
+sampled losslessness of the whole loop on toy models, KV commit, and bad input."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import specjax
+from specjax import sampling, tree
+from specjax.drafters import EarlyExitDrafter, ModelDrafter, NGramDrafter, bigram_table
+from specjax.models.llama import Llama, LlamaConfig, init_params
+from specjax.speculative import speculative_generate
+
+PROMPTS = [
+    ("Summarize: The cat sat on the mat. The cat was happy on the mat.", False),
+    ("Repeat after me: one two three four, one two three four,", False),
+    ("List the planets of the solar system in order.", True),
+    ("def add(a, b):\n    return a + b\n\ndef sub(a, b):", False),
+]
+
+
+def _drafters(lm):
+    return {
+        "ngram": (NGramDrafter(depth=6), None),
+        "early-exit": (EarlyExitDrafter(lm.model, 10, depth=3), None),
+        # the same model in bfloat16, drafting a top-2 tree: long accepted paths
+        "model-tree": (ModelDrafter(lm.model, depth=3, width=2),
+                       jax.tree.map(lambda x: x.astype(jnp.bfloat16), lm.params)),
+    }
+
+
+@pytest.mark.parametrize("name", ["ngram", "early-exit", "model-tree"])
+def test_greedy_equals_ar_on_real_model(smollm, name):
+    drafter, dparams = _drafters(smollm)[name]
+    ids = [smollm.encode(p, chat=c) for p, c in PROMPTS]
+    budgets = [24, 9, 17, 30]
+    ar = specjax.generate(smollm.model, smollm.params, ids, max_new_tokens=budgets,
+                          eos_ids=smollm.eos_ids).to_lists()
+    out = speculative_generate(smollm.model, smollm.params, drafter, dparams, ids,
+                               max_new_tokens=budgets, eos_ids=smollm.eos_ids)
+    assert out.to_lists() == ar, f"{name}: batch of 4 differs from ar"
+    one = speculative_generate(smollm.model, smollm.params, drafter, dparams, ids[:1],
+                               max_new_tokens=budgets[0], eos_ids=smollm.eos_ids)
+    assert one.to_lists() == ar[:1], f"{name}: batch of 1 differs from ar"
+    assert np.all(np.asarray(out.target_forwards) <= np.asarray(out.lengths))
+    if name == "model-tree":
+        assert out.tau > 2.0, "a bf16 copy of the target should be accepted almost always"
+
+
+# --- toy models: the whole loop at temperature 1 --------------------------------------------
+
+V = 12
+TOY = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
+                  num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+PROMPT = [1, 5, 2, 7, 5]
+
+
+@pytest.fixture(scope="module")
+def toys():
+    model = Llama(TOY)
+    scale = lambda p: jax.tree.map(lambda x: x * 3.0, p)  # sharper, context-dependent logits
+    return model, scale(init_params(TOY, jax.random.key(1))), scale(init_params(TOY, jax.random.key(2)))
+
+
+def _exact_pair(model, params, sampler):
+    """P(y0, y1) of the target after PROMPT, by enumeration."""
+    def dist(seqs):
+        toks = jnp.asarray(seqs)
+        cache = model.init_cache(len(seqs), 64)
+        pos = jnp.broadcast_to(jnp.arange(toks.shape[1]), toks.shape)
+        logits, _, _ = model.forward(params, toks, pos, cache)
+        return np.asarray(sampling.probs(logits[:, -1], sampler), np.float64)
+
+    p0 = dist([PROMPT])[0]
+    p1 = dist([PROMPT + [y] for y in range(V)])
+    return p0[:, None] * p1
+
+
+def _pvalue(counts, probs):
+    n = counts.sum()
+    exp = probs.ravel() * n
+    big = exp >= 5
+    obs = np.append(counts.ravel()[big], counts.ravel()[~big].sum())
+    e = np.append(exp[big], exp[~big].sum())
+    return stats.chisquare(obs, e * obs.sum() / e.sum()).pvalue
+
+
+@pytest.mark.parametrize("kind", ["model-chain", "model-tree-wor", "early-exit", "ngram"])
+def test_sampled_loop_matches_target(toys, kind):
+    model, tparams, dparams = toys
+    drafter = {"model-chain": ModelDrafter(model, depth=3),
+               "model-tree-wor": ModelDrafter(model, depth=2, width=3),
+               "early-exit": EarlyExitDrafter(model, 1, depth=3),
+               "ngram": NGramDrafter(depth=3, min_ngram=1)}[kind]
+    dp = dparams if kind.startswith("model") else None
+    sampler = sampling.Sample(1.0)
+    batch, calls = 256, 40
+    counts = np.zeros((V, V))
+    acc = []
+    for i in range(calls):
+        out = speculative_generate(model, tparams, drafter, dp, [PROMPT] * batch,
+                                   max_new_tokens=2, sampler=sampler, key=jax.random.key(i))
+        y = np.asarray(out.tokens)[:, :2]
+        np.add.at(counts, (y[:, 0], y[:, 1]), 1)
+        acc.append(np.asarray(out.accepted_at)[:, 0])
+    p = _pvalue(counts, _exact_pair(model, tparams, sampler))
+    assert p > 1e-4, f"{kind}: (y0, y1) differs from the target (p={p:.2e})"
+    assert np.mean(acc) > 0.0, "no draft was ever accepted: the test would be vacuous"
+
+
+def test_kv_commit_equals_running_accepted_tokens(toys):
+    model, params, _ = toys
+    prompt = jnp.asarray([[3, 1, 4, 1, 5, 9]])
+    cache = model.init_cache(1, 64)
+    pos = jnp.arange(6)[None]
+    _, _, cache = model.forward(params, prompt, pos, cache)
+    cache = cache.advance(6)
+    # root 2, then a tree: nodes 0,1 children of root; 2 under 0; 3 under 1; 4 under 3
+    parents = jnp.asarray([[-1, -1, 0, 1, 3]])
+    nodes = jnp.asarray([[7, 8, 9, 10, 11]])
+    toks = jnp.concatenate([jnp.asarray([[2]]), nodes], 1)
+    _, _, cache = model.forward(params, toks, tree.positions(cache.length, parents), cache,
+                                tree.attention_mask(parents))
+    path = jnp.asarray([[1, 3, 4]])  # accept nodes 1 -> 3 -> 4 (tokens 8, 10, 11)
+    committed = cache.commit(jnp.concatenate([jnp.zeros((1, 1), jnp.int32), path + 1], 1),
+                             jnp.asarray([4]), window=6)
+    ref = model.init_cache(1, 64)
+    seq = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 8, 10, 11]])
+    _, _, ref = model.forward(params, seq, jnp.arange(10)[None], ref)
+    assert int(committed.length[0]) == 10
+    for a, b in zip(committed.k, ref.k):  # [B, K, H, S]
+        np.testing.assert_allclose(np.asarray(a)[..., :10], np.asarray(b)[..., :10], atol=1e-5)
+    for a, b in zip(committed.v, ref.v):  # [B, K, S, H]
+        np.testing.assert_allclose(np.asarray(a)[:, :, :10], np.asarray(b)[:, :, :10], atol=1e-5)
+
+
+def test_ngram_drafter_proposes_the_continuation(toys):
+    model, params, _ = toys
+    from specjax.drafters import Context
+
+    hist = jnp.asarray([[1, 2, 3, 4, 5, 1, 2, 3, 0, 0]])
+    ctx = Context(tokens=hist, length=jnp.asarray([8]), prompt_len=jnp.asarray([8]),
+                  cache=model.init_cache(1, 16), params=params)
+    draft, _, _ = NGramDrafter(depth=4).propose(None, (), ctx, None, sampling.Greedy())
+    assert draft.tokens[0].tolist() == [4, 5, 1, 2] and bool(draft.valid.all())
+    # the latest match wins, and a match running into the suffix repeats periodically
+    ctx = ctx.replace(tokens=jnp.asarray([[7, 8, 7, 8, 7, 0, 0, 0, 0, 0]]), length=jnp.asarray([5]))
+    draft, _, _ = NGramDrafter(depth=5).propose(None, (), ctx, None, sampling.Greedy())
+    assert draft.tokens[0].tolist() == [8, 7, 8, 7, 8]
+    # no match: nothing valid, unless a bigram table continues from the root
+    ctx = ctx.replace(tokens=jnp.asarray([[1, 2, 3, 0, 0, 0, 0, 0, 0, 0]]), length=jnp.asarray([3]))
+    draft, _, _ = NGramDrafter(depth=3).propose(None, (), ctx, None, sampling.Greedy())
+    assert not bool(draft.valid.any())
+    table = jnp.asarray(bigram_table([[3, 6, 4, 3, 6]], V))
+    draft, _, _ = NGramDrafter(depth=3).propose(table, (), ctx, None, sampling.Greedy())
+    assert draft.tokens[0].tolist()[:2] == [6, 4] and draft.valid[0].tolist() == [True] * 3
+
+
+def test_bad_input_fails_clearly(toys):
+    model, params, _ = toys
+    other = Llama(LlamaConfig(vocab_size=V + 5, hidden_size=32, intermediate_size=64,
+                              num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8))
+    with pytest.raises(ValueError, match="vocabulary mismatch"):
+        speculative_generate(model, params, ModelDrafter(other), None, [PROMPT], max_new_tokens=4)
+    with pytest.raises(ValueError, match="draft slots"):
+        speculative_generate(model, params, NGramDrafter(depth=8), None, [PROMPT],
+                             max_new_tokens=120, cache_size=128)
+    with pytest.raises(ValueError, match="depth and width must be >= 1"):
+        speculative_generate(model, params, ModelDrafter(model, depth=0), params, [PROMPT],
+                             max_new_tokens=4)
+    with pytest.raises(ValueError, match="early-exit layer"):
+        speculative_generate(model, params, EarlyExitDrafter(model, 3), None, [PROMPT],
+                             max_new_tokens=4)
