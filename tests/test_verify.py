@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from scipy import stats
 
-import specjax
 from specjax import sampling, tree
 from specjax.verify import Draft, Rejection, Typical, verify
 
@@ -252,4 +251,3 @@ def test_bad_input_is_rejected_clearly():
         verify(jnp.zeros((1, 3, V)), draft, jax.random.key(0), T1)
     with pytest.raises(ValueError, match="root and 2 draft nodes"):
         verify(jnp.zeros((1, 2, V)), draft.replace(probs=None), None)
-    assert specjax.verify is not None
