@@ -109,13 +109,14 @@ def rms_norm(x: Array, weight: Array, eps: float) -> Array:
     return weight * xf.astype(x.dtype)
 
 
-def _attention(q, k_new, v_new, k_cache, v_cache, length, mask):
+def _attention(q, k_new, v_new, k_cache, v_cache, length, mask, visible=None):
     """Grouped-query attention of new tokens over the committed cache and each other.
 
     q: [B,K,G,T,H]; k_new, v_new: [B,K,T,H]; k_cache: [B,K,H,S]; v_cache: [B,K,S,H]; length: [B];
-    mask: [B,T,T]. Query ``i`` sees cache slots ``< length`` and new keys ``j`` with
-    ``mask[b, i, j]``. Returns [B,K,G,T,H]. The cache is only read here, and written after,
-    so XLA can update it in place inside a decode loop.
+    mask: [B,T,T]. Query ``i`` sees cache slots ``< length`` (or, if given, the slots ``s``
+    with ``visible[b, i, s]``) and new keys ``j`` with ``mask[b, i, j]``. Returns
+    [B,K,G,T,H]. The cache is only read here, and written after, so XLA can update it in
+    place inside a decode loop.
     """
     b, nk, g, t, hd = q.shape
     s = k_cache.shape[3]
@@ -124,7 +125,8 @@ def _attention(q, k_new, v_new, k_cache, v_cache, length, mask):
     scores = jnp.concatenate([jnp.einsum("bkqh,bkhs->bkqs", qf, k_cache),
                               jnp.einsum("bkqh,bknh->bkqn", qf, k_new)], axis=3)
     scores = scores.astype(jnp.float32).reshape(b, nk, g, t, s + t) / math.sqrt(hd)
-    old_ok = jnp.broadcast_to((jnp.arange(s)[None, :] < length[:, None])[:, None, :], (b, t, s))
+    old_ok = (jnp.broadcast_to((jnp.arange(s)[None, :] < length[:, None])[:, None, :], (b, t, s))
+              if visible is None else visible)
     ok = jnp.concatenate([old_ok, mask], axis=2)  # [B, T queries, S+T keys]
     scores = jnp.where(ok[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype).reshape(b, nk, g * t, s + t)
@@ -133,8 +135,13 @@ def _attention(q, k_new, v_new, k_cache, v_cache, length, mask):
     return out.reshape(b, nk, g, t, hd)
 
 
-def _layer(cfg: LlamaConfig, lp: Params, x, k_cache, v_cache, length, mask, positions):
-    """One decoder layer; returns the new residual stream and this layer's K/V cache."""
+def _layer(cfg: LlamaConfig, lp: Params, x, k_cache, v_cache, length, mask, positions,
+           visible=None):
+    """One decoder layer; returns the new residual stream and this layer's K/V cache.
+
+    New K/V are written at slot ``length``; ``visible`` ([B,T,S]) replaces the default
+    cache visibility (slots ``< length``), which lets a draft tree see its ancestors' scratch
+    entries."""
     b, t, _ = x.shape
     nq, nk, hd, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     inv_freq = rope_inv_freq(cfg)
@@ -144,7 +151,7 @@ def _layer(cfg: LlamaConfig, lp: Params, x, k_cache, v_cache, length, mask, posi
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     q = q.reshape(b, t, nk, nq // nk, hd).transpose(0, 2, 3, 1, 4)  # [B,K,G,T,H]
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B,K,T,H]
-    att = _attention(q, k, v, k_cache, v_cache, length, mask)
+    att = _attention(q, k, v, k_cache, v_cache, length, mask, visible)
     att = att.transpose(0, 3, 1, 2, 4).reshape(b, t, nq * hd)
     x = x + jnp.einsum("bte,ed->btd", att, lp["o"])
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)

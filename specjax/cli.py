@@ -32,10 +32,17 @@ def _decoder(lm, args):
 
     if args.method == "ar":
         return (lambda ids, **kw: specjax.generate(lm.model, lm.params, [ids], **kw)), None
-    drafter = drafters.from_spec(args.drafter, lm.model, args.draft_len)
-    run = lambda ids, **kw: specjax.speculative_generate(lm.model, lm.params, drafter, None,
+    if args.method == "eagle2":
+        from specjax import eagle
+
+        drafter, dparams = eagle.load_drafter(args.eagle, lm, args.model, args.draft_checkpoint)
+        name = args.eagle
+    else:
+        drafter, dparams = drafters.from_spec(args.drafter, lm.model, args.draft_len), None
+        name = args.drafter
+    run = lambda ids, **kw: specjax.speculative_generate(lm.model, lm.params, drafter, dparams,
                                                          [ids], **kw)
-    return run, args.drafter
+    return run, name
 
 
 def _generate_once(lm, ids, args) -> dict:
@@ -119,10 +126,11 @@ def cmd_bench(args) -> int:
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     known = {"ar", "hf", "hf-pld"}
-    bad = [m for m in methods if m not in known and not m.startswith("sd-")]
+    bad = [m for m in methods
+           if m not in known and not m.startswith("sd-") and not m.startswith("eagle2")]
     if bad:
-        raise SystemExit(f"unknown methods {bad}; available: {sorted(known)} and "
-                         f"sd-ngram, sd-early-exit:L")
+        raise SystemExit(f"unknown methods {bad}; available: {sorted(known)}, "
+                         f"sd-ngram, sd-early-exit:L and eagle2[:depth,topk,total][:opts]")
     questions = bench.load_questions(args.questions, args.categories, args.limit)
     lm = load(args.model, _dtype(args.dtype))
     threads = args.threads or os.cpu_count() or 1
@@ -134,6 +142,12 @@ def cmd_bench(args) -> int:
             d = drafters.from_spec(m[3:], lm.model, args.draft_len)
             d.check(lm.model)
             runners[m] = lambda d=d: bench.sd_method(lm, d)
+        elif m.startswith("eagle2"):
+            from specjax import eagle
+
+            d, dp = eagle.load_drafter(m, lm, args.model, args.draft_checkpoint)
+            d.check(lm.model)
+            runners[m] = lambda d=d, dp=dp: bench.sd_method(lm, d, dp)
     run = {m: runners[m]() for m in methods}
     results = {m: [] for m in methods}
     mismatches = []
@@ -180,6 +194,66 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _spec_bench_texts(path: str) -> list[str]:
+    rows = [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
+    return [t for r in rows for t in r["turns"]]
+
+
+def cmd_distill(args) -> int:
+    from tqdm import tqdm
+
+    from specjax.models import load
+    from specjax.train import distill
+
+    lm = load(args.model)
+    exclude = _spec_bench_texts(args.exclude) if args.exclude else []
+    prompts, info = distill.select_prompts(args.prompts, args.num_prompts, exclude, args.seed)
+    print(f"{len(prompts)} prompts ({info['dropped_overlapping_spec_bench']} dropped for "
+          f"overlapping {args.exclude or 'nothing'})", flush=True)
+    with tqdm(total=len(prompts), desc="distill", unit="prompt") as bar:
+        summary = distill.distill(lm, prompts, args.out, max_new_tokens=args.max_new_tokens,
+                                  batch=args.batch, progress=bar)
+    summary.update(info)
+    Path(args.out, "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_train(args) -> int:
+    import dataclasses
+
+    from tqdm import tqdm
+
+    from specjax.models import load
+    from specjax.train import checkpoint, distill
+    from specjax.train import eagle as train_eagle
+
+    lm = load(args.model)
+    corpus = distill.load_shards(args.data)
+    cfg = train_eagle.TrainConfig(steps=args.steps, batch_tokens=args.batch_tokens,
+                                  max_len=args.max_len, lr=args.lr, seed=args.seed,
+                                  save_every=args.save_every)
+    run = Path(args.run)
+    run.mkdir(parents=True, exist_ok=True)
+    log_f = (run / "log.jsonl").open("a")
+    log = lambda r: (log_f.write(json.dumps(r) + "\n"), log_f.flush())
+    n_tok = sum(len(t) - pl for t, pl, _ in corpus)
+    print(f"{len(corpus)} examples, {n_tok} answer tokens; {cfg}", flush=True)
+    with tqdm(total=cfg.steps, desc="train eagle", unit="step") as bar:
+        state = train_eagle.train(lm.model, lm.params, corpus, cfg, run, progress=bar, log=log,
+                                  meta={"model": args.model, "data": str(Path(args.data))})
+    if args.export:
+        ids = train_eagle.vocab_by_frequency(corpus, lm.model.config.vocab_size, 32768)
+        summary = Path(args.data, "summary.json")
+        meta = {"kind": "eagle", "model": args.model, "draft_vocab": args.draft_vocab,
+                "train": dataclasses.asdict(cfg), "steps_done": int(state["step"]),
+                "data": json.loads(summary.read_text()) if summary.exists() else None,
+                "vocab_ids": ids.tolist()}
+        out = checkpoint.export_head(state["params"], args.export, meta)
+        print(f"exported the head (bfloat16) to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specjax", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -195,8 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--top-k", type=int, default=0)
         s.add_argument("--top-p", type=float, default=1.0)
         s.add_argument("--seed", type=int, default=0)
-        s.add_argument("--method", default="ar", choices=["ar", "sd"],
-                       help="ar: one token per forward; sd: speculative decoding")
+        s.add_argument("--method", default="ar", choices=["ar", "sd", "eagle2"],
+                       help="ar: one token per forward; sd: speculative decoding with "
+                            "--drafter; eagle2: the EAGLE-2 head and dynamic tree")
+        s.add_argument("--eagle", default="eagle2", help="EAGLE spec: "
+                       "eagle2[:depth,topk,total][:conf,norerank,fullvocab,vocab=N]")
+        s.add_argument("--draft-checkpoint", help="an exported EAGLE head directory (default: "
+                                                  "the head shipped for --model)")
         s.add_argument("--drafter", default="ngram", help="for sd: ngram | early-exit:L")
         s.add_argument("--draft-len", type=int, help="draft tokens per round (default: the "
                                                       "drafter's own)")
@@ -218,8 +297,11 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="tokens/s of methods side by side")
     common(b)
     b.add_argument("--methods", default="ar,hf",
-                   help="comma-separated: ar, hf, hf-pld, sd-ngram, sd-early-exit:L")
+                   help="comma-separated: ar, hf, hf-pld, sd-ngram, sd-early-exit:L, "
+                        "eagle2[:depth,topk,total][:conf,norerank,fullvocab,vocab=N]")
     b.add_argument("--draft-len", type=int, help="draft tokens per round for sd-* methods")
+    b.add_argument("--draft-checkpoint", help="exported EAGLE head for eagle2 methods "
+                                              "(default: the shipped one)")
     b.add_argument("--questions", help="Spec-Bench question.jsonl (default: built-in prompts)")
     b.add_argument("--categories", nargs="*", help="e.g. mt_bench translation summarization qa "
                                                    "math_reasoning rag")
@@ -227,6 +309,34 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, help="torch threads for hf (default: all cores)")
     b.add_argument("--out", help="write the JSON report here")
     b.set_defaults(fn=cmd_bench)
+
+    ds = sub.add_parser("distill", help="self-distilled training data: the target answers "
+                                         "training prompts; its features are kept")
+    common(ds, max_new=192)
+    ds.add_argument("--prompts", required=True, help="directory of training prompt files")
+    ds.add_argument("--exclude", help="Spec-Bench question.jsonl: overlapping prompts are dropped")
+    ds.add_argument("--num-prompts", type=int, default=2000)
+    ds.add_argument("--batch", type=int, default=16)
+    ds.add_argument("--seed", type=int, default=0)
+    ds.add_argument("--out", required=True, help="corpus directory (resumes if it exists)")
+    ds.set_defaults(fn=cmd_distill)
+
+    t = sub.add_parser("train", help="train a draft head")
+    tsub = t.add_subparsers(dest="head", required=True)
+    te = tsub.add_parser("eagle", help="the EAGLE head, on a corpus from `specjax distill`")
+    te.add_argument("--model", default="smollm2-135m")
+    te.add_argument("--data", required=True)
+    te.add_argument("--run", required=True, help="run directory: checkpoints; resumes")
+    te.add_argument("--steps", type=int, default=2000)
+    te.add_argument("--batch-tokens", type=int, default=4096)
+    te.add_argument("--max-len", type=int, default=512)
+    te.add_argument("--lr", type=float, default=5e-4)
+    te.add_argument("--seed", type=int, default=0)
+    te.add_argument("--save-every", type=int, default=100)
+    te.add_argument("--draft-vocab", type=int, default=0,
+                    help="default draft vocabulary size of the exported head (0: full)")
+    te.add_argument("--export", help="write the trained head (bfloat16) here")
+    te.set_defaults(fn=cmd_train)
     return p
 
 

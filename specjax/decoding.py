@@ -54,18 +54,21 @@ def stops(tok: Int[Array, "B"], num: Int[Array, "B"], budget: Int[Array, "B"],
 
 
 def prefill(model, params, prompt: Int[Array, "B S"], prompt_len: Int[Array, "B"],
-            cache: KVCache, chunk: int) -> tuple[Float[Array, "B D"], KVCache]:
+            cache: KVCache, chunk: int, keep_hidden: bool = False):
     """Writes each row's prompt into the cache in chunks of ``chunk`` tokens.
 
-    Returns the last layer's hidden state at each row's final prompt token, and the cache
-    with ``length == prompt_len``.
+    Returns the last layer's hidden state at each row's final prompt token ``[B, D]`` and
+    the cache with ``length == prompt_len``; with ``keep_hidden``, also the last layer's
+    hidden states at every prompt slot ``[B, S, D]`` (meaningful below ``prompt_len``).
     """
     b = prompt.shape[0]
     n_chunks = (jnp.max(prompt_len) + chunk - 1) // chunk
     depth = model.config.num_layers
+    d = model.config.hidden_size
+    dtype = params["embed"].dtype
 
     def body(i, carry):
-        h_last, c = carry
+        h_last, c, h_all = carry
         start = i * chunk
         toks = lax.dynamic_slice_in_dim(prompt, start, chunk, axis=1)
         pos = jnp.broadcast_to(start + jnp.arange(chunk), (b, chunk))
@@ -74,12 +77,16 @@ def prefill(model, params, prompt: Int[Array, "B S"], prompt_len: Int[Array, "B"
         idx = prompt_len - 1 - start
         here = (idx >= 0) & (idx < chunk)
         h = hidden[depth][jnp.arange(b), jnp.clip(idx, 0, chunk - 1)]
-        return jnp.where(here[:, None], h, h_last), c
+        if keep_hidden:
+            h_all = lax.dynamic_update_slice_in_dim(h_all, hidden[depth], start, axis=1)
+        return jnp.where(here[:, None], h, h_last), c, h_all
 
-    h0 = jnp.zeros((b, model.config.hidden_size), params["embed"].dtype)
+    h0 = jnp.zeros((b, d), dtype)
+    h_all = jnp.zeros((b, prompt.shape[1] if keep_hidden else 0, d), dtype)
     cache = cache.replace(length=jnp.zeros_like(cache.length))
-    h_last, cache = lax.fori_loop(0, n_chunks, body, (h0, cache))
-    return h_last, cache.replace(length=prompt_len.astype(jnp.int32))
+    h_last, cache, h_all = lax.fori_loop(0, n_chunks, body, (h0, cache, h_all))
+    cache = cache.replace(length=prompt_len.astype(jnp.int32))
+    return (h_last, cache, h_all) if keep_hidden else (h_last, cache)
 
 
 def _decode(params, prompt, prompt_len, budget, sampler, key, eos_ids, *,

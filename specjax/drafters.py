@@ -34,13 +34,19 @@ from specjax.verify import Draft, VerifyResult
 @struct.dataclass
 class Context:
     """What a drafter may read: ``tokens[b, :length[b]]`` is prompt then emitted tokens; the
-    last is the root, not yet in ``cache`` (whose length is ``length - 1``)."""
+    last is the root, not yet in ``cache`` (whose length is ``length - 1``).
+
+    ``hidden`` holds the target's last-layer hidden states (before the final norm) for a
+    drafter with ``needs_features``: at ``init``, of every prompt slot ``[B, C, D]``; at
+    ``commit``, of the round's verification forward over ``[root, nodes]`` ``[B, N+1, D]``.
+    """
 
     tokens: Int[Array, "B C"]
     length: Int[Array, "B"]
     prompt_len: Int[Array, "B"]
     cache: KVCache
     params: Any
+    hidden: Any = None
 
 
 def _take(tokens: Int[Array, "B C"], idx: Int[Array, "B T"]) -> Int[Array, "B T"]:

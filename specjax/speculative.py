@@ -92,10 +92,12 @@ def _verify_width(w: int, target, rule, depth: int, tparams, draft: Draft, root,
     d = Draft(tokens=draft.tokens[:, :n], parents=draft.parents[:, :n],
               valid=draft.valid[:, :n], probs=None if draft.probs is None else draft.probs[:, :n])
     toks = jnp.concatenate([root, jnp.where(d.valid, d.tokens, 0)], axis=1)
-    logits, _, cache = target.forward(tparams, toks, tree.positions(length - 1, d.parents),
-                                      cache, tree.attention_mask(d.parents, d.valid))
+    logits, hidden, cache = target.forward(tparams, toks, tree.positions(length - 1, d.parents),
+                                           cache, tree.attention_mask(d.parents, d.valid))
     res = verify(logits, d, key, sampler, rule=rule, depth=min(depth, max(n, 1)))
-    return _pad_result(res, depth), cache
+    h = hidden[target.config.num_layers]
+    h = jnp.pad(h, ((0, 0), (0, draft.tokens.shape[1] + 1 - w), (0, 0)))
+    return _pad_result(res, depth), cache, h
 
 
 def _round(s: SpecState, *, target, tparams, drafter, dparams, prompt_len, budget, sampler,
@@ -112,7 +114,7 @@ def _round(s: SpecState, *, target, tparams, drafter, dparams, prompt_len, budge
     need = 1 + jnp.max(jnp.where(live, jnp.arange(draft.tokens.shape[1])[None] + 1, 0))
     branch = jnp.sum(jnp.asarray(widths)[None, :] < need)
     fns = [functools.partial(_verify_width, w, target, rule, depth) for w in widths]
-    res, cache = lax.switch(jnp.minimum(branch, len(widths) - 1), fns, tparams, draft, root,
+    res, cache, hidden = lax.switch(jnp.minimum(branch, len(widths) - 1), fns, tparams, draft, root,
                             s.length, cache, k_verify, sampler)
 
     active = ~s.done
@@ -126,7 +128,7 @@ def _round(s: SpecState, *, target, tparams, drafter, dparams, prompt_len, budge
     kept = jnp.take_along_axis(tokens, (s.length + keep - 1)[:, None], axis=1)[:, 0]
     done = s.done | (active & stops(kept, num, budget, eos_ids))
     ctx = Context(tokens=tokens, length=s.length + keep, prompt_len=prompt_len, cache=cache,
-                  params=tparams)
+                  params=tparams, hidden=hidden)
     dstate = drafter.commit(dparams, dstate, ctx, res)
     reached = jnp.arange(depth)[None] < res.accepted[:, None]
     return SpecState(tokens=tokens, length=s.length + keep, num=num, done=done, cache=cache,
@@ -139,13 +141,17 @@ def _speculate(tparams, dparams, prompt, prompt_len, budget, sampler, key, eos_i
                depth: int, widths: tuple[int, ...]) -> SpecOutput:
     b = prompt.shape[0]
     cache = target.init_cache(b, capacity, tparams["embed"].dtype)
-    h_last, cache = prefill(target, tparams, prompt, prompt_len, cache, chunk)
+    h_all = None
+    if getattr(drafter, "needs_features", False):
+        h_last, cache, h_all = prefill(target, tparams, prompt, prompt_len, cache, chunk, True)
+    else:
+        h_last, cache = prefill(target, tparams, prompt, prompt_len, cache, chunk)
     key, sub = jax.random.split(key)
     first = sampling.sample(sub, target.logits(tparams, h_last), sampler)
     tokens = prompt.at[jnp.arange(b), prompt_len].set(first)
     length = prompt_len + 1
     ctx = Context(tokens=tokens, length=length, prompt_len=prompt_len, cache=cache,
-                  params=tparams)
+                  params=tparams, hidden=h_all)
     one = jnp.ones((b,), jnp.int32)
     state = SpecState(tokens=tokens, length=length, num=one,
                       done=stops(first, one, budget, eos_ids), cache=cache,

@@ -1,0 +1,439 @@
+"""EAGLE-2: a one-layer draft head over the target's features and a dynamic draft tree.
+
+The head does autoregression over features: at position ``i`` it reads the target's
+feature at ``i - 1`` (the final-normed last hidden state, zero before the first token) and
+the embedding of token ``i``, and predicts the feature at ``i``; the target's frozen LM head
+turns a feature into next-token logits::
+
+    f̂_i = layer(fc([embed(x_i); f_{i-1}]))        logits_{i+1} = f̂_i · Eᵀ
+
+``E`` is the target's output embedding, or its rows for a reduced draft vocabulary (the
+most frequent target tokens; drafted ids are mapped back to full ids).
+
+``dynamic_tree`` grows the EAGLE-2 tree inside ``jit`` with static shapes: ``depth``
+expansion steps each expand the ``topk`` best nodes of the newest level (by path value, the
+product of draft probabilities along the path), and reranking keeps the ``total_tokens``
+best nodes of everything drafted. The draft is deterministic (``Draft.probs`` is None), so
+tree rejection sampling with one-hot q keeps decoding lossless at any temperature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+from jaxtyping import Array, Bool, Float, Int
+
+from specjax import sampling, tree
+from specjax.models import llama
+from specjax.models.kv_cache import KVCache
+from specjax.verify import Draft
+
+
+# ----------------------------------------------------------------------------- the head
+
+def init_head(target_cfg, key: Array, dtype=jnp.float32) -> dict:
+    """Random head parameters: ``fc`` ([2D, D], bias [D]) and one decoder layer shaped like
+    the target's. The layer's output projections start small, so the head starts near
+    ``fc``."""
+    d = target_cfg.hidden_size
+    k_fc, k_layer = jax.random.split(key)
+    shapes = llama.layer_shapes(target_cfg)
+    keys = jax.random.split(k_layer, len(shapes))
+    layer = {n: jax.random.normal(k, s) * 0.02 for (n, s), k in zip(shapes.items(), keys)}
+    layer["attn_norm"], layer["mlp_norm"] = jnp.ones((d,)), jnp.ones((d,))
+    layer["o"], layer["down"] = layer["o"] * 0.1, layer["down"] * 0.1
+    fc = jnp.concatenate([jax.random.normal(k_fc, (d, d)) * 0.02, jnp.eye(d)], axis=0)
+    params = {"fc": fc, "fc_b": jnp.zeros((d,)), "layer": layer}
+    return jax.tree.map(lambda x: x.astype(dtype), params)
+
+
+def features(target, tparams, hidden: Float[Array, "... D"]) -> Float[Array, "... D"]:
+    """The target's feature: its last hidden state after the final norm (the LM head's input)."""
+    return llama.rms_norm(hidden, tparams["final_norm"], target.config.rms_norm_eps)
+
+
+def output_embedding(target, tparams) -> Float[Array, "V D"]:
+    """The target's LM head as ``[V, D]`` (the tied embedding for SmolLM2)."""
+    if target.config.tie_embeddings:
+        return tparams["embed"]
+    return tparams["lm_head"].T
+
+
+def head_forward(target, hp, tparams, tokens: Int[Array, "B T"], prev_feat: Float[Array, "B T D"],
+                 positions: Int[Array, "B T"], k_cache, v_cache, length, mask,
+                 visible=None) -> tuple[Float[Array, "B T D"], Array, Array]:
+    """Predicted features of ``tokens`` given the previous positions' features; K/V of the
+    new tokens are written at slot ``length`` of the head's one-layer cache."""
+    emb = tparams["embed"][tokens].astype(hp["fc"].dtype)
+    x = jnp.concatenate([emb, prev_feat.astype(emb.dtype)], axis=-1)
+    x = jnp.einsum("bte,ed->btd", x, hp["fc"]) + hp["fc_b"]  # e = 2D
+    return llama._layer(target.config, hp["layer"], x, k_cache, v_cache, length, mask,
+                        positions, visible)
+
+
+def training_forward(target, hp, tparams, tokens: Int[Array, "B T"],
+                     prev_feat: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+    """Teacher-forced head over whole sequences (causal, no cache): predicted features."""
+    b, t = tokens.shape
+    cfg = target.config
+    zk = jnp.zeros((b, cfg.num_kv_heads, cfg.head_dim, t), hp["fc"].dtype)
+    zv = jnp.zeros((b, cfg.num_kv_heads, t, cfg.head_dim), hp["fc"].dtype)
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    out, _, _ = head_forward(target, hp, tparams, tokens, prev_feat, pos, zk, zv,
+                             jnp.zeros((b,), jnp.int32), mask)
+    return out
+
+
+def shift_features(feats: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+    """``prev[:, i] = feats[:, i - 1]``, zero at ``i = 0``: the head's feature input."""
+    return jnp.pad(feats, ((0, 0), (1, 0), (0, 0)))[:, :-1]
+
+
+# ----------------------------------------------------------------------------- the tree
+
+@struct.dataclass
+class Pool:
+    """Every node drafted in one round, in generation order (level by level).
+
+    ``parent`` indexes the pool (-1: the root); ``value`` is the log path value;
+    ``score`` is what expansion ranked by (value, or the node's own log confidence);
+    ``logq`` is the node's own draft log-probability.
+    """
+
+    tokens: Int[Array, "B P"]
+    parent: Int[Array, "B P"]
+    value: Float[Array, "B P"]
+    logq: Float[Array, "B P"]
+    level: Int[Array, "P"]
+
+
+def pool_size(depth: int, topk: int) -> int:
+    """Nodes drafted by ``depth`` levels: ``topk`` below the root, then ``topk²`` per level."""
+    return topk + (depth - 1) * topk * topk
+
+
+def expand(root_logq: Float[Array, "B V"], step: Callable, carry, depth: int, topk: int,
+           by_value: bool = True, vocab_ids: Int[Array, "V"] | None = None) -> tuple[Pool, Any]:
+    """EAGLE-2 expansion. Level 1 is the root's ``topk`` children; each later level is the
+    ``topk`` children of each of the ``topk`` best nodes of the level above, ranked by path
+    value (``by_value``) or by the node's own confidence.
+
+    ``step(carry, level, tokens[B,K], parent[B,K]) -> (logq[B,K,V], carry)`` runs the head on
+    the chosen nodes of ``level`` (``parent`` indexes the nodes chosen at ``level - 1``).
+    ``vocab_ids`` maps the draft vocabulary's indices to token ids (default: identity).
+    """
+    ids = (lambda t: t.astype(jnp.int32)) if vocab_ids is None else (lambda t: vocab_ids[t])
+    b = root_logq.shape[0]
+    lq, tok = lax.top_k(root_logq, topk)
+    first = (ids(tok), jnp.full((b, topk), -1, jnp.int32), lq, lq)
+    kk = jnp.arange(topk * topk) // topk  # which chosen node a child hangs from
+
+    def level(c, d):
+        (tok, par, val, lq), inner, chosen_prev = c
+        # choose the topk nodes of this level to expand (level 1 has exactly topk)
+        rank = val if by_value else lq
+        order = jnp.argsort(-rank, axis=1, stable=True)[:, :topk]
+        pick = lambda x: jnp.take_along_axis(x, order, axis=1)
+        c_tok, c_val = pick(tok), pick(val)
+        c_pool = pick(jnp.broadcast_to(_level_offset(d, topk) + jnp.arange(tok.shape[1]),
+                                       tok.shape))
+        logq, inner = step(inner, d, c_tok, pick(par_in_prev(par, chosen_prev)))
+        clq, ctok = lax.top_k(logq, topk)  # [B, K, K]
+        ctok = ids(ctok.reshape(b, -1))
+        clq = clq.reshape(b, -1)
+        cval = c_val[:, kk] + clq
+        cpar = c_pool[:, kk]
+        return ((ctok, cpar, cval, clq), inner, c_pool), (ctok, cpar, cval, clq)
+
+    # level 1 padded to topk² nodes that are never chosen, so every level has one shape
+    pad = lambda x, v: jnp.pad(x, ((0, 0), (0, topk * topk - topk)), constant_values=v)
+    padded = (pad(first[0], 0), pad(first[1], -1), pad(first[2], -1e30), pad(first[3], -1e30))
+    init = (padded, carry, jnp.zeros((b, topk), jnp.int32))
+    (_, carry, _), rest = lax.scan(level, init, jnp.arange(1, depth))
+    flat = lambda x0, xs: jnp.concatenate([x0, jnp.moveaxis(xs, 0, 1).reshape(b, -1)], 1)
+    pool = Pool(tokens=flat(first[0], rest[0]), parent=flat(first[1], rest[1]),
+                value=flat(first[2], rest[2]), logq=flat(first[3], rest[3]),
+                level=jnp.asarray(_levels(depth, topk)))
+    return pool, carry
+
+
+def par_in_prev(pool_parent, chosen_prev):
+    """Index, among the nodes chosen at the previous level, of each node's parent."""
+    hit = pool_parent[:, :, None] == chosen_prev[:, None, :]
+    return jnp.argmax(hit, axis=-1).astype(jnp.int32)
+
+
+def _level_offset(d, topk: int):
+    """Pool index of the first node of level ``d`` (1-based)."""
+    return jnp.where(d <= 1, 0, topk + (d - 2) * topk * topk)
+
+
+def _levels(depth: int, topk: int) -> np.ndarray:
+    return np.asarray([1] * topk + [d for d in range(2, depth + 1) for _ in range(topk * topk)],
+                      np.int32)
+
+
+@struct.dataclass
+class Tree:
+    """The chosen draft tree: ``tokens``/``parents`` in DESIGN.md's draft format (parents
+    precede children), the ``[N+1, N+1]`` tree-attention mask over ``[root, nodes]``, the
+    positions of ``[root, nodes]``, and each node's pool index and value."""
+
+    tokens: Int[Array, "B N"]
+    parents: Int[Array, "B N"]
+    mask: Bool[Array, "B N+1 N+1"]
+    positions: Int[Array, "B N+1"]
+    index: Int[Array, "B N"]
+    value: Float[Array, "B N"]
+
+
+def rerank(pool: Pool, total_tokens: int, root_pos: Int[Array, "B"],
+           enabled: bool = True) -> Tree:
+    """Keeps ``total_tokens`` nodes of the pool as a connected tree.
+
+    Enabled: the best nodes by path value, shallower first on ties. A child's value
+    never exceeds its parent's, so every kept node's parent is kept. Without: the first
+    ``total_tokens`` nodes level by level (best first within a level), EAGLE-2's ablation.
+    """
+    b, p = pool.tokens.shape
+    if not 1 <= total_tokens <= p:
+        raise ValueError(f"total_tokens={total_tokens} must lie in [1, {p}] (the nodes drafted)")
+    if enabled:
+        order = jnp.argsort(-pool.value, axis=1, stable=True)  # ties: lower index = shallower
+    else:
+        key = pool.level[None].astype(jnp.float32) * 1e4 - jnp.maximum(pool.value, -1e3)
+        order = jnp.argsort(key, axis=1, stable=True)
+    sel = jnp.sort(order[:, :total_tokens], axis=1)  # pool order: parents first
+    take = lambda x: jnp.take_along_axis(x, sel, axis=1)
+    ppar = take(pool.parent)
+    # a kept parent's position among the kept nodes is how many kept indices precede it
+    parents = jnp.where(ppar < 0, -1, jnp.sum(sel[:, None, :] < ppar[:, :, None], -1))
+    parents = parents.astype(jnp.int32)
+    depth = take(jnp.broadcast_to(pool.level, (b, p)))
+    positions = root_pos[:, None] + jnp.concatenate(
+        [jnp.zeros((b, 1), jnp.int32), depth], axis=1)
+    return Tree(tokens=take(pool.tokens), parents=parents,
+                mask=tree.attention_mask(parents), positions=positions, index=sel,
+                value=take(pool.value))
+
+
+# ----------------------------------------------------------------------------- the drafter
+
+def draft_params(head: dict, target, tparams, vocab_ids=None) -> dict:
+    """What ``EagleDrafter`` reads: the head, and the LM-head rows of the draft vocabulary
+    (``vocab_ids``, most frequent first; None keeps the target's whole vocabulary)."""
+    if vocab_ids is None:
+        return {"head": head}
+    ids = jnp.asarray(vocab_ids, jnp.int32)
+    v = target.config.vocab_size
+    if ids.ndim != 1 or int(ids.min()) < 0 or int(ids.max()) >= v:
+        raise ValueError(f"draft vocabulary ids must be a 1-D array of ids in [0, {v})")
+    if len(np.unique(np.asarray(ids))) != ids.shape[0]:
+        raise ValueError("draft vocabulary ids must be distinct")
+    return {"head": head, "vocab_ids": ids, "out_embed": output_embedding(target, tparams)[ids]}
+
+
+@struct.dataclass
+class EagleState:
+    """The head's one-layer cache (slot = position; ``length`` positions processed) and the
+    target features of the positions ``length - 1 ...`` still to feed it (with ``Context``,
+    the pending positions are ``[length, ctx.length)``)."""
+
+    cache: KVCache
+    feats: Float[Array, "B M D"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleDrafter:
+    """EAGLE-2: the trained head drafts a dynamic tree of ``total_tokens`` nodes grown over
+    ``depth`` levels by expanding the ``topk`` best nodes of each level.
+
+    ``by_value`` ranks expansion by path value (False: by the node's own confidence) and
+    ``rerank`` keeps the best nodes overall (False: breadth-first), EAGLE-2's ablations.
+    """
+
+    target: Any
+    depth: int = 5
+    topk: int = 8
+    total_tokens: int = 24
+    by_value: bool = True
+    rerank: bool = True
+
+    needs_features = True
+
+    @property
+    def num_nodes(self) -> int:
+        return self.total_tokens
+
+    @property
+    def verify_widths(self) -> tuple[int, ...]:
+        return (self.total_tokens + 1,)
+
+    @property
+    def scratch(self) -> int:
+        return self.depth + 1 + (self.depth - 1) * self.topk
+
+    def check(self, target) -> None:
+        if target != self.target:
+            raise ValueError("an EagleDrafter must be built on the target it drafts for")
+        if self.depth < 1 or self.topk < 1:
+            raise ValueError(f"EAGLE depth and topk must be >= 1, got depth={self.depth}, "
+                             f"topk={self.topk}")
+        p = pool_size(self.depth, self.topk)
+        if not 1 <= self.total_tokens <= p:
+            raise ValueError(f"total_tokens={self.total_tokens} must lie in [1, {p}]: depth "
+                             f"{self.depth} and topk {self.topk} draft {p} nodes")
+
+    def _embed(self, dparams, tparams):
+        return dparams.get("out_embed", output_embedding(self.target, tparams))
+
+    def _logq(self, dparams, tparams, f):
+        logits = jnp.einsum("...d,vd->...v", f, self._embed(dparams, tparams).astype(f.dtype))
+        return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+    def init(self, dparams, ctx, chunk: int) -> EagleState:
+        cfg, tp = self.target.config, ctx.params
+        b, c = ctx.tokens.shape
+        dtype = dparams["head"]["fc"].dtype
+        cache = KVCache.zeros(1, b, c + self.scratch, cfg.num_kv_heads, cfg.head_dim, dtype)
+        feats = features(self.target, tp, ctx.hidden)  # [B, C, D] over the prompt
+        prev = shift_features(feats)
+        plen = ctx.prompt_len
+
+        def body(i, kv):
+            k, v = kv
+            start = i * chunk
+            sl = lambda x: lax.dynamic_slice_in_dim(x, start, chunk, axis=1)
+            pos = jnp.broadcast_to(start + jnp.arange(chunk), (b, chunk))
+            mask = jnp.broadcast_to(jnp.tril(jnp.ones((chunk, chunk), bool)), (b, chunk, chunk))
+            _, k, v = head_forward(self.target, dparams["head"], tp, sl(ctx.tokens), sl(prev),
+                                   pos, k, v, jnp.full((b,), start, jnp.int32), mask)
+            return k, v
+
+        n_chunks = (jnp.max(plen) + chunk - 1) // chunk
+        k, v = lax.fori_loop(0, n_chunks, body, (cache.k[0], cache.v[0]))
+        pending = jnp.take_along_axis(feats, (plen - 1)[:, None, None], axis=1)
+        pending = jnp.pad(pending, ((0, 0), (0, self.depth), (0, 0)))
+        return EagleState(cache=KVCache(k=(k,), v=(v,), length=plen.astype(jnp.int32)),
+                          feats=pending.astype(dtype))
+
+    def propose(self, dparams, state: EagleState, ctx, key, sampler):
+        hp, tp = dparams["head"], ctx.params
+        b, m = state.feats.shape[:2]
+        L = state.cache.length
+        count = ctx.length - L  # pending positions, the root last
+        pos = L[:, None] + jnp.arange(m)[None]
+        toks = jnp.take_along_axis(ctx.tokens, jnp.minimum(pos, ctx.tokens.shape[1] - 1), 1)
+        mask = jnp.broadcast_to(jnp.tril(jnp.ones((m, m), bool)), (b, m, m))
+        out, k, v = head_forward(self.target, hp, tp, toks, state.feats, pos,
+                                 state.cache.k[0], state.cache.v[0], L, mask)
+        f_root = jnp.take_along_axis(out, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
+        base = L + count  # == ctx.length: first scratch slot
+        kk, n_scr = self.topk, (self.depth - 1) * self.topk
+        root_pos = ctx.length - 1
+
+        def step(inner, d, tokens, parent):
+            k, v, f_prev, anc = inner
+            first = d == 1
+            prev = jnp.where(first, f_root[:, None], jnp.take_along_axis(
+                f_prev, parent[:, :, None], axis=1))
+            par_anc = jnp.take_along_axis(anc, parent[:, :, None], axis=1)
+            par_slot = (d - 2) * kk + parent
+            own = jax.nn.one_hot(par_slot, n_scr, dtype=bool) & ~first
+            anc = jnp.where(first, False, par_anc | own)  # [B, K, n_scr]
+            # the committed slots, and the scratch slots of this node's ancestors
+            scr = jax.vmap(lambda z, a, o: lax.dynamic_update_slice(z, a, (0, o)))(
+                jnp.zeros((b, kk, k.shape[3]), bool), anc, base)
+            vis = (jnp.arange(k.shape[3])[None, None, :] < base[:, None, None]) | scr
+            eye = jnp.broadcast_to(jnp.eye(kk, dtype=bool), (b, kk, kk))
+            p = jnp.broadcast_to(root_pos[:, None] + d, (b, kk))
+            f, k, v = head_forward(self.target, hp, tp, tokens, prev, p, k, v,
+                                   base + (d - 1) * kk, eye, vis)
+            return self._logq(dparams, tp, f), (k, v, f, anc)
+
+        f0 = jnp.zeros((b, kk, f_root.shape[-1]), out.dtype)
+        anc0 = jnp.zeros((b, kk, n_scr), bool)
+        pool, _ = expand(self._logq(dparams, tp, f_root), step, (k, v, f0, anc0), self.depth,
+                         kk, self.by_value, dparams.get("vocab_ids"))
+        t = rerank(pool, self.total_tokens, root_pos, self.rerank)
+        draft = Draft(tokens=t.tokens, parents=t.parents, valid=jnp.ones(t.tokens.shape, bool))
+        cache = KVCache(k=(k,), v=(v,), length=base)
+        return draft, state.replace(cache=cache), ctx.cache
+
+    def commit(self, dparams, state: EagleState, ctx, result) -> EagleState:
+        """Queues the target's features of the root and the accepted path for the head."""
+        nodes = jnp.concatenate([jnp.zeros((result.path.shape[0], 1), jnp.int32),
+                                 jnp.maximum(result.path, -1) + 1], axis=1)
+        h = jnp.take_along_axis(ctx.hidden, nodes[:, :, None], axis=1)
+        feats = features(self.target, ctx.params, h)
+        return state.replace(feats=feats.astype(state.feats.dtype))
+
+
+# ----------------------------------------------------------------------------- loading
+
+SHIPPED = {"smollm2-135m": "heads/smollm2-135m-eagle"}  # registry name -> package data
+
+
+def shipped_head(model_name: str):
+    """The directory of the head that ships for ``model_name``, or None."""
+    from importlib import resources
+
+    rel = SHIPPED.get(model_name)
+    if rel is None:
+        return None
+    p = resources.files("specjax").joinpath(rel)
+    return p if p.joinpath("head.json").is_file() else None
+
+
+def parse_spec(spec: str) -> dict:
+    """``eagle2[:depth,topk,total][:opt,...]`` with opts ``conf`` (expand by confidence),
+    ``norerank``, ``vocab=N`` (draft vocabulary size; ``fullvocab`` = the target's)."""
+    parts = spec.split(":")
+    if parts[0] != "eagle2" or len(parts) > 3:
+        raise ValueError(f"bad EAGLE spec {spec!r}: use eagle2[:depth,topk,total][:opts]")
+    out: dict = {}
+    if len(parts) > 1 and parts[1]:
+        try:
+            out["depth"], out["topk"], out["total_tokens"] = map(int, parts[1].split(","))
+        except ValueError:
+            raise ValueError(f"bad EAGLE sizes {parts[1]!r}: want depth,topk,total") from None
+    for opt in (parts[2].split(",") if len(parts) > 2 else []):
+        if opt == "conf":
+            out["by_value"] = False
+        elif opt == "norerank":
+            out["rerank"] = False
+        elif opt == "fullvocab":
+            out["vocab"] = 0
+        elif opt.startswith("vocab=") and opt[6:].isdigit():
+            out["vocab"] = int(opt[6:])
+        else:
+            raise ValueError(f"unknown EAGLE option {opt!r}: conf, norerank, fullvocab, vocab=N")
+    return out
+
+
+def load_drafter(spec: str, lm, model_name: str, checkpoint_dir=None):
+    """``(EagleDrafter, dparams)`` for ``lm`` from a spec (see ``parse_spec``) and an exported
+    head (default: the one shipped for ``model_name``)."""
+    from specjax.train import checkpoint
+
+    opts = parse_spec(spec)
+    vocab = opts.pop("vocab", None)
+    path = checkpoint_dir or shipped_head(model_name)
+    if path is None:
+        raise FileNotFoundError(f"no EAGLE head ships for {model_name!r}; train one with "
+                                f"`specjax train eagle` and pass --draft-checkpoint DIR")
+    like = init_head(lm.model.config, jax.random.key(0))
+    head, meta = checkpoint.load_head(path, "eagle", like=like)
+    ids = meta.get("vocab_ids")
+    n = meta.get("draft_vocab", 0) if vocab is None else vocab
+    sub = None if not n or ids is None else ids[:n]
+    dtype = lm.params["embed"].dtype
+    head = jax.tree.map(lambda x: jnp.asarray(x, dtype), head)
+    return EagleDrafter(lm.model, **opts), draft_params(head, lm.model, lm.params, sub)

@@ -1,0 +1,189 @@
+"""EAGLE-2: the dynamic tree against a hand-computed example and as a property, and the
+drafter's losslessness (greedy and sampled) on toy models."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import specjax
+from specjax import eagle, sampling
+from specjax.models.llama import Llama, LlamaConfig, init_params
+from specjax.speculative import speculative_generate
+
+# A bigram "draft model" over 5 tokens: the next-token distribution depends on the node's
+# own token only. Values below are path products, computed by hand in the docstring.
+ROOT_Q = [0.02, 0.6, 0.3, 0.06, 0.02]
+NEXT_Q = {
+    1: [0.02, 0.02, 0.06, 0.5, 0.4],   # after 1: 3 (.5), 4 (.4)
+    2: [0.02, 0.7, 0.06, 0.2, 0.02],   # after 2: 1 (.7), 3 (.2)
+    3: [0.5, 0.1, 0.3, 0.05, 0.05],    # after 3: 0 (.5), 2 (.3)
+    4: [0.25, 0.6, 0.05, 0.05, 0.05],  # after 4: 1 (.6), 0 (.25)
+    0: [0.2] * 5,
+}
+TABLE = jnp.log(jnp.asarray([NEXT_Q[t] for t in range(5)]))
+
+
+def _bigram_step(carry, d, tokens, parent):
+    return TABLE[tokens], carry
+
+
+def _tree(by_value=True, enabled=True):
+    pool, _ = eagle.expand(jnp.log(jnp.asarray([ROOT_Q])), _bigram_step, (), depth=3, topk=2,
+                           by_value=by_value)
+    return pool, eagle.rerank(pool, 8, jnp.asarray([10]), enabled)
+
+
+def test_tree_matches_hand_computed_example():
+    """Expand the top 2 for 3 levels, rerank to 8 nodes (EAGLE-2's Figure 7, our numbers).
+
+    pool (index: token, value, parent): level 1  0: 1 .6 root, 1: 2 .3 root;
+    level 2 (children of 0 and 1)  2: 3 .30 @0, 3: 4 .24 @0, 4: 1 .21 @1, 5: 3 .06 @1;
+    level 3 (children of the best two, 2 and 3)  6: 0 .15 @2, 7: 2 .09 @2, 8: 1 .144 @3,
+    9: 0 .06 @3. The 8 best values drop 5 and 9.
+    """
+    pool, t = _tree()
+    np.testing.assert_array_equal(pool.tokens[0], [1, 2, 3, 4, 1, 3, 0, 2, 1, 0])
+    np.testing.assert_array_equal(pool.parent[0], [-1, -1, 0, 0, 1, 1, 2, 2, 3, 3])
+    np.testing.assert_allclose(np.exp(pool.value[0]),
+                               [.6, .3, .3, .24, .21, .06, .15, .09, .144, .06], rtol=1e-5)
+    np.testing.assert_array_equal(t.index[0], [0, 1, 2, 3, 4, 6, 7, 8])
+    np.testing.assert_array_equal(t.tokens[0], [1, 2, 3, 4, 1, 0, 2, 1])
+    np.testing.assert_array_equal(t.parents[0], [-1, -1, 0, 0, 1, 2, 2, 3])
+    np.testing.assert_array_equal(t.positions[0], [10, 11, 11, 12, 12, 12, 13, 13, 13])
+    sees = {0: [0], 1: [1], 2: [0, 2], 3: [0, 3], 4: [1, 4], 5: [0, 2, 5], 6: [0, 2, 6],
+            7: [0, 3, 7]}
+    want = np.zeros((9, 9), bool)
+    want[:, 0] = True
+    for node, anc in sees.items():
+        want[node + 1, [a + 1 for a in anc]] = True
+    np.testing.assert_array_equal(t.mask[0], want)
+
+
+def test_tree_ablations_by_hand():
+    # without reranking: breadth first, best first within a level -> nodes 0..6 and 8
+    _, t = _tree(enabled=False)
+    np.testing.assert_array_equal(t.index[0], [0, 1, 2, 3, 4, 5, 6, 8])
+    # expansion by confidence: level 2's own probabilities .5 .4 .7 .2 expand nodes 4 and 2
+    pool, _ = _tree(by_value=False)
+    np.testing.assert_array_equal(pool.parent[0, 6:], [4, 4, 2, 2])
+    np.testing.assert_array_equal(pool.tokens[0, 6:], [3, 4, 0, 2])
+    np.testing.assert_allclose(np.exp(pool.value[0, 6:]), [.105, .084, .15, .09], rtol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), depth=st.integers(1, 5), topk=st.integers(1, 4),
+       frac=st.floats(0.05, 1.0), enabled=st.booleans(), by_value=st.booleans())
+def test_tree_is_connected_for_random_drafts(seed, depth, topk, frac, enabled, by_value):
+    v = 7
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    table = jax.nn.log_softmax(jax.random.normal(k1, (v, v)) * 3)
+    step = lambda c, d, tok, par: (table[tok], c)
+    root = jax.nn.log_softmax(jax.random.normal(k2, (2, v)) * 3)
+    pool, _ = eagle.expand(root, step, (), depth, topk, by_value)
+    n = max(1, int(frac * eagle.pool_size(depth, topk)))
+    t = eagle.rerank(pool, n, jnp.asarray([0, 5]), enabled)
+    par, idx = np.asarray(t.parents), np.asarray(t.index)
+    for b in range(2):
+        assert len(set(idx[b])) == n
+        for j in range(n):
+            p = par[b, j]
+            assert -1 <= p < j, "a parent must be an earlier kept node"
+            want_parent = np.asarray(pool.parent)[b, idx[b, j]]
+            assert (p == -1 and want_parent == -1) or idx[b, p] == want_parent
+            parent_pos = t.positions[b, p + 1]
+            assert t.positions[b, j + 1] == parent_pos + 1
+            if enabled and p >= 0:
+                assert t.value[b, j] <= t.value[b, p] + 1e-6
+
+
+def test_invalid_tree_size_is_rejected():
+    pool, _ = _tree()
+    with pytest.raises(ValueError, match="total_tokens=11 must lie in"):
+        eagle.rerank(pool, 11, jnp.asarray([0]))
+    with pytest.raises(ValueError, match="total_tokens"):
+        eagle.EagleDrafter(Llama(TOY), depth=2, topk=2, total_tokens=7).check(Llama(TOY))
+
+
+# --- the drafter on toy models ----------------------------------------------------------
+
+V = 12
+TOY = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=3,
+                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+PROMPT = [1, 5, 2, 7, 5]
+
+
+@pytest.fixture(scope="module")
+def toy():
+    model = Llama(TOY)
+    tparams = jax.tree.map(lambda x: x * 3.0, init_params(TOY, jax.random.key(1)))
+    head = eagle.init_head(TOY, jax.random.key(3))
+    return model, tparams, eagle.draft_params(head, model, tparams)
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+def test_greedy_eagle_equals_ar_on_toy(toy, reduced):
+    model, tparams, dp = toy
+    if reduced:
+        dp = eagle.draft_params(dp["head"], model, tparams, vocab_ids=[3, 1, 4, 0, 9, 2])
+    drafter = eagle.EagleDrafter(model, depth=3, topk=2, total_tokens=5)
+    prompts = [PROMPT, [3, 3, 1], PROMPT * 4, [7]]
+    budgets = [20, 7, 33, 12]
+    ar = specjax.generate(model, tparams, prompts, max_new_tokens=budgets).to_lists()
+    out = speculative_generate(model, tparams, drafter, dp, prompts, max_new_tokens=budgets)
+    assert out.to_lists() == ar
+    assert out.to_lists()[:1] == speculative_generate(
+        model, tparams, drafter, dp, prompts[:1], max_new_tokens=budgets[0]).to_lists()
+
+
+def test_sampled_eagle_matches_target(toy):
+    from test_speculative import _exact_pair, _pvalue
+
+    model, tparams, dp = toy
+    drafter = eagle.EagleDrafter(model, depth=2, topk=3, total_tokens=6)
+    sampler = sampling.Sample(1.0)
+    counts, acc = np.zeros((V, V)), []
+    for i in range(40):
+        out = speculative_generate(model, tparams, drafter, dp, [PROMPT] * 256,
+                                   max_new_tokens=2, sampler=sampler, key=jax.random.key(i))
+        y = np.asarray(out.tokens)[:, :2]
+        np.add.at(counts, (y[:, 0], y[:, 1]), 1)
+        acc.append(np.asarray(out.accepted_at)[:, 0])
+    p = _pvalue(counts, _exact_pair(model, tparams, sampler))
+    assert p > 1e-4, f"eagle at temperature 1: (y0, y1) differs from the target (p={p:.2e})"
+    assert np.mean(acc) > 0.1, "drafts were almost never accepted: the test would be vacuous"
+
+
+def test_drafter_matches_the_teacher_forced_head(toy):
+    """The drafter's cached, tree-masked head steps equal the head run over whole sequences:
+    level 1 from the true features, level 2 from the predicted feature of its parent."""
+    from specjax.decoding import prefill
+    from specjax.drafters import Context
+
+    model, tparams, dp = toy
+    drafter = eagle.EagleDrafter(model, depth=2, topk=3, total_tokens=eagle.pool_size(2, 3))
+    prompt, p, cap = PROMPT * 3, len(PROMPT) * 3, 128
+    buf = jnp.zeros((1, cap), jnp.int32).at[0, :p].set(jnp.asarray(prompt))
+    cache = model.init_cache(1, cap)
+    h_last, cache, h_all = prefill(model, tparams, buf, jnp.asarray([p]), cache, 64, True)
+    first = int(jnp.argmax(model.logits(tparams, h_last)[0]))
+    ctx = Context(tokens=buf.at[0, p].set(first), length=jnp.asarray([p + 1]),
+                  prompt_len=jnp.asarray([p]), cache=cache, params=tparams, hidden=h_all)
+    state = drafter.init(dp, ctx, 64)
+    draft, _, _ = drafter.propose(dp, state, ctx, jax.random.key(0), sampling.Greedy())
+
+    seq = jnp.asarray([prompt + [first]])
+    _, hid, _ = model.forward(tparams, seq, jnp.arange(p + 1)[None], model.init_cache(1, cap))
+    prev = eagle.shift_features(eagle.features(model, tparams, hid[TOY.num_layers]))
+    out = eagle.training_forward(model, dp["head"], tparams, seq, prev)
+    emb = eagle.output_embedding(model, tparams)
+    level1 = jax.lax.top_k(out[0, -1] @ emb.T, 3)[1]
+    np.testing.assert_array_equal(draft.tokens[0, :3], level1)
+    seq2 = jnp.concatenate([seq, level1[None, :1]], axis=1)
+    prev2 = jnp.concatenate([prev, out[:, -1:]], axis=1)
+    out2 = eagle.training_forward(model, dp["head"], tparams, seq2, prev2)
+    np.testing.assert_array_equal(draft.tokens[0, 3:6], jax.lax.top_k(out2[0, -1] @ emb.T, 3)[1])

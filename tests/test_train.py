@@ -1,0 +1,109 @@
+"""Draft-head training on toy models: distilled features are the target's, the loss goes
+down, resume after a kill reaches the same parameters, and bad checkpoints fail clearly."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import eagle
+from specjax.models.llama import Llama, LlamaConfig, init_params
+from specjax.train import checkpoint, distill
+from specjax.train import eagle as train_eagle
+
+V = 16
+TOY = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+
+
+@dataclasses.dataclass
+class ToyLM:
+    model: Llama
+    params: dict
+    eos_ids: tuple = (0,)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return ToyLM(Llama(TOY), jax.tree.map(lambda x: x * 3.0, init_params(TOY, jax.random.key(4))))
+
+
+@pytest.fixture(scope="module")
+def corpus(lm):
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(1, V, size=n)) for n in rng.integers(3, 20, size=24)]
+    return distill.answer_batch(lm, prompts, max_new_tokens=24)
+
+
+def test_distilled_features_are_the_targets_hidden_states(lm, corpus):
+    for tok, pl, f in corpus[:5]:
+        t = jnp.asarray(tok)[None]
+        cache = lm.model.init_cache(1, 128)
+        logits, hid, _ = lm.model.forward(lm.params, t, jnp.arange(len(tok))[None], cache)
+        want = np.asarray(hid[TOY.num_layers][0, :-1], np.float32)
+        np.testing.assert_allclose(np.asarray(f[:-1], np.float32), want, atol=0.05, rtol=0.02)
+        # the answer is the target's greedy rollout, teacher-forced
+        np.testing.assert_array_equal(np.argmax(logits[0, pl - 1:-1], -1), tok[pl:])
+
+
+CFG = train_eagle.TrainConfig(steps=30, batch_tokens=256, max_len=64, lr=1e-2, warmup=3,
+                              save_every=5, seed=1)
+
+
+def test_loss_decreases(lm, corpus, tmp_path):
+    logs = []
+    train_eagle.train(lm.model, lm.params, corpus, CFG, tmp_path / "run", log=logs.append)
+    first = np.mean([r["loss"] for r in logs[:5]])
+    last = np.mean([r["loss"] for r in logs[-5:]])
+    assert last < 0.8 * first, f"loss {first:.3f} -> {last:.3f}"
+    assert logs[-1]["acc"] > logs[0]["acc"]
+
+
+def test_resume_after_kill_gives_the_same_parameters(lm, corpus, tmp_path):
+    whole = train_eagle.train(lm.model, lm.params, corpus, CFG, tmp_path / "a")
+    train_eagle.train(lm.model, lm.params, corpus, CFG, tmp_path / "b", stop_after=13)
+    shutil.rmtree(tmp_path / "b" / "ckpt" / "13")  # killed after step 13, before saving it
+    resumed = train_eagle.train(lm.model, lm.params, corpus, CFG, tmp_path / "b")
+    assert int(resumed["step"]) == 30
+    for a, b in zip(jax.tree.leaves(whole["params"]), jax.tree.leaves(resumed["params"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bad_checkpoints_fail_clearly(lm, corpus, tmp_path):
+    run = tmp_path / "run"
+    train_eagle.train(lm.model, lm.params, corpus, CFG, run, stop_after=5)
+    other = dataclasses.replace(CFG, lr=CFG.lr / 2)
+    with pytest.raises(checkpoint.CheckpointError, match="different configuration"):
+        train_eagle.train(lm.model, lm.params, corpus, other, run)
+    for f in (run / "ckpt" / "5").rglob("*"):
+        if f.is_file() and f.stat().st_size > 0:
+            f.write_bytes(b"\0garbage")
+    with pytest.raises(checkpoint.CheckpointError, match="corrupt"):
+        train_eagle.train(lm.model, lm.params, corpus, CFG, run)
+
+    head = eagle.init_head(TOY, jax.random.key(0))
+    out = checkpoint.export_head(head, tmp_path / "head", {"kind": "eagle"})
+    back, _ = checkpoint.load_head(out, "eagle", like=head)
+    assert jax.tree.map(lambda x: x.dtype, back)["fc"] == jnp.bfloat16
+    big = eagle.init_head(dataclasses.replace(TOY, hidden_size=48), jax.random.key(0))
+    with pytest.raises(checkpoint.CheckpointError, match="another model"):
+        checkpoint.load_head(out, "eagle", like=big)
+    with pytest.raises(checkpoint.CheckpointError, match="not an exported head"):
+        checkpoint.load_head(tmp_path, "eagle")
+
+
+def test_prompt_selection_drops_spec_bench_overlap(tmp_path):
+    d = tmp_path / "prompts"
+    (d / "t0").mkdir(parents=True)
+    text = " ".join(f"word{i}" for i in range(30))
+    (d / "gsm8k_train.jsonl").write_text('{"question": "q1 ' + text + '"}\n{"question": "q2"}\n')
+    (d / "self_instruct_seed.jsonl").write_text('{"instruction": "do it", "instances": []}\n')
+    (d / "t0" / "task.jsonl").write_text('{"prompt": "summarize this"}\n')
+    picked, info = distill.select_prompts(d, 10, exclude=["intro " + text])
+    assert sorted(picked) == ["do it", "q2", "summarize this"]
+    assert info["dropped_overlapping_spec_bench"] == 1

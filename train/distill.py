@@ -1,0 +1,224 @@
+"""Self-distillation data: the target answers training prompts, and its features are kept.
+
+Each example is a prompt (in the target's chat template) and the target's greedy answer,
+with the target's last-layer hidden state (before the final norm) at every position but the
+last. Generation is batched and jitted; results go to numbered shards, so an interrupted run
+resumes at the first missing shard. Spec-Bench questions never enter: a prompt that shares
+any 13-word span with one is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import struct
+from jax import lax
+
+from specjax import sampling
+from specjax._compile import AotCache
+from specjax.decoding import PAD, plan_shapes, prefill, stops
+
+NGRAM = 13
+
+
+# ----------------------------------------------------------------------------- prompts
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+def ngrams(text: str, n: int = NGRAM) -> set[tuple[str, ...]]:
+    w = _words(text)
+    return {tuple(w[i:i + n]) for i in range(len(w) - n + 1)}
+
+
+def read_prompts(data_dir: str | Path) -> dict[str, list[str]]:
+    """Prompts by source: ``gsm8k``, ``self_instruct`` and ``t0/<task>``."""
+    d = Path(data_dir)
+    load = lambda p: [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
+    out = {"gsm8k": [r["question"] for r in load(d / "gsm8k_train.jsonl")]}
+    si = []
+    for p in sorted(d.glob("self_instruct_*.jsonl")):
+        for r in load(p):
+            inp = (r.get("instances") or [{}])[0].get("input", "")
+            si.append(r["instruction"] + (f"\n\n{inp}" if inp else ""))
+    out["self_instruct"] = si
+    for p in sorted((d / "t0").glob("*.jsonl")):
+        out[f"t0/{p.stem}"] = [r["prompt"] for r in load(p)]
+    return out
+
+
+def select_prompts(data_dir: str | Path, n: int, exclude: Iterable[str] = (),
+                   seed: int = 0) -> tuple[list[str], dict]:
+    """``n`` prompts: a third each from GSM8K, self-instruct and T0 (tasks in turn), in a
+    seeded order, without any that overlap ``exclude`` (13-word spans)."""
+    banned = set().union(*(ngrams(t) for t in exclude)) if exclude else set()
+    src = read_prompts(data_dir)
+    rng = random.Random(seed)
+    groups = {"gsm8k": list(src["gsm8k"]), "self_instruct": list(src["self_instruct"]),
+              "t0": [p for k, v in sorted(src.items()) if k.startswith("t0/") for p in v]}
+    for g in groups.values():
+        rng.shuffle(g)
+    picked, dropped = [], 0
+    iters = {k: iter(v) for k, v in groups.items()}
+    while len(picked) < n and iters:
+        for k in list(iters):
+            p = next(iters[k], None)
+            if p is None:
+                del iters[k]
+                continue
+            if banned and ngrams(p) & banned:
+                dropped += 1
+                continue
+            picked.append(p)
+            if len(picked) == n:
+                break
+    return picked, {"dropped_overlapping_spec_bench": dropped}
+
+
+# ----------------------------------------------------------------------------- generation
+
+@struct.dataclass
+class _State:
+    tokens: jax.Array
+    feats: jax.Array
+    num: jax.Array
+    done: jax.Array
+    last: jax.Array
+    cache: object
+
+
+def _answer(params, prompt, prompt_len, budget, eos_ids, *, model, capacity: int,
+            max_out: int, chunk: int):
+    """Greedy answers and the hidden state at every prompt and answer position."""
+    b = prompt.shape[0]
+    cache = model.init_cache(b, capacity, params["embed"].dtype)
+    h_last, cache, h_prompt = prefill(model, params, prompt, prompt_len, cache, chunk, True)
+    first = jnp.argmax(model.logits(params, h_last), -1).astype(jnp.int32)
+    one = jnp.ones((b,), jnp.int32)
+    d = model.config.hidden_size
+    s = _State(tokens=jnp.full((b, max_out), PAD, jnp.int32).at[:, 0].set(first),
+               feats=jnp.zeros((b, max_out, d), jnp.bfloat16), num=one,
+               done=stops(first, one, budget, eos_ids), last=first, cache=cache)
+
+    def step(s: _State) -> _State:
+        logits, hid, cache = model.forward(params, s.last[:, None], s.cache.length[:, None],
+                                           s.cache)
+        tok = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
+        active = ~s.done
+        slot = jnp.where(active, s.num, max_out)
+        h = hid[model.config.num_layers][:, 0].astype(jnp.bfloat16)
+        return _State(tokens=s.tokens.at[jnp.arange(b), slot].set(tok, mode="drop"),
+                      feats=s.feats.at[jnp.arange(b), jnp.where(active, s.num - 1, max_out)]
+                      .set(h, mode="drop"),
+                      num=s.num + active, done=s.done | stops(tok, s.num + active, budget, eos_ids),
+                      last=jnp.where(active, tok, s.last), cache=cache.advance(active))
+
+    s = lax.while_loop(lambda s: jnp.any(~s.done), step, s)
+    return s.tokens, s.num, h_prompt.astype(jnp.bfloat16), s.feats
+
+
+_ANSWER = AotCache(_answer, ("model", "capacity", "max_out", "chunk"))
+
+
+def answer_batch(lm, prompts: Sequence[list[int]], max_new_tokens: int, chunk: int = 64):
+    """Examples ``(tokens, prompt_len, feats[len, D] bfloat16)`` for a batch of prompts."""
+    lens = [len(p) for p in prompts]
+    capacity, max_out = plan_shapes(lens, [max_new_tokens] * len(prompts),
+                                    lm.model.config.max_position_embeddings, None, chunk)
+    buf = np.zeros((len(prompts), capacity), np.int32)
+    for i, p in enumerate(prompts):
+        buf[i, :len(p)] = p
+    eos = np.asarray(list(lm.eos_ids) or [PAD], np.int32)
+    (toks, num, hp, hg), _ = _ANSWER(lm.params, jnp.asarray(buf), jnp.asarray(lens, jnp.int32),
+                                     jnp.full((len(prompts),), max_new_tokens, jnp.int32),
+                                     jnp.asarray(eos), model=lm.model, capacity=capacity,
+                                     max_out=max_out, chunk=chunk)
+    toks, num, hp, hg = map(np.asarray, (toks, num, hp, hg))
+    out = []
+    for i, p in enumerate(prompts):
+        n, pl = int(num[i]), len(p)
+        seq = np.concatenate([np.asarray(p, np.int32), toks[i, :n]])
+        # features of every position but the last (whose successor was never generated)
+        f = np.concatenate([hp[i, :pl], hg[i, :n - 1], np.zeros((1, hp.shape[-1]), hp.dtype)])
+        out.append((seq, pl, f))
+    return out
+
+
+# ----------------------------------------------------------------------------- shards
+
+def save_shard(path: Path, examples) -> None:
+    tokens = np.concatenate([e[0] for e in examples])
+    feats = np.concatenate([e[2] for e in examples]).view(np.uint16)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, tokens=tokens, lengths=np.asarray([len(e[0]) for e in examples], np.int32),
+             prompt_lens=np.asarray([e[1] for e in examples], np.int32), feats=feats)
+    tmp.rename(path)  # a shard exists only once complete
+
+
+def load_shards(data: str | Path) -> list[tuple[np.ndarray, int, np.ndarray]]:
+    """Every example of a distilled corpus: ``(tokens, prompt_len, feats bfloat16)``."""
+    paths = sorted(Path(data).glob("shard_*.npz"))
+    if not paths:
+        raise FileNotFoundError(f"no shard_*.npz in {data}: run `specjax distill` first")
+    out = []
+    for p in paths:
+        z = np.load(p)
+        feats = z["feats"].view(ml_dtypes.bfloat16)
+        ends = np.cumsum(z["lengths"])
+        for e, n, pl in zip(ends, z["lengths"], z["prompt_lens"]):
+            out.append((z["tokens"][e - n:e], int(pl), feats[e - n:e]))
+    return out
+
+
+def distill(lm, prompts: Sequence[str], out_dir: str | Path, *, max_new_tokens: int = 192,
+            max_prompt_tokens: int = 768, batch: int = 16, shard_batches: int = 4,
+            progress=None) -> dict:
+    """Writes the target's answers to ``prompts`` into ``out_dir/shard_*.npz``; existing
+    shards are kept (resume). Returns the corpus summary, also written as ``summary.json``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ids = [lm.encode(p, chat=True) for p in prompts]
+    keep = [i for i in ids if len(i) <= max_prompt_tokens]
+    per_shard = batch * shard_batches
+    n_shards = -(-len(keep) // per_shard)
+    t0, made = time.perf_counter(), 0
+    for s in range(n_shards):
+        path = out / f"shard_{s:05d}.npz"
+        part = keep[s * per_shard:(s + 1) * per_shard]
+        if path.exists():
+            if progress is not None:
+                progress.update(len(part))
+            continue
+        part_sorted = sorted(part, key=len)  # similar lengths share a batch
+        examples = []
+        for i in range(0, len(part_sorted), batch):
+            examples += answer_batch(lm, part_sorted[i:i + batch], max_new_tokens)
+            if progress is not None:
+                progress.update(len(part_sorted[i:i + batch]))
+                made += sum(len(e[0]) - e[1] for e in examples[-batch:])
+                progress.set_postfix(new_tok_per_s=f"{made / (time.perf_counter() - t0):.0f}")
+        save_shard(path, examples)
+    corpus = load_shards(out)
+    summary = {"examples": len(corpus), "prompts_too_long": len(ids) - len(keep),
+               "tokens": int(sum(len(e[0]) for e in corpus)),
+               "answer_tokens": int(sum(len(e[0]) - e[1] for e in corpus)),
+               "seconds_this_run": round(time.perf_counter() - t0, 1),
+               "max_new_tokens": max_new_tokens, "model": lm.source}
+    prev = out / "summary.json"
+    if prev.exists():
+        summary["seconds_total"] = round(json.loads(prev.read_text()).get(
+            "seconds_total", 0) + summary["seconds_this_run"], 1)
+    else:
+        summary["seconds_total"] = summary["seconds_this_run"]
+    prev.write_text(json.dumps(summary, indent=2))
+    return summary

@@ -1,0 +1,174 @@
+"""Training the EAGLE head on a self-distilled corpus with Optax, checkpointed by Orbax.
+
+Loss per answer position ``i`` (predicting token ``i + 1``), with ``f`` the target's
+feature and ``f̂`` the head's prediction from the features before ``i`` (noised) and the
+tokens up to ``i``::
+
+    w_reg · SmoothL1(f̂_i, f_i)  +  w_ce · CE(softmax(f_i Eᵀ), log_softmax(f̂_i Eᵀ))
+
+The batch order is a function of the seed and the step alone, so a run killed after a
+checkpoint resumes to the same parameters as one that never stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from specjax import eagle
+from specjax.train import checkpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation of one head. ``steps`` batches of about ``batch_tokens`` tokens each."""
+
+    steps: int = 2000
+    batch_tokens: int = 4096
+    max_len: int = 512
+    lr: float = 5e-4
+    warmup: int = 100
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    w_reg: float = 1.0
+    w_ce: float = 0.1
+    noise: float = 0.1  # uniform noise on input features, relative to their RMS
+    seed: int = 0
+    save_every: int = 200
+
+
+def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with linear warmup and cosine decay, after global-norm clipping."""
+    sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, max(cfg.steps, cfg.warmup + 1),
+                                               end_value=cfg.lr * 0.05)
+    return optax.chain(optax.clip_by_global_norm(cfg.clip),
+                       optax.adamw(sched, weight_decay=cfg.weight_decay))
+
+
+# ----------------------------------------------------------------------------- batches
+
+def _bucket(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+def batch_plan(corpus, cfg: TrainConfig) -> list[list[int]]:
+    """Example indices per batch for one pass, grouped by padded length (deterministic)."""
+    by_len: dict[int, list[int]] = {}
+    for i, (tok, _, _) in enumerate(corpus):
+        by_len.setdefault(_bucket(min(len(tok), cfg.max_len)), []).append(i)
+    plan = []
+    for t, idx in sorted(by_len.items()):
+        b = max(1, cfg.batch_tokens // t)
+        plan += [idx[j:j + b] for j in range(0, len(idx), b)]
+    return plan
+
+
+def batch_at(corpus, plan, step: int, cfg: TrainConfig):
+    """The batch of ``step``: pass ``step // len(plan)`` visits the plan in a seeded order."""
+    epoch, k = divmod(step, len(plan))
+    order = np.random.default_rng((cfg.seed, epoch)).permutation(len(plan))
+    idx = plan[order[k]]
+    t = _bucket(min(max(len(corpus[i][0]) for i in idx), cfg.max_len))
+    d = corpus[idx[0]][2].shape[-1]
+    toks = np.zeros((len(idx), t), np.int32)
+    feats = np.zeros((len(idx), t, d), np.float32)
+    mask = np.zeros((len(idx), t), np.float32)
+    for r, i in enumerate(idx):
+        tok, pl, f = corpus[i]
+        cut = max(0, len(tok) - cfg.max_len)  # keep the answer: drop the prompt's start
+        n = len(tok) - cut
+        toks[r, :n], feats[r, :n] = tok[cut:], np.asarray(f[cut:], np.float32)
+        lo = max(pl - 1 - cut, 0)
+        mask[r, lo:n - 1] = 1.0  # positions whose next token is an answer token
+    return toks, feats, mask
+
+
+# ----------------------------------------------------------------------------- the step
+
+def loss_fn(hp, tparams, toks, hidden, mask, key, *, target, cfg: TrainConfig):
+    """Mean loss over masked positions, and metrics (top-1 agreement with the target)."""
+    f = eagle.features(target, tparams, hidden)
+    prev = eagle.shift_features(f)
+    rms = jnp.sqrt(jnp.mean(prev * prev, axis=-1, keepdims=True))
+    prev = prev + cfg.noise * rms * jax.random.uniform(key, prev.shape, minval=-1, maxval=1)
+    out = eagle.training_forward(target, hp, tparams, toks, prev)
+    emb = eagle.output_embedding(target, tparams)
+    # b batch, t position, d model, v vocabulary
+    t_logits = jnp.einsum("btd,vd->btv", f, emb)
+    h_logits = jnp.einsum("btd,vd->btv", out, emb)
+    p = jax.nn.softmax(t_logits, -1)
+    ce = -jnp.sum(p * jax.nn.log_softmax(h_logits, -1), -1)
+    reg = jnp.mean(optax.huber_loss(out, f, delta=1.0), -1)
+    n = jnp.maximum(jnp.sum(mask), 1.0)
+    loss = jnp.sum((cfg.w_reg * reg + cfg.w_ce * ce) * mask) / n
+    acc = jnp.sum((jnp.argmax(h_logits, -1) == jnp.argmax(t_logits, -1)) * mask) / n
+    return loss, {"loss": loss, "ce": jnp.sum(ce * mask) / n, "reg": jnp.sum(reg * mask) / n,
+                  "acc": acc}
+
+
+def make_step(target, cfg: TrainConfig, opt: optax.GradientTransformation):
+    @jax.jit
+    def step(state, tparams, toks, hidden, mask):
+        key = jax.random.fold_in(jax.random.key(cfg.seed), state["step"])
+        grads, metrics = jax.grad(loss_fn, has_aux=True)(
+            state["params"], tparams, toks, hidden, mask, key, target=target, cfg=cfg)
+        updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates),
+                "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    return step
+
+
+def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Path, *,
+          meta: dict | None = None, stop_after: int | None = None, progress=None,
+          log=None) -> dict:
+    """Trains (or resumes) the head in ``run_dir`` up to ``cfg.steps``; returns the state.
+
+    ``stop_after`` stops after that many steps of this call (for tests of resume); the
+    latest checkpoint is always written before returning.
+    """
+    run = Path(run_dir)
+    checkpoint.check_run(run, {"kind": "eagle", **(meta or {}), **dataclasses.asdict(cfg)})
+    opt = optimizer(cfg)
+    params = eagle.init_head(target.config, jax.random.key(cfg.seed))
+    state = {"params": params, "opt_state": opt.init(params), "step": jnp.asarray(0, jnp.int32)}
+    mngr = checkpoint.manager(run)
+    got = checkpoint.restore_latest(mngr, state)
+    if got is not None:
+        state = got[1]
+    step_fn = make_step(target, cfg, opt)
+    plan = batch_plan(corpus, cfg)
+    start = int(state["step"])
+    end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
+    if progress is not None:
+        progress.update(start)
+    t0 = time.perf_counter()
+    for s in range(start, end):
+        toks, hidden, mask = batch_at(corpus, plan, s, cfg)
+        state, m = step_fn(state, tparams, toks, hidden, mask)
+        if log is not None:
+            log({"step": s + 1, **{k: float(v) for k, v in m.items()},
+                 "seconds": round(time.perf_counter() - t0, 1)})
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(loss=f"{float(m['loss']):.3f}", acc=f"{float(m['acc']):.3f}")
+        if (s + 1) % cfg.save_every == 0 or s + 1 == end:
+            mngr.save(s + 1, args=checkpoint.ocp.args.StandardSave(state), force=True)
+    mngr.wait_until_finished()
+    mngr.close()
+    return state
+
+
+def vocab_by_frequency(corpus, vocab_size: int, n: int) -> np.ndarray:
+    """The ``n`` most frequent token ids of the corpus's answers (ties: lower id first)."""
+    counts = np.zeros(vocab_size, np.int64)
+    for tok, pl, _ in corpus:
+        np.add.at(counts, tok[pl:], 1)
+    return np.argsort(-counts, kind="stable")[:n].astype(np.int32)
