@@ -98,12 +98,22 @@ def _timed(call):
     return out, dt, compile_s
 
 
-def ar_method(lm) -> Method:
-    """specjax autoregressive greedy decoding (one jitted while_loop)."""
+def _sampling_kw(sampler, seed: int = 0) -> dict:
+    import jax
+
+    from specjax import sampling
+
+    sampler = sampling.Greedy() if sampler is None else sampler
+    return {"sampler": sampler, "key": jax.random.key(seed)}
+
+
+def ar_method(lm, sampler=None) -> Method:
+    """specjax autoregressive decoding (one jitted while_loop); greedy by default."""
     from specjax.decoding import generate
 
     def run(ids: list[int], n: int) -> Run:
-        call = lambda: generate(lm.model, lm.params, [ids], max_new_tokens=n, eos_ids=lm.eos_ids)
+        call = lambda: generate(lm.model, lm.params, [ids], max_new_tokens=n, eos_ids=lm.eos_ids,
+                                **_sampling_kw(sampler))
         out, dt, compile_s = _timed(call)
         toks = out.to_lists()[0]
         return Run(toks, dt, len(toks), compile_s)
@@ -111,12 +121,12 @@ def ar_method(lm) -> Method:
     return run
 
 
-def sd_method(lm, drafter, dparams=None) -> Method:
-    """specjax speculative decoding, greedy, with ``drafter``."""
+def sd_method(lm, drafter, dparams=None, sampler=None) -> Method:
+    """specjax speculative decoding with ``drafter``; greedy by default."""
     from specjax.speculative import speculative_generate
 
     def run(ids: list[int], n: int) -> Run:
-        kw = dict(max_new_tokens=n, eos_ids=lm.eos_ids)
+        kw = dict(max_new_tokens=n, eos_ids=lm.eos_ids, **_sampling_kw(sampler))
         out, dt, compile_s = _timed(
             lambda: speculative_generate(lm.model, lm.params, drafter, dparams, [ids], **kw))
         return Run(out.to_lists()[0], dt, int(out.target_forwards[0]), compile_s,
@@ -160,8 +170,9 @@ def hf_pld_method(lm, threads: int, hf=None, num_tokens: int = 10) -> Method:
     return run
 
 
-def hf_method(lm, threads: int, hf=None) -> Method:
-    """HF transformers' greedy ``generate`` on the same GGUF weights, in float32."""
+def hf_method(lm, threads: int, hf=None, temperature: float = 0.0) -> Method:
+    """HF transformers' ``generate`` on the same GGUF weights, in float32 (greedy, or
+    sampling at ``temperature``)."""
     import torch
 
     torch.set_num_threads(threads)
@@ -172,8 +183,10 @@ def hf_method(lm, threads: int, hf=None) -> Method:
         x = torch.tensor([ids])
         with torch.inference_mode():
             t = time.perf_counter()
+            samp = dict(do_sample=True, temperature=temperature, top_k=0) if temperature > 0 \
+                else dict(do_sample=False)
             y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                            do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
+                            eos_token_id=eos, pad_token_id=eos[0], **samp)
             dt = time.perf_counter() - t
         toks = y[0, len(ids):].tolist()
         return Run(toks, dt, len(toks))

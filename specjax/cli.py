@@ -135,19 +135,24 @@ def cmd_bench(args) -> int:
     lm = load(args.model, _dtype(args.dtype))
     threads = args.threads or os.cpu_count() or 1
     hf = bench.load_hf(lm) if {"hf", "hf-pld"} & set(methods) else None
-    runners = {"ar": lambda: bench.ar_method(lm), "hf": lambda: bench.hf_method(lm, threads, hf),
+    sampler = _sampler(args)
+    greedy = args.temperature <= 0
+    if not greedy and "hf-pld" in methods:
+        raise SystemExit("hf-pld is greedy only; drop it when --temperature > 0")
+    runners = {"ar": lambda: bench.ar_method(lm, sampler),
+               "hf": lambda: bench.hf_method(lm, threads, hf, max(args.temperature, 0.0)),
                "hf-pld": lambda: bench.hf_pld_method(lm, threads, hf)}
     for m in methods:
         if m.startswith("sd-"):
             d = drafters.from_spec(m[3:], lm.model, args.draft_len)
             d.check(lm.model)
-            runners[m] = lambda d=d: bench.sd_method(lm, d)
+            runners[m] = lambda d=d: bench.sd_method(lm, d, None, sampler)
         elif m.startswith("eagle2"):
             from specjax import eagle
 
             d, dp = eagle.load_drafter(m, lm, args.model, args.draft_checkpoint)
             d.check(lm.model)
-            runners[m] = lambda d=d, dp=dp: bench.sd_method(lm, d, dp)
+            runners[m] = lambda d=d, dp=dp: bench.sd_method(lm, d, dp, sampler)
     run = {m: runners[m]() for m in methods}
     results = {m: [] for m in methods}
     mismatches = []
@@ -158,14 +163,15 @@ def cmd_bench(args) -> int:
             bar.set_postfix_str(f"{q.category} {m}")
             results[m].append((q, run[m](ids, args.max_new_tokens)))
             bar.update()
-        if "ar" in results:
+        if "ar" in results and greedy:
             for m in methods:  # every greedy method must reproduce ar
                 if results[m][-1][1].tokens != results["ar"][-1][1].tokens:
                     mismatches.append({"question": q.qid, "method": m})
     bar.close()
     summary = bench.summarize(results)
     print(bench.format_table(summary))
-    report = {"model": args.model, "dtype": args.dtype, "batch": 1, "greedy": True,
+    report = {"model": args.model, "dtype": args.dtype, "batch": 1, "greedy": greedy,
+              "temperature": max(args.temperature, 0.0),
               "max_new_tokens": args.max_new_tokens, "threads": threads,
               "questions": args.questions or "specjax/data/prompts.jsonl",
               "n_questions": len(questions), "machine": bench.machine_info(),
@@ -232,7 +238,7 @@ def cmd_train(args) -> int:
     corpus = distill.load_shards(args.data)
     cfg = train_eagle.TrainConfig(steps=args.steps, batch_tokens=args.batch_tokens,
                                   max_len=args.max_len, lr=args.lr, seed=args.seed,
-                                  save_every=args.save_every)
+                                  save_every=args.save_every, ce_vocab=args.ce_vocab)
     run = Path(args.run)
     run.mkdir(parents=True, exist_ok=True)
     log_f = (run / "log.jsonl").open("a")
@@ -302,6 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft-len", type=int, help="draft tokens per round for sd-* methods")
     b.add_argument("--draft-checkpoint", help="exported EAGLE head for eagle2 methods "
                                               "(default: the shipped one)")
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (outputs checked against ar); > 0 samples (seed 0)")
+    b.add_argument("--top-k", type=int, default=0)
+    b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--questions", help="Spec-Bench question.jsonl (default: built-in prompts)")
     b.add_argument("--categories", nargs="*", help="e.g. mt_bench translation summarization qa "
                                                    "math_reasoning rag")
@@ -333,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     te.add_argument("--lr", type=float, default=5e-4)
     te.add_argument("--seed", type=int, default=0)
     te.add_argument("--save-every", type=int, default=100)
+    te.add_argument("--ce-vocab", type=int, default=8192,
+                    help="cross-entropy over the corpus's most frequent tokens (0: all)")
     te.add_argument("--draft-vocab", type=int, default=0,
                     help="default draft vocabulary size of the exported head (0: full)")
     te.add_argument("--export", help="write the trained head (bfloat16) here")

@@ -291,6 +291,12 @@ class EagleDrafter:
             raise ValueError(f"total_tokens={self.total_tokens} must lie in [1, {p}]: depth "
                              f"{self.depth} and topk {self.topk} draft {p} nodes")
 
+    def check_params(self, dparams) -> None:
+        v = dparams.get("vocab_ids")
+        n = self.target.config.vocab_size if v is None else v.shape[0]
+        if self.topk > n:
+            raise ValueError(f"topk={self.topk} exceeds the draft vocabulary ({n} tokens)")
+
     def _embed(self, dparams, tparams):
         return dparams.get("out_embed", output_embedding(self.target, tparams))
 
@@ -436,4 +442,8 @@ def load_drafter(spec: str, lm, model_name: str, checkpoint_dir=None):
     sub = None if not n or ids is None else ids[:n]
     dtype = lm.params["embed"].dtype
     head = jax.tree.map(lambda x: jnp.asarray(x, dtype), head)
-    return EagleDrafter(lm.model, **opts), draft_params(head, lm.model, lm.params, sub)
+    drafter = EagleDrafter(lm.model, **opts)
+    dparams = draft_params(head, lm.model, lm.params, sub)
+    drafter.check(lm.model)
+    drafter.check_params(dparams)
+    return drafter, dparams

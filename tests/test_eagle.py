@@ -187,3 +187,28 @@ def test_drafter_matches_the_teacher_forced_head(toy):
     prev2 = jnp.concatenate([prev, out[:, -1:]], axis=1)
     out2 = eagle.training_forward(model, dp["head"], tparams, seq2, prev2)
     np.testing.assert_array_equal(draft.tokens[0, 3:6], jax.lax.top_k(out2[0, -1] @ emb.T, 3)[1])
+
+
+def _real_drafter(lm):
+    """The shipped head when there is one (long accepted paths), else a random head."""
+    if eagle.shipped_head("smollm2-135m") is not None:
+        return eagle.load_drafter("eagle2:4,4,12", lm, "smollm2-135m")
+    head = eagle.init_head(lm.model.config, jax.random.key(0))
+    return (eagle.EagleDrafter(lm.model, depth=4, topk=4, total_tokens=12),
+            eagle.draft_params(head, lm.model, lm.params, vocab_ids=np.arange(4096)))
+
+
+def test_greedy_eagle_equals_ar_on_real_model(smollm):
+    from test_speculative import PROMPTS
+
+    drafter, dp = _real_drafter(smollm)
+    ids = [smollm.encode(p, chat=c) for p, c in PROMPTS]
+    budgets = [24, 9, 17, 30]
+    ar = specjax.generate(smollm.model, smollm.params, ids, max_new_tokens=budgets,
+                          eos_ids=smollm.eos_ids).to_lists()
+    out = speculative_generate(smollm.model, smollm.params, drafter, dp, ids,
+                               max_new_tokens=budgets, eos_ids=smollm.eos_ids)
+    assert out.to_lists() == ar, "eagle2: batch of 4 differs from ar"
+    one = speculative_generate(smollm.model, smollm.params, drafter, dp, ids[:1],
+                               max_new_tokens=budgets[0], eos_ids=smollm.eos_ids)
+    assert one.to_lists() == ar[:1], "eagle2: batch of 1 differs from ar"

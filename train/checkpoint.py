@@ -64,6 +64,9 @@ def export_head(params: Any, out_dir: str | Path, meta: dict, dtype=jnp.bfloat16
     """Writes a head for inference: parameters cast to ``dtype`` and ``head.json``."""
     out = Path(out_dir).absolute()
     if out.exists():
+        if any(out.iterdir()) and not (out / "head.json").exists():
+            raise CheckpointError(f"{out} exists and is not an exported head; refusing to "
+                                  f"overwrite it")
         shutil.rmtree(out)
     out.mkdir(parents=True)
     cast = jax.tree.map(lambda x: jnp.asarray(x, dtype) if jnp.issubdtype(
@@ -71,7 +74,8 @@ def export_head(params: Any, out_dir: str | Path, meta: dict, dtype=jnp.bfloat16
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(out / "params", cast)
     shapes = jax.tree.map(lambda x: list(np.shape(x)), cast)
-    (out / "head.json").write_text(json.dumps({**meta, "shapes": shapes}, indent=1))
+    (out / "head.json").write_text(json.dumps(
+        {**meta, "shapes": shapes, "dtypes": {"float": jnp.dtype(dtype).name}}, indent=1))
     return out
 
 
@@ -95,7 +99,15 @@ def load_head(path: str | Path, kind: str, like: Any | None = None) -> tuple[Any
                                   f"from what this target needs")
     try:
         with ocp.StandardCheckpointer() as ckpt:
-            params = ckpt.restore(p / "params")
+            if like is None:
+                params = ckpt.restore(p / "params")
+            else:  # restore onto this host's default device, in the saved dtypes
+                saved = meta.get("dtypes") or {}
+                target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+                    np.shape(x), jnp.dtype(saved.get("float", "bfloat16"))
+                    if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
+                    else jnp.asarray(x).dtype), like)
+                params = ckpt.restore(p / "params", target)
     except Exception as e:
         raise CheckpointError(f"cannot read the parameters in {p / 'params'}: corrupt or "
                               f"incomplete ({type(e).__name__}: {str(e)[:300]})") from e

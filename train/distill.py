@@ -159,7 +159,7 @@ def answer_batch(lm, prompts: Sequence[list[int]], max_new_tokens: int, chunk: i
 def save_shard(path: Path, examples) -> None:
     tokens = np.concatenate([e[0] for e in examples])
     feats = np.concatenate([e[2] for e in examples]).view(np.uint16)
-    tmp = path.with_suffix(".tmp.npz")
+    tmp = path.with_name("tmp_" + path.name)  # outside the shard_*.npz glob
     np.savez(tmp, tokens=tokens, lengths=np.asarray([len(e[0]) for e in examples], np.int32),
              prompt_lens=np.asarray([e[1] for e in examples], np.int32), feats=feats)
     tmp.rename(path)  # a shard exists only once complete

@@ -6,6 +6,10 @@ tokens up to ``i``::
 
     w_reg · SmoothL1(f̂_i, f_i)  +  w_ce · CE(softmax(f_i Eᵀ), log_softmax(f̂_i Eᵀ))
 
+``E`` is the output embedding restricted to the corpus's ``ce_vocab`` most frequent tokens
+(the target's distribution renormalised on them): on a CPU the full 49K-row LM head would
+be most of the cost of a step. The feature regression is over the whole feature.
+
 The batch order is a function of the seed and the step alone, so a run killed after a
 checkpoint resumes to the same parameters as one that never stopped.
 """
@@ -40,6 +44,7 @@ class TrainConfig:
     w_reg: float = 1.0
     w_ce: float = 0.1
     noise: float = 0.1  # uniform noise on input features, relative to their RMS
+    ce_vocab: int = 8192  # CE over the corpus's most frequent tokens (0: the whole vocabulary)
     seed: int = 0
     save_every: int = 200
 
@@ -79,27 +84,36 @@ def batch_at(corpus, plan, step: int, cfg: TrainConfig):
     d = corpus[idx[0]][2].shape[-1]
     toks = np.zeros((len(idx), t), np.int32)
     feats = np.zeros((len(idx), t, d), np.float32)
+    prev = np.zeros((len(idx), t, d), np.float32)  # hidden state of the previous position
     mask = np.zeros((len(idx), t), np.float32)
     for r, i in enumerate(idx):
         tok, pl, f = corpus[i]
         cut = max(0, len(tok) - cfg.max_len)  # keep the answer: drop the prompt's start
         n = len(tok) - cut
         toks[r, :n], feats[r, :n] = tok[cut:], np.asarray(f[cut:], np.float32)
+        prev[r, 1:n] = feats[r, :n - 1]
+        if cut:
+            prev[r, 0] = np.asarray(f[cut - 1], np.float32)
         lo = max(pl - 1 - cut, 0)
         mask[r, lo:n - 1] = 1.0  # positions whose next token is an answer token
-    return toks, feats, mask
+    return toks, feats, prev, mask
 
 
 # ----------------------------------------------------------------------------- the step
 
-def loss_fn(hp, tparams, toks, hidden, mask, key, *, target, cfg: TrainConfig):
-    """Mean loss over masked positions, and metrics (top-1 agreement with the target)."""
+def loss_fn(hp, tparams, toks, hidden, prev_hidden, mask, key, vocab_ids, *, target,
+            cfg: TrainConfig):
+    """Mean loss over masked positions, and metrics (top-1 agreement with the target).
+
+    ``prev_hidden[:, i]`` is the target's hidden state at position ``i - 1`` (zero at a
+    sequence's true start)."""
     f = eagle.features(target, tparams, hidden)
-    prev = eagle.shift_features(f)
+    prev = eagle.features(target, tparams, prev_hidden)
     rms = jnp.sqrt(jnp.mean(prev * prev, axis=-1, keepdims=True))
     prev = prev + cfg.noise * rms * jax.random.uniform(key, prev.shape, minval=-1, maxval=1)
     out = eagle.training_forward(target, hp, tparams, toks, prev)
     emb = eagle.output_embedding(target, tparams)
+    emb = emb if vocab_ids is None else emb[vocab_ids]
     # b batch, t position, d model, v vocabulary
     t_logits = jnp.einsum("btd,vd->btv", f, emb)
     h_logits = jnp.einsum("btd,vd->btv", out, emb)
@@ -115,10 +129,11 @@ def loss_fn(hp, tparams, toks, hidden, mask, key, *, target, cfg: TrainConfig):
 
 def make_step(target, cfg: TrainConfig, opt: optax.GradientTransformation):
     @jax.jit
-    def step(state, tparams, toks, hidden, mask):
+    def step(state, tparams, toks, hidden, prev_hidden, mask, vocab_ids):
         key = jax.random.fold_in(jax.random.key(cfg.seed), state["step"])
         grads, metrics = jax.grad(loss_fn, has_aux=True)(
-            state["params"], tparams, toks, hidden, mask, key, target=target, cfg=cfg)
+            state["params"], tparams, toks, hidden, prev_hidden, mask, key, vocab_ids,
+            target=target, cfg=cfg)
         updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
         return {"params": optax.apply_updates(state["params"], updates),
                 "opt_state": opt_state, "step": state["step"] + 1}, metrics
@@ -145,14 +160,18 @@ def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Pa
         state = got[1]
     step_fn = make_step(target, cfg, opt)
     plan = batch_plan(corpus, cfg)
+    vocab_ids = None
+    if cfg.ce_vocab:
+        vocab_ids = jnp.asarray(vocab_by_frequency(corpus, target.config.vocab_size,
+                                                   min(cfg.ce_vocab, target.config.vocab_size)))
     start = int(state["step"])
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
     if progress is not None:
         progress.update(start)
     t0 = time.perf_counter()
     for s in range(start, end):
-        toks, hidden, mask = batch_at(corpus, plan, s, cfg)
-        state, m = step_fn(state, tparams, toks, hidden, mask)
+        toks, hidden, prev, mask = batch_at(corpus, plan, s, cfg)
+        state, m = step_fn(state, tparams, toks, hidden, prev, mask, vocab_ids)
         if log is not None:
             log({"step": s + 1, **{k: float(v) for k, v in m.items()},
                  "seconds": round(time.perf_counter() - t0, 1)})

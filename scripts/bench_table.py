@@ -1,0 +1,39 @@
+"""Markdown tables from a ``specjax bench`` JSON: overall, and per category.
+
+    .venv/bin/python scripts/bench_table.py docs/results/sd_cpu.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main(path: str) -> None:
+    rep = json.load(open(path))
+    ms = rep["methods"]
+    cats = sorted({c for s in ms.values() for c in s["per_category"]})
+    print("| method | tok/s | vs ar | τ | questions |\n|---|---:|---:|---:|---:|")
+    for name, s in ms.items():
+        print(f"| {name} | {s['tokens_per_s']:.1f} | {s.get('speedup_vs_ar', 0):.2f}× | "
+              f"{s['tau']:.2f} | {s['n']} |")
+    print()
+    print("| method | " + " | ".join(cats) + " |")
+    print("|---|" + "---:|" * len(cats))
+    for name, s in ms.items():
+        cells = []
+        for c in cats:
+            cs = s["per_category"].get(c)
+            cells.append("-" if cs is None else f"{cs['tokens_per_s']:.1f} tok/s, "
+                         f"{cs.get('speedup_vs_ar', 0):.2f}×, τ {cs['tau']:.2f}")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    peers = [(a, b) for a, b in (("sd-ngram", "hf-pld"), ("eagle2", "hf"), ("ar", "hf"))
+             if a in ms and b in ms]
+    for a, b in peers:
+        print(f"\n{a} / {b}: {ms[a]['tokens_per_s'] / ms[b]['tokens_per_s']:.2f}× tokens/s")
+    if rep.get("greedy_mismatch_vs_ar"):
+        print(f"\ngreedy mismatches vs ar: {rep['greedy_mismatch_vs_ar']}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
