@@ -96,23 +96,23 @@ def cmd_demo(args) -> int:
                                  if q.category == "summarization")
     ids = lm.encode(prompt, chat=True)
     print(f"prompt ({len(ids)} tokens): {prompt[:200]}{'...' if len(prompt) > 200 else ''}")
-    runs = {}
-    for method in ("ar", "sd"):
+    runs, chosen = {}, args.method
+    for method in ("ar", chosen):
         args.method = method
         print(f"[{method}] compiling and decoding {args.max_new_tokens} tokens ...", flush=True)
         runs[method] = _generate_once(lm, ids, args)
-    ar, sd = runs["ar"], runs["sd"]
+    ar, sd = runs["ar"], runs[chosen]
     print("\n" + sd["text"] + "\n")
     for r in (ar, sd):
         name = r["method"] + (f" ({r['drafter']} drafter)" if r["drafter"] else "")
         print(f"{name:<22} {r['new_tokens']} tokens in {r['seconds']:.2f} s = "
               f"{r['tokens_per_s']:.1f} tok/s, tau {r['tau']:.2f} tokens/forward "
               f"(compile {r['compile_s']:.1f} s, excluded)")
-    print(f"speedup of sd over ar: {sd['tokens_per_s'] / ar['tokens_per_s']:.2f}x")
+    print(f"speedup of {chosen} over ar: {sd['tokens_per_s'] / ar['tokens_per_s']:.2f}x")
     if args.temperature > 0:
         return 0
     same = ar["token_ids"] == sd["token_ids"]
-    print(f"greedy sd output is {'identical to' if same else 'DIFFERENT FROM'} ar")
+    print(f"greedy {chosen} output is {'identical to' if same else 'DIFFERENT FROM'} ar")
     return 0 if same else 1
 
 
@@ -298,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(d)
     sampling(d)
     d.add_argument("--prompt", help="default: the built-in summarization prompt")
+    d.set_defaults(method="eagle2")
     d.set_defaults(fn=cmd_demo)
 
     b = sub.add_parser("bench", help="tokens/s of methods side by side")

@@ -191,6 +191,8 @@ def distill(lm, prompts: Sequence[str], out_dir: str | Path, *, max_new_tokens: 
     keep = [i for i in ids if len(i) <= max_prompt_tokens]
     per_shard = batch * shard_batches
     n_shards = -(-len(keep) // per_shard)
+    prev = out / "summary.json"
+    before = json.loads(prev.read_text()).get("seconds_total", 0.0) if prev.exists() else 0.0
     t0, made = time.perf_counter(), 0
     for s in range(n_shards):
         path = out / f"shard_{s:05d}.npz"
@@ -208,17 +210,19 @@ def distill(lm, prompts: Sequence[str], out_dir: str | Path, *, max_new_tokens: 
                 made += sum(len(e[0]) - e[1] for e in examples[-batch:])
                 progress.set_postfix(new_tok_per_s=f"{made / (time.perf_counter() - t0):.0f}")
         save_shard(path, examples)
+        _summarize(out, lm, len(ids) - len(keep), max_new_tokens, before, t0)
+    return _summarize(out, lm, len(ids) - len(keep), max_new_tokens, before, t0)
+
+
+def _summarize(out: Path, lm, too_long: int, max_new_tokens: int, before: float,
+               t0: float) -> dict:
+    """Writes ``summary.json`` for the shards on disk; seconds add up across resumed runs."""
     corpus = load_shards(out)
-    summary = {"examples": len(corpus), "prompts_too_long": len(ids) - len(keep),
+    seconds = round(time.perf_counter() - t0, 1)
+    summary = {"examples": len(corpus), "prompts_too_long": too_long,
                "tokens": int(sum(len(e[0]) for e in corpus)),
                "answer_tokens": int(sum(len(e[0]) - e[1] for e in corpus)),
-               "seconds_this_run": round(time.perf_counter() - t0, 1),
+               "seconds_this_run": seconds, "seconds_total": round(before + seconds, 1),
                "max_new_tokens": max_new_tokens, "model": lm.source}
-    prev = out / "summary.json"
-    if prev.exists():
-        summary["seconds_total"] = round(json.loads(prev.read_text()).get(
-            "seconds_total", 0) + summary["seconds_this_run"], 1)
-    else:
-        summary["seconds_total"] = summary["seconds_this_run"]
-    prev.write_text(json.dumps(summary, indent=2))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -1,0 +1,382 @@
+"""Hierarchical speculative decoding (HSD, Algorithm 1) as nested ``lax.while_loop``s.
+
+A hierarchy is a static tuple of levels, cheapest first, ending with the target. Level 0
+drafts ``T[0]`` tokens by itself (prompt lookup, or autoregressively with an early exit).
+Every level ``k >= 1`` asks the level below for tokens until it holds at least ``T[k-1]``
+of them, scores them in one forward pass and verifies them with ``specjax.verify``; the
+verified tokens, with level ``k``'s own probabilities, are what level ``k + 1`` verifies in
+turn. The hierarchy is static, so a Python recursion over levels builds the nested loops.
+
+Guarantees: with ``Greedy`` the output equals the target's argmax rollout; with ``Sample``
+it is distributed as the target's (temperature, top-k, top-p applied), whatever the lower
+levels do, because each level's emitted tokens are distributed as that level's model and
+their probabilities are passed up as the draft distribution.
+
+Bookkeeping. All levels share one token buffer. Level ``k`` has committed ``n[k]`` tokens;
+``n[K] <= ... <= n[0]`` and the committed sequences are prefixes of one another. A model
+level's cache holds at least the first ``n[k] - 2`` positions; each of its forwards
+recomputes position ``n[k] - 2`` so that a cache one step behind (after a bonus token from
+above) needs no special case. When level ``k`` accepts ``a`` of its drafts, every level
+below restarts from level ``k``'s new length and drops what it had beyond.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+from jaxtyping import Array, Bool, Int
+
+from specjax import sampling
+from specjax._compile import AotCache
+from specjax.decoding import PAD, plan_shapes, prefill
+from specjax.drafters import Context, NGramDrafter, target_head
+from specjax.models.kv_cache import KVCache
+from specjax.verify import Draft, verify
+
+
+@dataclasses.dataclass(frozen=True)
+class Exit:
+    """A level that scores with the target's first ``layer`` layers and ``head``
+    (``head(target, tparams, hparams, hidden) -> logits``); ``layer=None`` is the target."""
+
+    layer: int | None = None
+    head: Callable = target_head
+
+    def score(self, target, tparams, hparams, tokens, positions, cache):
+        if self.layer is None:
+            logits, _, cache = target.forward(tparams, tokens, positions, cache)
+            return logits, cache
+        _, hid, cache = target.forward(tparams, tokens, positions, cache,
+                                       exit_layer=self.layer, compute_logits=False)
+        return self.head(target, tparams, hparams, hid[self.layer]).astype(jnp.float32), cache
+
+
+@dataclasses.dataclass(frozen=True)
+class NGram:
+    """A bottom level that drafts by prompt lookup (deterministic; costs almost nothing)."""
+
+    drafter: NGramDrafter = NGramDrafter()
+
+
+Level = Exit | NGram
+
+
+@dataclasses.dataclass(frozen=True)
+class Hierarchy:
+    """``levels`` cheapest first, the last being ``Exit()`` (the target); ``T[k]`` is how
+    many tokens level ``k + 1`` collects from level ``k`` before it verifies them."""
+
+    levels: tuple[Level, ...]
+    T: tuple[int, ...]
+
+    def check(self, target) -> None:
+        """Raises ``ValueError`` for a hierarchy that cannot run on ``target``."""
+        if len(self.levels) < 2:
+            raise ValueError("a hierarchy needs a drafter and the target (>= 2 levels)")
+        if len(self.T) != len(self.levels) - 1:
+            raise ValueError(f"{len(self.levels)} levels need {len(self.levels) - 1} T values, "
+                             f"got {len(self.T)}")
+        if any(int(t) < 1 for t in self.T):
+            raise ValueError(f"every T must be >= 1, got {self.T}")
+        if self.levels[-1] != Exit():
+            raise ValueError("the last level must be the target, Exit()")
+        for k, lvl in enumerate(self.levels[:-1]):
+            if isinstance(lvl, NGram):
+                if k != 0:
+                    raise ValueError("an n-gram level can only be the bottom level")
+                if lvl.drafter.depth < self.T[0]:
+                    raise ValueError(f"the n-gram drafter proposes {lvl.drafter.depth} "
+                                     f"tokens, fewer than T[0]={self.T[0]}")
+            elif not isinstance(lvl, Exit) or lvl.layer is None:
+                raise ValueError(f"level {k} must be NGram or Exit(layer) below the target")
+            elif not 1 <= lvl.layer < target.config.num_layers:
+                raise ValueError(f"exit layer {lvl.layer} outside [1, "
+                                 f"{target.config.num_layers - 1}]")
+        layers = [l.layer for l in self.levels[:-1] if isinstance(l, Exit)]
+        if layers != sorted(set(layers)):
+            raise ValueError(f"exit layers must increase up the hierarchy, got {layers}")
+
+    @property
+    def buffer(self) -> tuple[int, ...]:
+        """``M[k]``: the most drafts level ``k`` verifies at once (``M[0] = 0``)."""
+        m = [0, self.T[0]]
+        for k in range(2, len(self.levels)):
+            m.append(self.T[k - 1] + m[k - 1])
+        return tuple(m)
+
+
+@struct.dataclass
+class HSDState:
+    tokens: Int[Array, "B C"]
+    n: Int[Array, "L B"]  # committed length per level
+    caches: tuple  # per level: KVCache, or None for an n-gram level
+    q: tuple  # q[k]: [B, M_k, V] probabilities of level k-1's tokens (None if deterministic)
+    key: Array
+    done: Bool[Array, "B"]
+    forwards: Int[Array, "L B"]  # forward passes (or lookups) per level
+    drafted: Int[Array, "L B"]  # drafts submitted to each level's verification
+    accepted: Int[Array, "L B"]  # of which accepted
+
+
+@struct.dataclass
+class HSDOutput:
+    """Generated tokens ``[B, M]`` (``PAD`` after each row's end) and per-level counts:
+    ``forwards[k]``, ``drafted[k]`` and ``accepted[k]`` summed over rows."""
+
+    tokens: Int[Array, "B M"]
+    lengths: Int[Array, "B"]
+    forwards: Int[Array, "L"]
+    drafted: Int[Array, "L"]
+    accepted: Int[Array, "L"]
+    compile_s: float = struct.field(pytree_node=False, default=0.0)
+
+    def to_lists(self) -> list[list[int]]:
+        toks, lens = np.asarray(self.tokens), np.asarray(self.lengths)
+        return [toks[b, : lens[b]].tolist() for b in range(toks.shape[0])]
+
+    @property
+    def tau(self) -> float:
+        """Tokens emitted per target forward, over the batch."""
+        return float(np.sum(self.lengths) / max(int(self.forwards[-1]), 1))
+
+    @property
+    def acceptance(self) -> np.ndarray:
+        """Per verifying level ``k >= 1``: accepted / drafted (the empirical alpha)."""
+        d, a = np.asarray(self.drafted, float), np.asarray(self.accepted, float)
+        return a[1:] / np.maximum(d[1:], 1)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _take(tokens: Int[Array, "B C"], idx: Int[Array, "B T"]) -> Int[Array, "B T"]:
+    return jnp.take_along_axis(tokens, jnp.clip(idx, 0, tokens.shape[1] - 1), axis=1)
+
+
+def _write(tokens: Int[Array, "B C"], pos: Int[Array, "B T"], vals: Int[Array, "B T"],
+           mask: Bool[Array, "B T"]) -> Int[Array, "B C"]:
+    """``tokens[b, pos[b, i]] = vals[b, i]`` where ``mask``; other writes are dropped."""
+    pos = jnp.where(mask, pos, tokens.shape[1])
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    return tokens.at[rows, pos].set(vals.astype(tokens.dtype), mode="drop")
+
+
+def _sel(active: Bool[Array, "B"], new: Array, old: Array) -> Array:
+    return jnp.where(active.reshape(active.shape + (1,) * (new.ndim - 1)), new, old)
+
+
+def _set_row(x: Int[Array, "L B"], k: int, active: Bool[Array, "B"], val) -> Array:
+    return x.at[k].set(jnp.where(active, val, x[k]))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """One traced decode: the static hierarchy plus the per-call arrays it closes over."""
+
+    target: Any
+    h: Hierarchy
+    tparams: Any
+    hparams: tuple
+    sampler: Any
+    prompt_len: Array
+
+    @property
+    def top(self) -> int:
+        return len(self.h.levels) - 1
+
+    def score(self, k: int, s: HSDState, start, width: int):
+        """Level ``k``'s logits ``[B, width, V]`` for positions ``start - 1 + i`` and its
+        cache with those tokens written (length unchanged). A cache that lags behind
+        ``start - 1`` (by at most ``top - k``) is caught up in the same forward."""
+        cache = s.caches[k]
+        lag_max = self.top - k
+        base = cache.length
+        idx = base[:, None] + jnp.arange(width + lag_max)[None]
+        logits, cache = self.h.levels[k].score(self.target, self.tparams, self.hparams[k],
+                                               _take(s.tokens, idx), idx, cache)
+        col = (start - 1 - base)[:, None] + jnp.arange(width)[None]
+        return jnp.take_along_axis(logits, col[:, :, None], axis=1), cache
+
+    def draft0(self, s: HSDState, active) -> HSDState:
+        """Level 0 writes ``T[0]`` drafts after ``n[1]`` (fewer for an n-gram miss)."""
+        lvl, t0, start = self.h.levels[0], self.h.T[0], s.n[1]
+        if isinstance(lvl, NGram):
+            ctx = Context(tokens=s.tokens, length=start, prompt_len=self.prompt_len,
+                          cache=None, params=None)
+            d, _, _ = lvl.drafter.propose(None, (), ctx, None, sampling.Greedy())
+            valid = d.valid[:, :t0] & active[:, None]
+            tokens = _write(s.tokens, start[:, None] + jnp.arange(t0)[None], d.tokens[:, :t0],
+                            valid)
+            return s.replace(tokens=tokens, n=_set_row(s.n, 0, active, start + jnp.sum(valid, 1)),
+                             forwards=s.forwards.at[0].add(active))
+        logits, cache = self.score(0, s, start, 1)
+        cache = cache.replace(length=start)
+        q = s.q[1]
+
+        def body(i, c):
+            tokens, cache, q, key, logits = c
+            key, sub = jax.random.split(key)
+            x = sampling.sample(sub, logits, self.sampler)
+            if q is not None:
+                q = q.at[:, i].set(sampling.probs(logits, self.sampler))
+            pos = (start + i)[:, None]
+            tokens = _write(tokens, pos, x[:, None], active[:, None])
+            lg, cache = self.h.levels[0].score(self.target, self.tparams, self.hparams[0],
+                                               x[:, None], pos, cache)
+            return tokens, cache.advance(1), q, key, lg[:, 0]
+
+        tokens, cache, q, key, logits = lax.fori_loop(
+            0, t0, body, (s.tokens, cache, q, s.key, logits[:, 0]))
+        # the last forward (of the last draft) is one step ahead of what is needed; its
+        # slot stays below the cache length, so it is kept
+        qs = s.q if q is None else (s.q[0], _sel(active, q, s.q[1])) + s.q[2:]
+        cache = cache.replace(length=jnp.where(active, start + t0, s.caches[0].length))
+        caches = (cache,) + s.caches[1:]
+        return s.replace(tokens=tokens, n=_set_row(s.n, 0, active, start + t0), caches=caches,
+                         q=qs, key=key, forwards=s.forwards.at[0].add(active * t0))
+
+    def fill(self, k: int, s: HSDState, active) -> HSDState:
+        """Level ``k - 1`` produces until level ``k`` holds ``T[k-1]`` drafts per row."""
+        if k == 1:
+            return self.draft0(s, active)
+        start, t = s.n[k], self.h.T[k - 1]
+        need = lambda s: active & (s.n[k - 1] - start < t)
+        return lax.while_loop(lambda s: jnp.any(need(s)),
+                              lambda s: self.step(k - 1, s, need(s)), s)
+
+    def step(self, k: int, s: HSDState, active) -> HSDState:
+        """Level ``k >= 1``: fill, verify in one forward, emit ``accepted + 1`` tokens, and
+        restart every level below from the new length."""
+        start = s.n[k]
+        s = self.fill(k, s, active)
+        m, b = self.h.buffer[k], start.shape[0]
+        d = s.n[k - 1] - start
+        logits, cache = self.score(k, s, start, m + 1)
+        pos = start[:, None] + jnp.arange(m)[None]
+        chain = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32) - 1, (b, m))
+        draft = Draft(tokens=_take(s.tokens, pos), parents=chain,
+                      valid=jnp.arange(m)[None] < d[:, None], probs=s.q[k])
+        key, sub = jax.random.split(s.key)
+        res = verify(logits, draft, sub, self.sampler)
+        new_n = start + res.accepted + 1
+        tokens = _write(s.tokens, (start + res.accepted)[:, None], res.next_token[:, None],
+                        active[:, None])
+        q = list(s.q)
+        if k < self.top and q[k + 1] is not None:  # this level's p, for the level above
+            v = logits.shape[-1]
+            p = sampling.probs(logits.reshape(-1, v), self.sampler).reshape(b, m + 1, v)
+            off = start - s.n[k + 1]
+            put = jax.vmap(lambda qq, pp, o: lax.dynamic_update_slice_in_dim(qq, pp, o, 0))
+            q[k + 1] = _sel(active, put(q[k + 1], p, off), q[k + 1])
+        caches = list(s.caches)
+        caches[k] = cache.replace(length=jnp.where(active, new_n - 1, s.caches[k].length))
+        n = _set_row(s.n, k, active, new_n)
+        for j in range(k):
+            n = _set_row(n, j, active, new_n)
+            if caches[j] is not None:
+                ln = caches[j].length
+                caches[j] = caches[j].replace(
+                    length=jnp.where(active, jnp.minimum(ln, new_n - 1), ln))
+        return s.replace(tokens=tokens, n=n, caches=tuple(caches), q=tuple(q), key=key,
+                         forwards=s.forwards.at[k].add(active),
+                         drafted=s.drafted.at[k].add(jnp.where(active, d, 0)),
+                         accepted=s.accepted.at[k].add(jnp.where(active, res.accepted, 0)))
+
+
+def _decode(tparams, hparams, prompt, prompt_len, budget, sampler, key, eos_ids, *,
+            target, hierarchy: Hierarchy, capacity: int, max_out: int, chunk: int) -> HSDOutput:
+    b, top = prompt.shape[0], len(hierarchy.levels) - 1
+    cache = target.init_cache(b, capacity, tparams["embed"].dtype)
+    h_last, cache = prefill(target, tparams, prompt, prompt_len, cache, chunk)
+    key, sub = jax.random.split(key)
+    first = sampling.sample(sub, target.logits(tparams, h_last), sampler)
+    tokens = prompt.at[jnp.arange(b), prompt_len].set(first)
+    sampled = isinstance(sampler, sampling.Sample)
+    vocab = target.config.vocab_size
+    q = (None,) + tuple(
+        jnp.zeros((b, hierarchy.buffer[k], vocab), jnp.float32)
+        if sampled and isinstance(hierarchy.levels[k - 1], Exit) else None
+        for k in range(1, top + 1))
+    zeros = jnp.zeros((top + 1, b), jnp.int32)
+    s = HSDState(tokens=tokens, n=jnp.broadcast_to(prompt_len + 1, (top + 1, b)),
+                 caches=tuple(None if isinstance(l, NGram) else cache for l in hierarchy.levels),
+                 q=q, key=key, done=_ends(tokens, prompt_len, prompt_len + 1, budget, eos_ids),
+                 forwards=zeros.at[top].set(1), drafted=zeros, accepted=zeros)
+    run = _Run(target, hierarchy, tparams, hparams, sampler, prompt_len)
+
+    def body(s: HSDState) -> HSDState:
+        s = run.step(top, s, ~s.done)
+        return s.replace(done=s.done | _ends(s.tokens, prompt_len, s.n[top], budget, eos_ids))
+
+    s = lax.while_loop(lambda s: jnp.any(~s.done), body, s)
+    idx = prompt_len[:, None] + jnp.arange(max_out)[None]
+    out = _take(s.tokens, idx)
+    is_eos = jnp.any(out[:, :, None] == eos_ids[None, None, :], -1)
+    first_eos = jnp.where(jnp.any(is_eos, 1), jnp.argmax(is_eos, 1) + 1, max_out)
+    lengths = jnp.minimum(jnp.minimum(s.n[top] - prompt_len, budget), first_eos)
+    out = jnp.where(jnp.arange(max_out)[None] < lengths[:, None], out, PAD)
+    total = lambda x: jnp.sum(x, axis=1)
+    return HSDOutput(tokens=out, lengths=lengths, forwards=total(s.forwards),
+                     drafted=total(s.drafted), accepted=total(s.accepted))
+
+
+def _ends(tokens, prompt_len, n, budget, eos_ids) -> Bool[Array, "B"]:
+    """A row ends once it holds ``budget`` new tokens or an EOS among them."""
+    c = tokens.shape[1]
+    span = jnp.arange(c)[None]
+    new = (span >= prompt_len[:, None]) & (span < n[:, None])
+    eos = jnp.any(new & jnp.any(tokens[:, :, None] == eos_ids[None, None, :], -1), 1)
+    return eos | (n - prompt_len >= budget)
+
+
+_DECODE = AotCache(_decode, ("target", "hierarchy", "capacity", "max_out", "chunk"))
+
+
+def hsd_generate(target, tparams, hierarchy: Hierarchy, prompts: Sequence[Sequence[int]], *,
+                 max_new_tokens: int | Sequence[int], hparams: Sequence | None = None,
+                 sampler: sampling.Sampler = sampling.Greedy(), key: Array | None = None,
+                 eos_ids: Sequence[int] = (), cache_size: int | None = None,
+                 chunk: int = 64) -> HSDOutput:
+    """Decodes a batch of prompts with ``hierarchy``; lossless like ``speculative_generate``.
+
+    ``hparams[k]`` are level ``k``'s head parameters (``None`` for the default head). Each
+    row stops after an EOS id (kept) or its budget. Invalid hierarchies and prompts that do
+    not fit the cache raise ``ValueError`` before anything is compiled.
+    """
+    if not prompts:
+        raise ValueError("no prompts given")
+    if isinstance(sampler, sampling.Sample) and key is None:
+        raise ValueError("sampling needs an explicit PRNG key (key=jax.random.key(seed))")
+    hierarchy.check(target)
+    top = len(hierarchy.levels) - 1
+    hparams = tuple(hparams) if hparams is not None else (None,) * (top + 1)
+    if len(hparams) != top + 1:
+        raise ValueError(f"{len(hparams)} head parameter entries for {top + 1} levels")
+    lens = [len(p) for p in prompts]
+    budgets = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, (int, np.integer))
+               else list(max_new_tokens))
+    if len(budgets) != len(prompts):
+        raise ValueError(f"{len(budgets)} budgets for {len(prompts)} prompts")
+    extra = sum(m + 1 for m in hierarchy.buffer) + 2 * top + 2  # lower levels run ahead
+    capacity, max_out = plan_shapes(lens, budgets, target.config.max_position_embeddings,
+                                    cache_size, chunk, extra=extra)
+    buf = np.zeros((len(prompts), capacity), np.int32)
+    for i, p in enumerate(prompts):
+        buf[i, : len(p)] = p
+    if buf.max() >= target.config.vocab_size or buf.min() < 0:
+        raise ValueError(f"prompt token ids must lie in [0, {target.config.vocab_size})")
+    eos = np.asarray(list(eos_ids) or [PAD], np.int32)
+    out, compile_s = _DECODE(tparams, hparams, jnp.asarray(buf), jnp.asarray(lens, jnp.int32),
+                             jnp.asarray(budgets, jnp.int32), sampler,
+                             jax.random.key(0) if key is None else key, jnp.asarray(eos),
+                             target=target, hierarchy=hierarchy, capacity=capacity,
+                             max_out=max_out, chunk=chunk)
+    return out.replace(compile_s=compile_s)
+
+
+__all__ = ["Exit", "NGram", "Hierarchy", "HSDOutput", "hsd_generate"]

@@ -1,0 +1,112 @@
+"""HSD: greedy equals ar (toy and real model), sampled output matches the target, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax import hsd, sampling
+from specjax.models import Llama, LlamaConfig
+from specjax.models.llama import init_params
+
+V = 12
+TOY = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=3,
+                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+PROMPT = [1, 5, 2, 7, 5]
+NG = hsd.NGram(specjax.NGramDrafter(depth=4, min_ngram=1))
+
+HIERARCHIES = {
+    "exit-target": ((hsd.Exit(1), hsd.Exit()), (3,)),
+    "exit-exit-target": ((hsd.Exit(1), hsd.Exit(2), hsd.Exit()), (2, 3)),
+    "ngram-exit-target": ((NG, hsd.Exit(1), hsd.Exit()), (3, 2)),
+    "4-levels": ((NG, hsd.Exit(1), hsd.Exit(2), hsd.Exit()), (2, 2, 2)),
+}
+
+
+@pytest.fixture(scope="module")
+def toy():
+    model = Llama(TOY)
+    return model, jax.tree.map(lambda x: x * 3.0, init_params(TOY, jax.random.key(1)))
+
+
+@pytest.mark.parametrize("name", list(HIERARCHIES))
+def test_greedy_hsd_equals_ar_on_toy(toy, name):
+    model, tp = toy
+    h = hsd.Hierarchy(*HIERARCHIES[name])
+    prompts, budgets = [PROMPT, [3, 3, 1], PROMPT * 4, [7]], [20, 7, 33, 12]
+    ar = specjax.generate(model, tp, prompts, max_new_tokens=budgets).to_lists()
+    out = hsd.hsd_generate(model, tp, h, prompts, max_new_tokens=budgets)
+    assert out.to_lists() == ar
+    assert np.all(out.drafted[1:] > 0), "some level never verified anything: vacuous"
+    assert np.all(out.accepted[1:] > 0), "no draft was ever accepted: vacuous"
+    assert out.forwards[-1] < sum(budgets), "the target ran once per token: no speculation"
+
+
+def _exact_second_and_third(model, tp, sampler):
+    """P(y1, y2) of the target after PROMPT (y0 marginalized), by enumeration."""
+    def dist(seqs):
+        toks = jnp.asarray(seqs)
+        pos = jnp.broadcast_to(jnp.arange(toks.shape[1]), toks.shape)
+        logits, _, _ = model.forward(tp, toks, pos, model.init_cache(len(seqs), 64))
+        return np.asarray(sampling.probs(logits[:, -1], sampler), np.float64)
+
+    p0 = dist([PROMPT])[0]
+    p1 = dist([PROMPT + [a] for a in range(V)])
+    p2 = dist([PROMPT + [a, b] for a in range(V) for b in range(V)]).reshape(V, V, V)
+    return np.einsum("a,ab,abc->bc", p0, p1, p2)  # a, b, c: y0, y1, y2 in [0, V)
+
+
+@pytest.mark.parametrize("name", ["exit-exit-target", "ngram-exit-target"])
+def test_sampled_three_level_hsd_matches_target(toy, name):
+    from test_speculative import _pvalue
+
+    model, tp = toy
+    levels, T = HIERARCHIES[name]
+    h = hsd.Hierarchy(levels, (2, 2) if name == "exit-exit-target" else T)
+    sampler = sampling.Sample(1.0)
+    counts, acc = np.zeros((V, V)), []
+    for i in range(20):
+        out = hsd.hsd_generate(model, tp, h, [PROMPT] * 256, max_new_tokens=3,
+                               sampler=sampler, key=jax.random.key(i))
+        y = np.asarray(out.tokens)[:, :3]
+        np.add.at(counts, (y[:, 1], y[:, 2]), 1)
+        acc.append(out.acceptance)
+    p = _pvalue(counts, _exact_second_and_third(model, tp, sampler))
+    assert p > 1e-4, f"{name}: (y1, y2) differs from the target (p={p:.2e})"
+    assert np.all(np.mean(acc, 0) > 0.05), "drafts were almost never accepted: vacuous"
+
+
+@pytest.mark.parametrize("levels, T, msg", [
+    ((hsd.Exit(),), (), "needs a drafter"),
+    ((hsd.Exit(1), hsd.Exit()), (2, 2), "need 1 T values"),
+    ((hsd.Exit(1), hsd.Exit()), (0,), "T must be >= 1"),
+    ((hsd.Exit(2), hsd.Exit(1), hsd.Exit()), (2, 2), "must increase"),
+    ((hsd.Exit(1), NG, hsd.Exit()), (2, 2), "only be the bottom"),
+    ((NG, hsd.Exit()), (5,), "fewer than T[0]"),
+    ((hsd.Exit(3), hsd.Exit()), (2,), "outside [1, 2]"),
+    ((hsd.Exit(1), hsd.Exit(2)), (2,), "last level must be the target"),
+])
+def test_bad_hierarchy_is_rejected(toy, levels, T, msg):
+    model, tp = toy
+    with pytest.raises(ValueError, match=__import__("re").escape(msg)):
+        hsd.hsd_generate(model, tp, hsd.Hierarchy(levels, T), [PROMPT], max_new_tokens=4)
+
+
+@pytest.mark.slow
+def test_greedy_three_level_hsd_equals_ar_on_real_model(smollm):
+    from test_speculative import PROMPTS
+
+    ids = [smollm.encode(p, chat=c) for p, c in PROMPTS]
+    budgets = [24, 9, 17, 30]
+    h = hsd.Hierarchy((hsd.NGram(specjax.NGramDrafter(depth=4)), hsd.Exit(12), hsd.Exit()),
+                      (4, 2))
+    ar = specjax.generate(smollm.model, smollm.params, ids, max_new_tokens=budgets,
+                          eos_ids=smollm.eos_ids).to_lists()
+    out = hsd.hsd_generate(smollm.model, smollm.params, h, ids, max_new_tokens=budgets,
+                           eos_ids=smollm.eos_ids)
+    assert out.to_lists() == ar, "hsd: batch of 4 differs from ar"
+    one = hsd.hsd_generate(smollm.model, smollm.params, h, ids[:1], max_new_tokens=budgets[0],
+                           eos_ids=smollm.eos_ids)
+    assert one.to_lists() == ar[:1], "hsd: batch of 1 differs from ar"
+    assert out.accepted[1] > 0 and out.accepted[2] > 0
