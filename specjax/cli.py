@@ -97,6 +97,12 @@ def cmd_demo(args) -> int:
     ids = lm.encode(prompt, chat=True)
     print(f"prompt ({len(ids)} tokens): {prompt[:200]}{'...' if len(prompt) > 200 else ''}")
     runs, chosen = {}, args.method
+    if chosen == "eagle2" and not args.draft_checkpoint:
+        from specjax import eagle
+
+        if eagle.shipped_head(args.model) is None:
+            print(f"no EAGLE head ships for {args.model}: showing sd (n-gram drafter) instead")
+            chosen = "sd"
     for method in ("ar", chosen):
         args.method = method
         print(f"[{method}] compiling and decoding {args.max_new_tokens} tokens ...", flush=True)
