@@ -212,3 +212,53 @@ def test_greedy_eagle_equals_ar_on_real_model(smollm):
     one = speculative_generate(smollm.model, smollm.params, drafter, dp, ids[:1],
                                max_new_tokens=budgets[0], eos_ids=smollm.eos_ids)
     assert one.to_lists() == ar[:1], "eagle2: batch of 1 differs from ar"
+
+
+def test_drafter_state_after_commit_equals_a_fresh_start(toy):
+    """After a real round (propose, verify, commit), the head drafts exactly what a head
+    started afresh on the whole accepted context drafts: the committed features and cache
+    are those of the true context."""
+    from specjax import speculative
+    from specjax.decoding import prefill
+    from specjax.drafters import Context
+
+    model, tparams, dp = toy
+    drafter = eagle.EagleDrafter(model, depth=3, topk=3, total_tokens=8)
+    cap, chunk, greedy = 128, 16, sampling.Greedy()
+    eos = jnp.asarray([-1])
+
+    def start(prompt):
+        p = len(prompt)
+        buf = jnp.zeros((1, cap), jnp.int32).at[0, :p].set(jnp.asarray(prompt))
+        h_last, cache, h_all = prefill(model, tparams, buf, jnp.asarray([p]),
+                                       model.init_cache(1, cap), chunk, True)
+        first = jnp.argmax(model.logits(tparams, h_last), -1)
+        toks = buf.at[0, p].set(first[0])
+        ctx = Context(tokens=toks, length=jnp.asarray([p + 1]), prompt_len=jnp.asarray([p]),
+                      cache=cache, params=tparams, hidden=h_all)
+        return ctx, drafter.init(dp, ctx, chunk)
+
+    accepted = []
+    for prompt in (PROMPT, PROMPT * 3, [3, 3, 1, 4], [7, 2]):
+        ctx, dstate = start(prompt)
+        s = speculative.SpecState(
+            tokens=ctx.tokens, length=ctx.length, num=jnp.asarray([1]),
+            done=jnp.asarray([False]), cache=ctx.cache, dstate=dstate, key=jax.random.key(0),
+            rounds=jnp.asarray([0]), accepted_at=jnp.zeros((1, drafter.depth), jnp.int32))
+        for _ in range(2):  # two rounds: the second drafts from a committed state
+            s = speculative._round(s, target=model, tparams=tparams, drafter=drafter,
+                                   dparams=dp, prompt_len=jnp.asarray([len(prompt)]),
+                                   budget=jnp.asarray([64]), sampler=greedy, eos_ids=eos,
+                                   rule=specjax.Rejection(), depth=drafter.depth,
+                                   widths=drafter.verify_widths)
+        accepted.append(int(s.accepted_at[0, 0]))
+        n = int(s.length[0])
+        ctx = Context(tokens=s.tokens, length=s.length, prompt_len=jnp.asarray([len(prompt)]),
+                      cache=s.cache, params=tparams)
+        committed, _, _ = drafter.propose(dp, s.dstate, ctx, jax.random.key(0), greedy)
+        fresh_ctx, fresh_state = start(np.asarray(s.tokens[0, : n - 1]).tolist())
+        fresh, _, _ = drafter.propose(dp, fresh_state, fresh_ctx, jax.random.key(0), greedy)
+        assert int(fresh_ctx.tokens[0, n - 1]) == int(s.tokens[0, n - 1])
+        np.testing.assert_array_equal(committed.tokens, fresh.tokens)
+        np.testing.assert_array_equal(committed.parents, fresh.parents)
+    assert sum(accepted) > 0, "no round accepted a draft token: the commit path went untested"
