@@ -244,7 +244,8 @@ def cmd_train(args) -> int:
     corpus = distill.load_shards(args.data)
     cfg = train_eagle.TrainConfig(steps=args.steps, batch_tokens=args.batch_tokens,
                                   max_len=args.max_len, lr=args.lr, seed=args.seed,
-                                  save_every=args.save_every, ce_vocab=args.ce_vocab)
+                                  save_every=args.save_every, ce_vocab=args.ce_vocab,
+                                  val_examples=args.val_examples)
     run = Path(args.run)
     run.mkdir(parents=True, exist_ok=True)
     log_f = (run / "log.jsonl").open("a")
@@ -352,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     te.add_argument("--save-every", type=int, default=100)
     te.add_argument("--ce-vocab", type=int, default=8192,
                     help="cross-entropy over the corpus's most frequent tokens (0: all)")
+    te.add_argument("--val-examples", type=int, default=0,
+                    help="examples held out and scored at every checkpoint (val_acc in the log)")
     te.add_argument("--draft-vocab", type=int, default=0,
                     help="default draft vocabulary size of the exported head (0: full)")
     te.add_argument("--export", help="write the trained head (bfloat16) here")

@@ -64,6 +64,26 @@ def test_loss_decreases(lm, corpus, tmp_path):
     assert logs[-1]["acc"] > logs[0]["acc"]
 
 
+def test_held_out_examples_are_scored_and_never_trained_on(lm, corpus, tmp_path):
+    cfg = dataclasses.replace(CFG, val_examples=6, steps=10)
+    tr, val = train_eagle.split(corpus, cfg)
+    assert len(val) == 6 and len(tr) == len(corpus) - 6
+    assert {id(e) for e in tr}.isdisjoint({id(e) for e in val})
+    assert [len(e[0]) for e in train_eagle.split(corpus, cfg)[1]] == [len(e[0]) for e in val]
+    plan = train_eagle.batch_plan(tr, cfg)
+    assert sum(len(b) for b in plan) == len(tr)  # batches draw from the training part only
+    logs = []
+    train_eagle.train(lm.model, lm.params, corpus, cfg, tmp_path / "run", log=logs.append)
+    scored = [r for r in logs if "val_acc" in r]
+    assert [r["step"] for r in scored] == [5, 10]
+    want = sum(int(np.sum(train_eagle.batch_at(val, train_eagle.batch_plan(val, cfg), k, cfg)[3]))
+               for k in range(len(train_eagle.batch_plan(val, cfg))))
+    assert scored[-1]["val_tokens"] == want > 0
+    assert 0.0 <= scored[-1]["val_acc"] <= 1.0 and np.isfinite(scored[-1]["val_loss"])
+    with pytest.raises(ValueError, match="val_examples"):
+        train_eagle.split(corpus, dataclasses.replace(CFG, val_examples=len(corpus)))
+
+
 def test_resume_after_kill_gives_the_same_parameters(lm, corpus, tmp_path):
     whole = train_eagle.train(lm.model, lm.params, corpus, CFG, tmp_path / "a")
     train_eagle.train(lm.model, lm.params, corpus, CFG, tmp_path / "b", stop_after=13)

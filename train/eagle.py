@@ -47,6 +47,7 @@ class TrainConfig:
     ce_vocab: int = 8192  # CE over the corpus's most frequent tokens (0: the whole vocabulary)
     seed: int = 0
     save_every: int = 200
+    val_examples: int = 0  # held out (a seeded choice), scored at every checkpoint
 
 
 def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -127,6 +128,43 @@ def loss_fn(hp, tparams, toks, hidden, prev_hidden, mask, key, vocab_ids, *, tar
                   "acc": acc}
 
 
+def split(corpus: Sequence, cfg: TrainConfig) -> tuple[list, list]:
+    """``(train, val)``: ``cfg.val_examples`` examples held out by a seeded permutation."""
+    n = len(corpus)
+    if not 0 <= cfg.val_examples < n:
+        raise ValueError(f"val_examples={cfg.val_examples} must lie in [0, {n}) for {n} examples")
+    held = set(np.random.default_rng((cfg.seed, 1)).permutation(n)[:cfg.val_examples].tolist())
+    return ([e for i, e in enumerate(corpus) if i not in held],
+            [e for i, e in enumerate(corpus) if i in held])
+
+
+def make_eval(target, cfg: TrainConfig):
+    """Jitted ``(params, tparams, batch..., vocab_ids) -> (sums of loss and agreement, count)``
+    without input noise."""
+    quiet = dataclasses.replace(cfg, noise=0.0)
+
+    @jax.jit
+    def evaluate(params, tparams, toks, hidden, prev_hidden, mask, vocab_ids):
+        _, m = loss_fn(params, tparams, toks, hidden, prev_hidden, mask, jax.random.key(0),
+                       vocab_ids, target=target, cfg=quiet)
+        n = jnp.maximum(jnp.sum(mask), 1.0)
+        return m["loss"] * n, m["acc"] * n, jnp.sum(mask)
+
+    return evaluate
+
+
+def validate(evaluate, params, tparams, val: Sequence, cfg: TrainConfig, vocab_ids) -> dict:
+    """Token-weighted loss and top-1 agreement over the held-out examples."""
+    plan = batch_plan(val, cfg)
+    tot = np.zeros(3)
+    for k in range(len(plan)):
+        toks, hidden, prev, mask = batch_at(val, plan, k, cfg)
+        tot += np.asarray([float(x) for x in evaluate(params, tparams, toks, hidden, prev, mask,
+                                                      vocab_ids)])
+    n = max(tot[2], 1.0)
+    return {"val_loss": tot[0] / n, "val_acc": tot[1] / n, "val_tokens": int(tot[2])}
+
+
 def make_step(target, cfg: TrainConfig, opt: optax.GradientTransformation):
     @jax.jit
     def step(state, tparams, toks, hidden, prev_hidden, mask, vocab_ids):
@@ -159,6 +197,8 @@ def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Pa
     if got is not None:
         state = got[1]
     step_fn = make_step(target, cfg, opt)
+    corpus, val = split(corpus, cfg)
+    evaluate = make_eval(target, cfg) if val else None
     plan = batch_plan(corpus, cfg)
     vocab_ids = None
     if cfg.ce_vocab:
@@ -180,6 +220,9 @@ def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Pa
             progress.set_postfix(loss=f"{float(m['loss']):.3f}", acc=f"{float(m['acc']):.3f}")
         if (s + 1) % cfg.save_every == 0 or s + 1 == end:
             mngr.save(s + 1, args=checkpoint.ocp.args.StandardSave(state), force=True)
+            if evaluate is not None and log is not None:
+                log({"step": s + 1, **validate(evaluate, state["params"], tparams, val, cfg,
+                                               vocab_ids)})
     mngr.wait_until_finished()
     mngr.close()
     return state

@@ -1,0 +1,52 @@
+"""Training curve of a ``specjax train`` run: loss and top-1 agreement per step.
+
+    .venv/bin/python scripts/plot_train.py runs/eagle/log.jsonl docs/results/eagle_train.png
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def smooth(x: np.ndarray, w: int = 25) -> np.ndarray:
+    w = max(1, min(w, len(x)))
+    return np.convolve(x, np.ones(w) / w, mode="valid")
+
+
+def main(log: str, out: str) -> None:
+    rows, val = {}, {}
+    for line in open(log):
+        r = json.loads(line)
+        (val if "val_acc" in r else rows)[r["step"]] = r  # a resumed run repeats: keep the last
+    steps = np.asarray(sorted(rows))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, key, title in zip(axes, ("loss", "ce", "acc"),
+                              ("total loss", "cross-entropy vs target", "top-1 agreement")):
+        y = np.asarray([rows[s][key] for s in steps])
+        ax.plot(steps, y, alpha=0.3, lw=0.8)
+        ys = smooth(y)
+        ax.plot(steps[len(steps) - len(ys):], ys, lw=1.8)
+        vkey = {"loss": "val_loss", "acc": "val_acc"}.get(key)
+        if vkey and val:
+            vs = sorted(val)
+            ax.plot(vs, [val[s][vkey] for s in vs], "o-", lw=1.5, ms=4, label="held out")
+            ax.legend()
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}; last step {steps[-1]}: "
+          + ", ".join(f"{k} {rows[steps[-1]][k]:.3f}" for k in ("loss", "ce", "acc"))
+          + (f"; held out: acc {val[max(val)]['val_acc']:.3f}" if val else ""))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
