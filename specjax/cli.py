@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -122,6 +123,13 @@ def cmd_demo(args) -> int:
     return 0 if same else 1
 
 
+def split_methods(spec: str) -> list[str]:
+    """``"ar,eagle2:4,4,8:conf,vocab=4096,hf"`` -> ``["ar", "eagle2:4,4,8:conf,vocab=4096", "hf"]``:
+    a comma starts a new method only where a method name follows."""
+    parts = re.split(r",(?=\s*(?:ar\b|hf\b|hf-pld\b|sd-|eagle2|hsd))", spec)
+    return [m.strip() for m in parts if m.strip()]
+
+
 def cmd_bench(args) -> int:
     from tqdm import tqdm
 
@@ -130,7 +138,7 @@ def cmd_bench(args) -> int:
 
     from specjax import drafters
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = split_methods(args.methods)
     known = {"ar", "hf", "hf-pld"}
     bad = [m for m in methods
            if m not in known and not m.startswith("sd-") and not m.startswith("eagle2")]
