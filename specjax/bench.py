@@ -78,6 +78,7 @@ class Run:
     target_forwards: int
     compile_s: float = 0.0
     accepted_at: list[int] | None = None  # rounds whose accepted path reached position i
+    levels: dict | None = None  # HSD: forwards, drafted and accepted per level
 
 
 Method = Callable[[list[int], int], Run]
@@ -131,6 +132,22 @@ def sd_method(lm, drafter, dparams=None, sampler=None) -> Method:
             lambda: speculative_generate(lm.model, lm.params, drafter, dparams, [ids], **kw))
         return Run(out.to_lists()[0], dt, int(out.target_forwards[0]), compile_s,
                    np.asarray(out.accepted_at[0]).tolist())
+
+    return run
+
+
+def hsd_method(lm, hierarchy, hparams=None, sampler=None) -> Method:
+    """specjax hierarchical speculative decoding (``specjax.hsd``); greedy by default."""
+    from specjax.hsd import hsd_generate
+
+    def run(ids: list[int], n: int) -> Run:
+        kw = dict(max_new_tokens=n, eos_ids=lm.eos_ids, hparams=hparams, **_sampling_kw(sampler))
+        out, dt, compile_s = _timed(lambda: hsd_generate(lm.model, lm.params, hierarchy, [ids],
+                                                         **kw))
+        return Run(out.to_lists()[0], dt, int(out.forwards[-1]), compile_s,
+                   levels={"forwards": np.asarray(out.forwards).tolist(),
+                           "drafted": np.asarray(out.drafted).tolist(),
+                           "accepted": np.asarray(out.accepted).tolist()})
 
     return run
 
@@ -233,6 +250,12 @@ def _summary(runs: list[tuple[Question, Run]]) -> dict:
     if all(a is not None for a in acc) and acc:
         rounds = sum(r.target_forwards - 1 for _, r in runs)  # the prefill is not a round
         out["acceptance_by_position"] = (np.sum(acc, axis=0) / max(rounds, 1)).tolist()
+    lv = [r.levels for _, r in runs]
+    if lv and all(x is not None for x in lv):  # HSD: per-level counts and acceptance rates
+        out["levels"] = {k: np.sum([x[k] for x in lv], axis=0).tolist() for k in lv[0]}
+        d, a = (np.asarray(out["levels"][k], float) for k in ("drafted", "accepted"))
+        out["levels"]["acceptance"] = (a[1:] / np.maximum(d[1:], 1)).tolist()
+        out["ms_per_token"] = 1e3 * secs / max(toks, 1)
     return out
 
 

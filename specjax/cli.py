@@ -1,4 +1,4 @@
-"""The ``specjax`` command: demo, generate and bench."""
+"""The ``specjax`` command: demo, generate, bench, distill, train, calibrate and tune."""
 
 from __future__ import annotations
 
@@ -33,6 +33,12 @@ def _decoder(lm, args):
 
     if args.method == "ar":
         return (lambda ids, **kw: specjax.generate(lm.model, lm.params, [ids], **kw)), None
+    if args.method == "hsd":
+        h, hp, name = _hsd(lm, args, args.hierarchy)
+        from specjax.hsd import hsd_generate
+
+        return (lambda ids, **kw: hsd_generate(lm.model, lm.params, h, [ids], hparams=hp,
+                                               **kw)), name
     if args.method == "eagle2":
         from specjax import eagle
 
@@ -44,6 +50,49 @@ def _decoder(lm, args):
     run = lambda ids, **kw: specjax.speculative_generate(lm.model, lm.params, drafter, dparams,
                                                          [ids], **kw)
     return run, name
+
+
+def _exit_heads(lm, args, layers=None) -> tuple[dict, list[int], str | None]:
+    """``(heads, layers, source)``: trained exit heads from ``--exit-heads`` (default: the
+    ones shipped for the model), else plain early exits at ``layers`` (or ``--layers``)."""
+    from specjax import exit_heads
+
+    path = args.exit_heads or exit_heads.shipped_heads(args.model)
+    if path is not None:
+        heads, _ = exit_heads.load_heads(lm.model, path, lm.params["embed"].dtype)
+        return heads, sorted(heads), str(path)
+    if layers is None:
+        layers = [int(x) for x in args.layers.split(",")]
+    return {}, list(layers), None
+
+
+def _hsd(lm, args, spec: str):
+    """``(Hierarchy, hparams, spec)`` for ``auto`` (tuned from ``--calibration``) or a spec
+    such as ``ngram:4,12:3,target``."""
+    from specjax import calibrate
+
+    if spec == "auto":
+        if not args.calibration:
+            raise SystemExit("--hierarchy auto needs --calibration FILE (from `specjax "
+                             "calibrate`)")
+        calib = json.loads(Path(args.calibration).read_text())
+        heads, layers, _ = _exit_heads(lm, args, calib["layers"])
+        if layers != list(calib["layers"]):
+            raise SystemExit(f"{args.calibration} was measured for exit layers "
+                             f"{calib['layers']}, but the exit heads have {layers}")
+        lat, sigma, T, table = calibrate.tune(calib, args.t_max, args.max_levels)
+        if len(sigma) == 1:  # the target alone is predicted fastest: run the best hierarchy
+            row = min(table, key=lambda r: r["latency_ms"])
+            sigma, T = row["sigma"], row["T"]
+            print(f"note: the target alone is predicted faster ({lat:.1f} ms/token) than any "
+                  f"hierarchy (best {row['latency_ms']:.1f}); running that best one",
+                  file=sys.stderr)
+    else:
+        heads, layers, _ = _exit_heads(lm, args)
+        sigma, T = calibrate.parse_hierarchy(spec, layers)
+    h, hp = calibrate.hierarchy_from(sigma, T, layers, heads)
+    h.check(lm.model)
+    return h, hp, calibrate.format_hierarchy(sigma, T, layers)
 
 
 def _generate_once(lm, ids, args) -> dict:
@@ -65,7 +114,11 @@ def _generate_once(lm, ids, args) -> dict:
            "prompt_tokens": len(ids), "new_tokens": len(toks), "seconds": dt,
            "tokens_per_s": len(toks) / dt, "compile_s": compile_s, "tau": 1.0,
            "target_forwards": len(toks), "acceptance_by_position": None}
-    if drafter is not None:
+    if args.method == "hsd":
+        res.update(tau=out.tau, target_forwards=int(out.forwards[-1]),
+                   levels={"forwards": out.forwards.tolist(), "drafted": out.drafted.tolist(),
+                           "accepted": out.accepted.tolist()})
+    elif drafter is not None:
         res.update(tau=out.tau, target_forwards=int(out.target_forwards[0]),
                    acceptance_by_position=out.acceptance_by_position().tolist())
     return res
@@ -130,6 +183,74 @@ def split_methods(spec: str) -> list[str]:
     return [m.strip() for m in parts if m.strip()]
 
 
+def cmd_calibrate(args) -> int:
+    import platform
+
+    import specjax
+    from tqdm import tqdm
+
+    from specjax import bench, calibrate
+    from specjax.models import load
+
+    lm = load(args.model, _dtype(args.dtype))
+    heads, layers, source = _exit_heads(lm, args)
+    qs = bench.load_questions(args.prompts, None, args.limit)
+    sampler = _sampler(args)
+    seqs, pls = [], []
+    for q in tqdm(qs, desc="target outputs", unit="prompt"):
+        ids = lm.encode(q.text, chat=True)
+        out = specjax.generate(lm.model, lm.params, [ids], max_new_tokens=args.max_new_tokens,
+                               eos_ids=lm.eos_ids, **bench._sampling_kw(sampler))
+        seqs.append(ids + out.to_lists()[0])
+        pls.append(len(ids))
+    with tqdm(total=len(seqs), desc="agreement", unit="prompt") as bar:
+        alpha, n = calibrate.agreement(lm.model, lm.params, heads, layers, seqs, pls, sampler,
+                                       progress=bar)
+    widths = [int(w) for w in args.widths.split(",")]
+    with tqdm(total=len(widths) * (len(layers) + 1), desc="costs", unit="forward") as bar:
+        cost = calibrate.forward_costs(lm.model, lm.params, heads, layers, widths, progress=bar)
+    res = {"model": args.model, "dtype": args.dtype, "layers": layers, "exit_heads": source,
+           "candidates": calibrate.names(layers), "alpha": alpha.tolist(), "positions": n,
+           "prompts": len(seqs), "temperature": max(args.temperature, 0.0),
+           "cost_ms": cost, "machine": {"platform": platform.platform(),
+                                        "cpu_count": os.cpu_count()}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    names = calibrate.names(layers)
+    print("alpha (row drafts, column verifies):")
+    for i, name in enumerate(names):
+        print(f"  {name:>8} " + " ".join(f"{alpha[i, j]:5.2f}" if j > i else "    -"
+                                         for j in range(len(names))))
+    print("cost (ms) at width 1 / 5 / 17: " + "; ".join(
+        f"{k} " + "/".join(f"{calibrate._cost_at(v, w):.1f}" for w in (1, 5, 17))
+        for k, v in cost.items() if k != "ngram") + f"; ngram lookup {cost['ngram'][1]:.2f}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_tune(args) -> int:
+    from specjax import calibrate
+
+    calib = json.loads(Path(args.calibration).read_text())
+    t = time.perf_counter()
+    lat, sigma, T, table = calibrate.tune(calib, args.t_max, args.max_levels)
+    dt = time.perf_counter() - t
+    layers = calib["layers"]
+    ar = calibrate.predicted_latency(calib, (len(layers) + 1,), ())
+    table.sort(key=lambda r: r["latency_ms"])
+    for r in table[:10]:
+        print(f"{r['latency_ms']:8.2f} ms/token  {calibrate.format_hierarchy(r['sigma'], r['T'], layers)}")
+    best = calibrate.format_hierarchy(sigma, T, layers)
+    print(f"best: {best}: {lat:.2f} ms/token predicted vs {ar:.2f} for the target alone "
+          f"({ar / lat:.2f}x); {len(table)} hierarchies searched in {dt:.2f} s")
+    if args.out:
+        rows = [{**r, "spec": calibrate.format_hierarchy(r["sigma"], r["T"], layers)}
+                for r in table]
+        Path(args.out).write_text(json.dumps({"best": best, "latency_ms": lat,
+                                              "target_alone_ms": ar, "ranking": rows}, indent=1))
+    return 0
+
+
 def cmd_bench(args) -> int:
     from tqdm import tqdm
 
@@ -140,11 +261,10 @@ def cmd_bench(args) -> int:
 
     methods = split_methods(args.methods)
     known = {"ar", "hf", "hf-pld"}
-    bad = [m for m in methods
-           if m not in known and not m.startswith("sd-") and not m.startswith("eagle2")]
+    bad = [m for m in methods if m not in known and not m.startswith(("sd-", "eagle2", "hsd"))]
     if bad:
-        raise SystemExit(f"unknown methods {bad}; available: {sorted(known)}, "
-                         f"sd-ngram, sd-early-exit:L and eagle2[:depth,topk,total][:opts]")
+        raise SystemExit(f"unknown methods {bad}; available: {sorted(known)}, sd-ngram, "
+                         f"sd-early-exit:L, eagle2[:depth,topk,total][:opts], hsd[:SPEC]")
     questions = bench.load_questions(args.questions, args.categories, args.limit)
     lm = load(args.model, _dtype(args.dtype))
     threads = args.threads or os.cpu_count() or 1
@@ -167,6 +287,9 @@ def cmd_bench(args) -> int:
             d, dp = eagle.load_drafter(m, lm, args.model, args.draft_checkpoint)
             d.check(lm.model)
             runners[m] = lambda d=d, dp=dp: bench.sd_method(lm, d, dp, sampler)
+        elif m.startswith("hsd"):
+            h, hp, _ = _hsd(lm, args, m.partition(":")[2] or "auto")
+            runners[m] = lambda h=h, hp=hp: bench.hsd_method(lm, h, hp, sampler)
     run = {m: runners[m]() for m in methods}
     results = {m: [] for m in methods}
     mismatches = []
@@ -239,6 +362,49 @@ def cmd_distill(args) -> int:
     return 0
 
 
+def _run_log(run_dir: str):
+    """A function appending one JSON line per call to ``run_dir/log.jsonl``."""
+    run = Path(run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    log_f = (run / "log.jsonl").open("a")
+    return lambda r: (log_f.write(json.dumps(r) + "\n"), log_f.flush())
+
+
+def cmd_train_exits(args) -> int:
+    import dataclasses
+
+    from tqdm import tqdm
+
+    from specjax.models import load
+    from specjax.train import checkpoint, distill
+    from specjax.train import exit_heads as train_exits
+
+    lm = load(args.model)
+    corpus = distill.load_shards(args.data)
+    layers = tuple(int(x) for x in args.layers.split(","))
+    cfg = train_exits.ExitConfig(layers=layers, rank=args.rank, steps=args.steps,
+                                 batch_tokens=args.batch_tokens, max_len=args.max_len,
+                                 lr=args.lr, seed=args.seed, save_every=args.save_every,
+                                 kl_vocab=args.kl_vocab)
+    log = _run_log(args.run)
+    print(f"{len(corpus)} examples, {sum(len(t) for t, _, _ in corpus)} tokens; {cfg}", flush=True)
+    with tqdm(total=len(corpus), desc="target features", unit="example") as bar:
+        feats = train_exits.layer_features(lm.model, lm.params, corpus, cfg, progress=bar)
+    with tqdm(total=cfg.steps, desc="train exit heads", unit="step") as bar:
+        state = train_exits.train(lm.model, lm.params, corpus, cfg, args.run, feats=feats,
+                                  progress=bar, log=log,
+                                  meta={"model": args.model, "data": str(Path(args.data))})
+    if args.export:
+        summary = Path(args.data, "summary.json")
+        meta = {"kind": "exit-heads", "model": args.model, "layers": list(cfg.layers),
+                "rank": cfg.rank, "train": dataclasses.asdict(cfg),
+                "steps_done": int(state["step"]),
+                "data": json.loads(summary.read_text()) if summary.exists() else None}
+        out = checkpoint.export_head(state["params"], args.export, meta)
+        print(f"exported the exit heads (bfloat16) to {out}")
+    return 0
+
+
 def cmd_train(args) -> int:
     import dataclasses
 
@@ -254,10 +420,7 @@ def cmd_train(args) -> int:
                                   max_len=args.max_len, lr=args.lr, seed=args.seed,
                                   save_every=args.save_every, ce_vocab=args.ce_vocab,
                                   val_examples=args.val_examples)
-    run = Path(args.run)
-    run.mkdir(parents=True, exist_ok=True)
-    log_f = (run / "log.jsonl").open("a")
-    log = lambda r: (log_f.write(json.dumps(r) + "\n"), log_f.flush())
+    log = _run_log(args.run)
     n_tok = sum(len(t) - pl for t, pl, _ in corpus)
     print(f"{len(corpus)} examples, {n_tok} answer tokens; {cfg}", flush=True)
     with tqdm(total=cfg.steps, desc="train eagle", unit="step") as bar:
@@ -290,9 +453,10 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--top-k", type=int, default=0)
         s.add_argument("--top-p", type=float, default=1.0)
         s.add_argument("--seed", type=int, default=0)
-        s.add_argument("--method", default="ar", choices=["ar", "sd", "eagle2"],
+        s.add_argument("--method", default="ar", choices=["ar", "sd", "eagle2", "hsd"],
                        help="ar: one token per forward; sd: speculative decoding with "
-                            "--drafter; eagle2: the EAGLE-2 head and dynamic tree")
+                            "--drafter; eagle2: the EAGLE-2 head and dynamic tree; hsd: "
+                            "a hierarchy of drafters (--hierarchy)")
         s.add_argument("--eagle", default="eagle2", help="EAGLE spec: "
                        "eagle2[:depth,topk,total][:conf,norerank,fullvocab,vocab=N]")
         s.add_argument("--draft-checkpoint", help="an exported EAGLE head directory (default: "
@@ -300,6 +464,21 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--drafter", default="ngram", help="for sd: ngram | early-exit:L")
         s.add_argument("--draft-len", type=int, help="draft tokens per round (default: the "
                                                       "drafter's own)")
+        s.add_argument("--hierarchy", default="auto", help="for hsd: auto (tuned from "
+                       "--calibration) or a spec such as ngram:4,12:3,target")
+        hsd_options(s)
+
+    def exit_options(s):
+        s.add_argument("--exit-heads", help="exported exit heads (default: the ones shipped "
+                                            "for --model, else plain early exits)")
+        s.add_argument("--layers", default="4,8,12,16,20,24",
+                       help="exit layers when no exit heads are given or shipped")
+
+    def hsd_options(s):
+        exit_options(s)
+        s.add_argument("--calibration", help="JSON from `specjax calibrate` (hsd auto)")
+        s.add_argument("--t-max", type=int, default=8, help="largest T the tuner tries")
+        s.add_argument("--max-levels", type=int, default=4, help="most levels the tuner tries")
 
     g = sub.add_parser("generate", help="decode one prompt")
     common(g)
@@ -334,7 +513,28 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=int, help="questions in total, spread over categories")
     b.add_argument("--threads", type=int, help="torch threads for hf (default: all cores)")
     b.add_argument("--out", help="write the JSON report here")
+    hsd_options(b)
     b.set_defaults(fn=cmd_bench)
+
+    c = sub.add_parser("calibrate", help="HSD: measure each candidate drafter's cost and "
+                                         "every pair's acceptance rate here; writes JSON")
+    common(c)
+    exit_options(c)
+    c.add_argument("--prompts", help="Spec-Bench-format question.jsonl (default: built-in)")
+    c.add_argument("--limit", type=int, help="prompts to use, spread over categories")
+    c.add_argument("--temperature", type=float, default=0.0,
+                   help="0: agreement of argmaxes; > 0: 1 - TV of the tempered distributions")
+    c.add_argument("--widths", default="1,2,3,4,5,6,8,10,12,16,20,25",
+                   help="forward widths to time (tokens)")
+    c.add_argument("--out", required=True)
+    c.set_defaults(fn=cmd_calibrate)
+
+    tu = sub.add_parser("tune", help="HSD: the hierarchy with the least predicted latency")
+    tu.add_argument("--calibration", required=True, help="JSON from `specjax calibrate`")
+    tu.add_argument("--t-max", type=int, default=8)
+    tu.add_argument("--max-levels", type=int, default=4)
+    tu.add_argument("--out", help="write the ranking as JSON")
+    tu.set_defaults(fn=cmd_tune)
 
     ds = sub.add_parser("distill", help="self-distilled training data: the target answers "
                                          "training prompts; its features are kept")
@@ -367,6 +567,23 @@ def build_parser() -> argparse.ArgumentParser:
                     help="default draft vocabulary size of the exported head (0: full)")
     te.add_argument("--export", help="write the trained head (bfloat16) here")
     te.set_defaults(fn=cmd_train)
+    tx = tsub.add_parser("exit-heads", help="early-exit adapters distilled from the final "
+                                            "layer, on a corpus from `specjax distill`")
+    tx.add_argument("--model", default="smollm2-135m")
+    tx.add_argument("--data", required=True)
+    tx.add_argument("--run", required=True, help="run directory: checkpoints; resumes")
+    tx.add_argument("--layers", default="4,8,12,16,20,24", help="exit layers, comma-separated")
+    tx.add_argument("--rank", type=int, default=64, help="adapter rank")
+    tx.add_argument("--steps", type=int, default=400)
+    tx.add_argument("--batch-tokens", type=int, default=1024)
+    tx.add_argument("--max-len", type=int, default=512)
+    tx.add_argument("--lr", type=float, default=2e-3)
+    tx.add_argument("--seed", type=int, default=0)
+    tx.add_argument("--save-every", type=int, default=50)
+    tx.add_argument("--kl-vocab", type=int, default=4096,
+                    help="KL over the corpus's most frequent tokens (0: all)")
+    tx.add_argument("--export", help="write the trained heads (bfloat16) here")
+    tx.set_defaults(fn=cmd_train_exits)
     return p
 
 

@@ -30,6 +30,7 @@ def _abstract(tree):
 def check_run(run_dir: Path, meta: dict) -> None:
     """Writes ``run.json``, or refuses a run directory made for a different configuration."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    meta = json.loads(json.dumps(meta))  # tuples compare as the lists they are saved as
     f = run_dir / "run.json"
     if f.exists():
         old = json.loads(f.read_text())
@@ -79,9 +80,8 @@ def export_head(params: Any, out_dir: str | Path, meta: dict, dtype=jnp.bfloat16
     return out
 
 
-def load_head(path: str | Path, kind: str, like: Any | None = None) -> tuple[Any, dict]:
-    """Parameters and metadata of an exported head of ``kind``; clear errors when the
-    directory is not one, is corrupt, or does not match ``like``'s shapes."""
+def read_meta(path: str | Path, kind: str) -> dict:
+    """``head.json`` of an exported head of ``kind``; a clear error otherwise."""
     p = Path(path).absolute()
     meta_f = p / "head.json"
     if not meta_f.exists():
@@ -92,6 +92,14 @@ def load_head(path: str | Path, kind: str, like: Any | None = None) -> tuple[Any
         raise CheckpointError(f"{meta_f} is corrupt: {e}") from e
     if meta.get("kind") != kind:
         raise CheckpointError(f"{p} holds a {meta.get('kind')!r} head, not {kind!r}")
+    return meta
+
+
+def load_head(path: str | Path, kind: str, like: Any | None = None) -> tuple[Any, dict]:
+    """Parameters and metadata of an exported head of ``kind``; clear errors when the
+    directory is not one, is corrupt, or does not match ``like``'s shapes."""
+    p = Path(path).absolute()
+    meta = read_meta(p, kind)
     if like is not None:
         want = jax.tree.map(lambda x: list(np.shape(x)), like)
         if want != meta.get("shapes"):

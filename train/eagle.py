@@ -17,7 +17,6 @@ checkpoint resumes to the same parameters as one that never stopped.
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 from typing import Sequence
 
@@ -27,7 +26,7 @@ import numpy as np
 import optax
 
 from specjax import eagle
-from specjax.train import checkpoint
+from specjax.train import loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,11 +75,16 @@ def batch_plan(corpus, cfg: TrainConfig) -> list[list[int]]:
     return plan
 
 
-def batch_at(corpus, plan, step: int, cfg: TrainConfig):
-    """The batch of ``step``: pass ``step // len(plan)`` visits the plan in a seeded order."""
+def batch_indices(plan, step: int, seed: int) -> list[int]:
+    """The examples of ``step``: pass ``step // len(plan)`` visits the plan in a seeded order."""
     epoch, k = divmod(step, len(plan))
-    order = np.random.default_rng((cfg.seed, epoch)).permutation(len(plan))
-    idx = plan[order[k]]
+    return plan[np.random.default_rng((seed, epoch)).permutation(len(plan))[k]]
+
+
+def batch_at(corpus, plan, step: int, cfg: TrainConfig):
+    """The batch of ``step`` (see ``batch_indices``): tokens, features, the previous
+    position's features and the loss mask."""
+    idx = batch_indices(plan, step, cfg.seed)
     t = _bucket(min(max(len(corpus[i][0]) for i in idx), cfg.max_len))
     d = corpus[idx[0]][2].shape[-1]
     toks = np.zeros((len(idx), t), np.int32)
@@ -187,15 +191,11 @@ def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Pa
     ``stop_after`` stops after that many steps of this call (for tests of resume); the
     latest checkpoint is always written before returning.
     """
-    run = Path(run_dir)
-    checkpoint.check_run(run, {"kind": "eagle", **(meta or {}), **dataclasses.asdict(cfg)})
     opt = optimizer(cfg)
     params = eagle.init_head(target.config, jax.random.key(cfg.seed))
-    state = {"params": params, "opt_state": opt.init(params), "step": jnp.asarray(0, jnp.int32)}
-    mngr = checkpoint.manager(run)
-    got = checkpoint.restore_latest(mngr, state)
-    if got is not None:
-        state = got[1]
+    fresh = {"params": params, "opt_state": opt.init(params), "step": jnp.asarray(0, jnp.int32)}
+    state, mngr = loop.resume(run_dir, {"kind": "eagle", **(meta or {}),
+                                        **dataclasses.asdict(cfg)}, fresh)
     step_fn = make_step(target, cfg, opt)
     corpus, val = split(corpus, cfg)
     evaluate = make_eval(target, cfg) if val else None
@@ -204,28 +204,11 @@ def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Pa
     if cfg.ce_vocab:
         vocab_ids = jnp.asarray(vocab_by_frequency(corpus, target.config.vocab_size,
                                                    min(cfg.ce_vocab, target.config.vocab_size)))
-    start = int(state["step"])
-    end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
-    if progress is not None:
-        progress.update(start)
-    t0 = time.perf_counter()
-    for s in range(start, end):
-        toks, hidden, prev, mask = batch_at(corpus, plan, s, cfg)
-        state, m = step_fn(state, tparams, toks, hidden, prev, mask, vocab_ids)
-        if log is not None:
-            log({"step": s + 1, **{k: float(v) for k, v in m.items()},
-                 "seconds": round(time.perf_counter() - t0, 1)})
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix(loss=f"{float(m['loss']):.3f}", acc=f"{float(m['acc']):.3f}")
-        if (s + 1) % cfg.save_every == 0 or s + 1 == end:
-            mngr.save(s + 1, args=checkpoint.ocp.args.StandardSave(state), force=True)
-            if evaluate is not None and log is not None:
-                log({"step": s + 1, **validate(evaluate, state["params"], tparams, val, cfg,
-                                               vocab_ids)})
-    mngr.wait_until_finished()
-    mngr.close()
-    return state
+    step = lambda st, s: step_fn(st, tparams, *batch_at(corpus, plan, s, cfg), vocab_ids)
+    on_save = None if evaluate is None else (
+        lambda st: validate(evaluate, st["params"], tparams, val, cfg, vocab_ids))
+    return loop.run_steps(state, step, mngr, steps=cfg.steps, save_every=cfg.save_every,
+                          stop_after=stop_after, progress=progress, log=log, on_save=on_save)
 
 
 def vocab_by_frequency(corpus, vocab_size: int, n: int) -> np.ndarray:

@@ -1,0 +1,246 @@
+"""Self-calibration for HSD: what each candidate drafter costs here and how often each
+pair agrees, measured on real prompts, and the hierarchy that minimises predicted latency.
+
+Candidates, cheapest first: ``ngram`` (prompt lookup), ``exit L`` (the target's first
+``L`` layers and an exit head) for each exit layer, and ``target``. Model indices follow
+that order, as ``specjax.hierarchy`` expects.
+
+* ``alpha[i][j]`` (``i < j``) is the mean over decoded positions of ``1 - TV(p_i, p_j)``,
+  with ``p`` the sampler-transformed next-token distribution (a one-hot at the argmax when
+  greedy), teacher-forced on the target's own output. The n-gram candidate's distribution
+  is a one-hot on its first proposed token, and zero where it proposes nothing.
+* ``cost[name][w]`` is the median wall time of one forward of ``w`` tokens (for ``ngram``,
+  one lookup) with a filled cache, in milliseconds.
+* ``level_costs`` turns those into the scalar costs of ``hierarchy.latency`` for one
+  hierarchy, at the widths ``specjax.hsd`` actually runs each level.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import hierarchy as hier
+from specjax import hsd, sampling
+from specjax.drafters import Context, NGramDrafter
+from specjax.exit_heads import exit_head
+
+
+def names(layers: Sequence[int]) -> list[str]:
+    """Candidate names, cheapest first: ``ngram``, ``exit L`` ..., ``target``."""
+    return ["ngram"] + [f"exit {l}" for l in layers] + ["target"]
+
+
+def _layer_logits(target, tparams, heads: dict, toks: np.ndarray, layers: Sequence[int]):
+    """``{layer: logits [T, V]}`` and the target's ``[T, V]``, teacher-forced on ``toks``."""
+    t = toks[None]
+    pos = jnp.arange(t.shape[1])[None]
+    logits, hid, _ = target.forward(tparams, t, pos, target.init_cache(1, t.shape[1]),
+                                    return_layers=tuple(layers))
+    return ({l: exit_head(target, tparams, heads.get(l), hid[l])[0] for l in layers},
+            logits[0])
+
+
+def agreement(target, tparams, heads: dict, layers: Sequence[int], seqs, prompt_lens,
+              sampler=sampling.Greedy(), ngram: NGramDrafter = NGramDrafter(),
+              progress=None) -> tuple[np.ndarray, int]:
+    """``(alpha, positions)``: the ``(K+1) x (K+1)`` agreement matrix of the candidates
+    (upper triangle filled) over every decoded position of ``seqs`` (token lists whose
+    first ``prompt_lens[b]`` tokens are the prompt)."""
+    n = len(layers) + 2
+    pairs = list(zip(*np.triu_indices(n, 1)))
+
+    @jax.jit
+    def overlap(tp, hp, toks, lo, hi):
+        """Sums over positions ``lo <= t < hi`` of ``sum_v min(p_i, p_j)`` for each pair."""
+        exits, final = _layer_logits(target, tp, hp, toks, layers)
+        ps = [_ngram_probs(ngram, toks, lo, final.shape[-1])]
+        ps += [sampling.probs(exits[l], sampler) for l in layers]
+        ps.append(sampling.probs(final, sampler))
+        c = toks.shape[0]
+        keep = ((jnp.arange(c) >= lo - 1) & (jnp.arange(c) < hi - 1))[:, None]
+        ps = [p * keep for p in ps]  # row i predicts token i + 1
+        return jnp.stack([jnp.sum(jnp.minimum(ps[i], ps[j])) for i, j in pairs])
+
+    total, count = np.zeros(len(pairs)), 0
+    for seq, pl in zip(seqs, prompt_lens):
+        if len(seq) <= pl:
+            continue
+        toks = np.zeros(-(-len(seq) // 64) * 64, np.int32)
+        toks[:len(seq)] = seq
+        total += np.asarray(overlap(tparams, heads, jnp.asarray(toks), pl, len(seq)))
+        count += len(seq) - pl
+        if progress is not None:
+            progress.update(1)
+    alpha = np.zeros((n, n))
+    alpha[tuple(np.array(pairs).T)] = total / max(count, 1)
+    return alpha, count
+
+
+def _ngram_probs(ngram: NGramDrafter, toks: jnp.ndarray, prompt_len, vocab: int) -> jnp.ndarray:
+    """Row ``i``: one-hot of the n-gram drafter's first proposal for token ``i + 1`` given
+    tokens ``0..i`` (zero where it proposes nothing)."""
+    c = toks.shape[0]
+    lengths = jnp.arange(1, c + 1, dtype=jnp.int32)
+    ctx = Context(tokens=jnp.broadcast_to(toks, (c, c)), length=lengths,
+                  prompt_len=jnp.full((c,), prompt_len, jnp.int32), cache=None, params=None)
+    d, _, _ = ngram.propose(None, (), ctx, None, sampling.Greedy())
+    return jax.nn.one_hot(d.tokens[:, 0], vocab) * d.valid[:, :1]
+
+
+def forward_costs(target, tparams, heads: dict, layers: Sequence[int], widths: Sequence[int],
+                  *, capacity: int = 1024, filled: int = 512, repeats: int = 9,
+                  ngram: NGramDrafter = NGramDrafter(), progress=None) -> dict:
+    """``{name: {width: ms}}``: the median time of one forward (exit head included) at each
+    width with ``filled`` tokens in a cache of ``capacity``; ``ngram``: one lookup."""
+    cache = target.init_cache(1, capacity).replace(length=jnp.asarray([filled], jnp.int32))
+    out: dict = {}
+    for name, layer in zip(names(layers)[1:], list(layers) + [None]):
+        lvl = hsd.Exit() if layer is None else hsd.Exit(layer, exit_head)
+        f = jax.jit(lambda tp, hp, t, p, c, lvl=lvl: lvl.score(target, tp, hp, t, p, c)[0])
+        out[name] = {}
+        for w in widths:
+            toks = jnp.ones((1, w), jnp.int32)
+            pos = filled + jnp.arange(w)[None]
+            out[name][int(w)] = _median_ms(f, tparams, heads.get(layer), toks, pos, cache,
+                                           repeats=repeats)
+            if progress is not None:
+                progress.update(1)
+    hist = jnp.ones((1, capacity), jnp.int32)
+    ctx = Context(tokens=hist, length=jnp.asarray([filled], jnp.int32),
+                  prompt_len=jnp.asarray([filled // 2], jnp.int32), cache=None, params=None)
+    look = jax.jit(lambda c: ngram.propose(None, (), c, None, sampling.Greedy())[0].tokens)
+    out["ngram"] = {1: _median_ms(look, ctx, repeats=repeats)}
+    return out
+
+
+def _median_ms(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(ts))
+
+
+# ----------------------------------------------------------------------------- tuning
+
+def _cost_at(table: dict, width: int) -> float:
+    """Cost at ``width``, interpolated linearly between measured widths (clamped)."""
+    ws = sorted(int(w) for w in table)
+    return float(np.interp(width, ws, [table[w] if w in table else table[str(w)] for w in ws]))
+
+
+def level_costs(costs: dict, sigma: Sequence[int], T: Sequence[int],
+                layers: Sequence[int]) -> list[float]:
+    """Scalar costs for ``hierarchy.latency`` of ``sigma`` (candidate indices) with ``T``:
+    the bottom's cost per drafted token (a width-1 forward, plus the catch-up forward of
+    width ``1 + top`` spread over ``T[0]`` tokens), and for each verifying level one forward
+    at the width ``specjax.hsd`` runs it (its buffer ``M[k]`` plus ``1 + top - k``)."""
+    cand = names(layers)
+    costs = {k: {int(w): v for w, v in t.items()} for k, t in costs.items()}
+    top = len(sigma) - 1
+    if top == 0:  # the target alone: one width-1 forward per token
+        return [_cost_at(costs[cand[sigma[0]]], 1)]
+    buf = [0, T[0]]  # hsd.Hierarchy.buffer: M[k] = T[k-1] + M[k-1]
+    for k in range(2, len(sigma)):
+        buf.append(T[k - 1] + buf[k - 1])
+    out = []
+    for k, i in enumerate(sigma):
+        table = costs[cand[i]]
+        if k == 0:
+            out.append(table[1] if cand[i] == "ngram" else
+                       _cost_at(table, 1) + _cost_at(table, 1 + top) / T[0])
+        else:
+            out.append(_cost_at(table, buf[k] + 1 + top - k))
+    return out
+
+
+def predicted_latency(calib: dict, sigma: Sequence[int], T: Sequence[int],
+                      model: hier.Model = "exact") -> float:
+    """Predicted milliseconds per target token of one hierarchy under ``calib``."""
+    sigma, T = tuple(sigma), tuple(T)
+    c = level_costs(calib["cost_ms"], sigma, T, calib["layers"])
+    alpha = np.asarray(calib["alpha"], float)[np.ix_(sigma, sigma)]
+    return hier.latency(c, alpha, tuple(range(len(sigma))), T, model=model)
+
+
+def tune(calib: dict, t_max: int = 8, max_levels: int = 4, model: hier.Model = "exact"
+         ) -> tuple[float, tuple[int, ...], tuple[int, ...], list]:
+    """``(latency, sigma, T, table)``: the hierarchy of at most ``max_levels`` levels with
+    the least predicted latency, by enumeration with width-aware costs (``level_costs``);
+    ``table`` lists every hierarchy's best ``T`` and latency. The n-gram candidate can only
+    be the bottom level; ``t_max`` bounds every ``T``."""
+    n = len(calib["layers"]) + 2
+    if t_max < 1 or max_levels < 1:
+        raise ValueError(f"t_max and max_levels must be >= 1, got {t_max}, {max_levels}")
+    best, table = (predicted_latency(calib, (n - 1,), ()), (n - 1,), ()), []
+    for size in range(1, max_levels):
+        for drafts in itertools.combinations(range(n - 1), size):
+            if 0 in drafts[1:]:
+                continue
+            sigma = drafts + (n - 1,)
+            top = min(((predicted_latency(calib, sigma, T, model), T)
+                       for T in itertools.product(range(1, t_max + 1), repeat=size)
+                       if sigma[0] != 0 or T[0] <= NGramDrafter().depth),
+                      default=None)
+            if top is None:
+                continue
+            table.append({"sigma": sigma, "T": top[1], "latency_ms": top[0]})
+            if top[0] < best[0]:
+                best = (top[0], sigma, top[1])
+    return best[0], best[1], best[2], table
+
+
+def hierarchy_from(sigma: Sequence[int], T: Sequence[int], layers: Sequence[int],
+                   heads: dict) -> tuple[hsd.Hierarchy, tuple]:
+    """``(Hierarchy, hparams)`` that ``hsd_generate`` runs for candidate indices ``sigma``."""
+    cand, levels, hp = names(layers), [], []
+    for i in sigma:
+        if cand[i] == "ngram":
+            levels.append(hsd.NGram())
+            hp.append(None)
+        elif cand[i] == "target":
+            levels.append(hsd.Exit())
+            hp.append(None)
+        else:
+            layer = int(cand[i].split()[1])
+            levels.append(hsd.Exit(layer, exit_head))
+            hp.append(heads.get(layer))
+    return hsd.Hierarchy(tuple(levels), tuple(int(t) for t in T)), tuple(hp)
+
+
+def parse_hierarchy(spec: str, layers: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``"ngram:4,12:3,target"`` -> candidate indices and T values: every level but the
+    last is ``ngram:T`` or ``L:T`` (an exit layer among ``layers``); the last is ``target``."""
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    if len(parts) < 2 or parts[-1] != "target":
+        raise ValueError(f"bad hierarchy {spec!r}: want e.g. 'ngram:4,12:3,target'")
+    cand, sigma, T = names(layers), [], []
+    for p in parts[:-1]:
+        name, _, t = p.partition(":")
+        key = "ngram" if name == "ngram" else f"exit {name}"
+        if key not in cand or not t.isdigit() or int(t) < 1:
+            raise ValueError(f"bad level {p!r} in {spec!r}: use ngram:T or L:T with L in "
+                             f"{list(layers)} and T >= 1")
+        sigma.append(cand.index(key))
+        T.append(int(t))
+    return tuple(sigma) + (len(cand) - 1,), tuple(T)
+
+
+def format_hierarchy(sigma: Sequence[int], T: Sequence[int], layers: Sequence[int]) -> str:
+    """The spec ``parse_hierarchy`` reads back, e.g. ``"ngram:4,12:3,target"``."""
+    cand = names(layers)
+    parts = [("ngram" if cand[i] == "ngram" else cand[i].split()[1]) + f":{t}"
+             for i, t in zip(sigma, T)]
+    return ",".join(parts + ["target"])
+
+
+__all__ = ["names", "agreement", "forward_costs", "level_costs", "predicted_latency", "tune",
+           "hierarchy_from", "parse_hierarchy", "format_hierarchy"]

@@ -1,0 +1,87 @@
+"""Trained early-exit heads: a low-rank adapter per exit layer on the target's own LM head.
+
+An exit after layer ``l`` turns the residual stream ``h`` into logits with the target's
+final norm and (tied) LM head, after a rank-``r`` correction::
+
+    logits = lm_head(final_norm(h + (rms_norm(h) · g) A B))        A: [D, r], B: [r, D]
+
+``B`` starts at zero, so an untrained adapter is exactly the plain early exit. The LM head
+is shared and frozen; each layer adds ``2·D·r + D`` parameters. ``exit_head`` has the head
+protocol of ``EarlyExitDrafter`` and ``hsd.Exit`` (``head(target, tparams, hp, hidden)``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from specjax.models import llama
+
+SHIPPED = {"smollm2-135m": "heads/smollm2-135m-exits"}  # registry name -> package data
+
+
+def init_adapter(target_cfg, key: Array, rank: int = 64, dtype=jnp.float32) -> dict:
+    """One layer's adapter: ``norm`` [D] (ones), ``down`` [D, r] (scaled normal), ``up``
+    [r, D] (zeros: the untrained head is the plain early exit)."""
+    d = target_cfg.hidden_size
+    if rank < 1:
+        raise ValueError(f"adapter rank must be >= 1, got {rank}")
+    return {"norm": jnp.ones((d,), dtype),
+            "down": (jax.random.normal(key, (d, rank)) / d ** 0.5).astype(dtype),
+            "up": jnp.zeros((rank, d), dtype)}
+
+
+def init_heads(target_cfg, layers: Sequence[int], key: Array, rank: int = 64) -> dict:
+    """``{str(layer): adapter}`` for each exit layer in ``[1, num_layers)``."""
+    bad = [l for l in layers if not 1 <= l < target_cfg.num_layers]
+    if bad or not layers or len(set(layers)) != len(layers):
+        raise ValueError(f"exit layers must be distinct and in [1, {target_cfg.num_layers - 1}]"
+                         f", got {list(layers)}")
+    keys = jax.random.split(key, len(layers))
+    return {str(l): init_adapter(target_cfg, k, rank) for l, k in zip(layers, keys)}
+
+
+def adapt(hp: dict, hidden: Float[Array, "... D"], eps: float) -> Float[Array, "... D"]:
+    """The corrected residual stream ``h + (rms_norm(h) · g) A B``."""
+    z = llama.rms_norm(hidden, hp["norm"], eps).astype(hp["down"].dtype)
+    # ...: any leading axes, d: model width, r: adapter rank
+    low = jnp.einsum("...d,dr->...r", z, hp["down"])
+    return hidden + jnp.einsum("...r,rd->...d", low, hp["up"]).astype(hidden.dtype)
+
+
+def exit_head(target, tparams, hp: dict | None, hidden: Float[Array, "... D"]
+              ) -> Float[Array, "... V"]:
+    """Logits of an exit with adapter ``hp`` (``None``: the target's plain head)."""
+    if hp is None:
+        return target.logits(tparams, hidden)
+    return target.logits(tparams, adapt(hp, hidden, target.config.rms_norm_eps))
+
+
+def shipped_heads(model_name: str):
+    """The directory of the exit heads that ship for ``model_name``, or None."""
+    from importlib import resources
+
+    rel = SHIPPED.get(model_name)
+    if rel is None:
+        return None
+    p = resources.files("specjax").joinpath(rel)
+    return p if p.joinpath("head.json").is_file() else None
+
+
+def load_heads(target, path: str | Path, dtype=jnp.float32) -> tuple[dict[int, dict], dict]:
+    """``({layer: adapter}, metadata)`` from an exported exit-heads directory; a clear
+    ``CheckpointError`` when it is not one, is corrupt, or was made for another model."""
+    from specjax.train import checkpoint
+
+    meta = checkpoint.read_meta(path, "exit-heads")
+    like = init_heads(target.config, meta["layers"], jax.random.key(0), meta["rank"])
+    heads, meta = checkpoint.load_head(path, "exit-heads", like=like)
+    return {int(l): jax.tree.map(lambda x: jnp.asarray(x, dtype), hp)
+            for l, hp in heads.items()}, meta
+
+
+__all__ = ["init_adapter", "init_heads", "adapt", "exit_head", "load_heads", "shipped_heads"]

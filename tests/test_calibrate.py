@@ -1,0 +1,160 @@
+"""HSD self-calibration on a toy model: the agreement matrix equals a direct count, costs are
+measured per width, tuning returns the best predicted hierarchy, and specs parse strictly."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax import calibrate, hierarchy, hsd, sampling
+from specjax.exit_heads import exit_head, init_heads
+from specjax.models import Llama, LlamaConfig
+from specjax.models.llama import init_params
+
+V = 12
+TOY = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=4,
+                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+LAYERS = (1, 2)
+NG = specjax.NGramDrafter(depth=4, min_ngram=1)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    model = Llama(TOY)
+    tp = jax.tree.map(lambda x: x * 3.0, init_params(TOY, jax.random.key(1)))
+    heads = init_heads(TOY, LAYERS, jax.random.key(2), rank=4)
+    heads = {int(l): jax.tree.map(lambda x: x + 0.3, hp) for l, hp in heads.items()}
+    prompts = [[1, 5, 2, 7, 5], [3, 3, 1, 4], [7, 2, 7, 2, 7, 9]]
+    out = specjax.generate(model, tp, prompts, max_new_tokens=30).to_lists()
+    return model, tp, heads, [p + o for p, o in zip(prompts, out)], [len(p) for p in prompts]
+
+
+def _argmaxes(model, tp, heads, seq):
+    t = jnp.asarray(seq)[None]
+    logits, hid, _ = model.forward(tp, t, jnp.arange(len(seq))[None],
+                                   model.init_cache(1, 64), return_layers=LAYERS)
+    rows = [np.argmax(exit_head(model, tp, heads[l], hid[l])[0], -1) for l in LAYERS]
+    return rows + [np.argmax(logits[0], -1)]
+
+
+def test_greedy_agreement_equals_a_direct_count(toy):
+    model, tp, heads, seqs, pls = toy
+    alpha, n = calibrate.agreement(model, tp, heads, LAYERS, seqs, pls, ngram=NG)
+    hits, total = np.zeros((4, 4)), 0
+    for seq, pl in zip(seqs, pls):
+        am = _argmaxes(model, tp, heads, seq)
+        for t in range(pl, len(seq)):  # predicting token t
+            ctx = specjax.drafters.Context(tokens=jnp.asarray(seq)[None],
+                                           length=jnp.asarray([t]), prompt_len=jnp.asarray([pl]),
+                                           cache=None, params=None)
+            d = NG.propose(None, (), ctx, None, sampling.Greedy())[0]
+            guess = [int(d.tokens[0, 0]) if bool(d.valid[0, 0]) else -1]
+            guess += [int(a[t - 1]) for a in am]
+            for i in range(4):
+                for j in range(i + 1, 4):
+                    hits[i, j] += guess[i] == guess[j] and guess[i] >= 0
+            total += 1
+    assert n == total == sum(len(s) - p for s, p in zip(seqs, pls))
+    np.testing.assert_allclose(alpha, hits / total, atol=1e-6)
+    assert np.all(np.tril(alpha) == 0) and 0 < alpha[2, 3] < 1
+
+
+def test_sampled_agreement_is_one_minus_total_variation(toy):
+    model, tp, heads, seqs, pls = toy
+    smp = sampling.Sample(temperature=1.0)
+    alpha, _ = calibrate.agreement(model, tp, heads, LAYERS, seqs[:1], pls[:1], smp, ngram=NG)
+    t = jnp.asarray(seqs[0])[None]
+    logits, hid, _ = model.forward(tp, t, jnp.arange(t.shape[1])[None],
+                                   model.init_cache(1, 64), return_layers=LAYERS)
+    sl = slice(pls[0] - 1, t.shape[1] - 1)
+    p1 = jax.nn.softmax(exit_head(model, tp, heads[1], hid[1])[0, sl], -1)
+    p3 = jax.nn.softmax(logits[0, sl], -1)
+    want = 1 - 0.5 * np.mean(np.sum(np.abs(np.asarray(p1) - np.asarray(p3)), -1))
+    np.testing.assert_allclose(alpha[1, 3], want, rtol=1e-5)
+
+
+def test_costs_are_measured_for_every_candidate_and_width(toy):
+    model, tp, heads, _, _ = toy
+    c = calibrate.forward_costs(model, tp, heads, LAYERS, (1, 3), capacity=64, filled=20,
+                                repeats=3, ngram=NG)
+    assert set(c) == {"ngram", "exit 1", "exit 2", "target"}
+    assert all(v > 0 for t in c.values() for v in t.values())
+    assert set(c["target"]) == {1, 3} and set(c["ngram"]) == {1}
+
+
+CALIB = {"layers": [1, 2],
+         "alpha": [[0, 0.3, 0.35, 0.3], [0, 0, 0.8, 0.6], [0, 0, 0, 0.85], [0, 0, 0, 0]],
+         "cost_ms": {"ngram": {"1": 0.2}, "exit 1": {"1": 2.0, "4": 3.0, "16": 6.0},
+                     "exit 2": {"1": 4.0, "4": 6.0, "16": 12.0},
+                     "target": {"1": 8.0, "4": 12.0, "16": 24.0}}}
+
+
+def test_level_costs_follow_the_widths_hsd_runs():
+    c = calibrate.level_costs(CALIB["cost_ms"], (1, 2, 3), (3, 2), CALIB["layers"])
+    # bottom: width-1 steps plus a catch-up forward of width 1 + top = 3, over T[0] = 3
+    assert c[0] == pytest.approx(2.0 + (2.0 + (3.0 - 2.0) * 2 / 3) / 3)
+    # level 1 verifies M[1] = 3 drafts at width 3 + 1 + (2 - 1) = 5; the target M[2] = 5, width 6
+    assert c[1] == pytest.approx(6.0 + (12.0 - 6.0) / 12)
+    assert c[2] == pytest.approx(12.0 + (24.0 - 12.0) * 2 / 12)
+    flat = {k: {"1": v["1"]} for k, v in CALIB["cost_ms"].items()}
+    assert calibrate.level_costs(flat, (0, 3), (4,), CALIB["layers"]) == [0.2, 8.0]
+    a = np.asarray(CALIB["alpha"])
+    assert calibrate.predicted_latency({**CALIB, "cost_ms": flat}, (0, 3), (4,)) == \
+        pytest.approx(hierarchy.latency([0.2, 8.0], a[np.ix_((0, 3), (0, 3))], (0, 1), (4,)))
+
+
+def test_tune_returns_the_least_predicted_latency():
+    lat, sigma, T, table = calibrate.tune(CALIB, t_max=5, max_levels=4)
+    assert lat == pytest.approx(calibrate.predicted_latency(CALIB, sigma, T))
+    assert lat == pytest.approx(min(r["latency_ms"] for r in table)) and lat < 8.0
+    assert {r["sigma"] for r in table} == {(0, 3), (1, 3), (2, 3), (0, 1, 3), (0, 2, 3),
+                                           (1, 2, 3), (0, 1, 2, 3)}
+    for r in table:  # each row's T is the best for its sigma
+        for other in np.ndindex(*(5,) * len(r["T"])):
+            T2 = tuple(int(x) + 1 for x in other)
+            assert r["latency_ms"] <= calibrate.predicted_latency(CALIB, r["sigma"], T2) + 1e-9
+    with pytest.raises(ValueError, match="t_max"):
+        calibrate.tune(CALIB, t_max=0)
+
+
+def test_hierarchy_specs_parse_strictly_and_run(toy):
+    model, tp, heads, seqs, pls = toy
+    assert calibrate.parse_hierarchy("ngram:4,2:3,target", LAYERS) == ((0, 2, 3), (4, 3))
+    assert calibrate.format_hierarchy((0, 2, 3), (4, 3), LAYERS) == "ngram:4,2:3,target"
+    for bad in ("ngram:4,2:3", "3:2,target", "ngram:0,target", "ngram,target", "target"):
+        with pytest.raises(ValueError, match="hierarchy|level"):
+            calibrate.parse_hierarchy(bad, LAYERS)
+    h, hp = calibrate.hierarchy_from((0, 1, 3), (3, 2), LAYERS, heads)
+    assert isinstance(h.levels[0], hsd.NGram) and h.levels[1].layer == 1 and hp[1] is heads[1]
+    prompts = [s[:p] for s, p in zip(seqs, pls)]
+    out = hsd.hsd_generate(model, tp, h, prompts, max_new_tokens=30, hparams=hp)
+    assert out.to_lists() == [s[p:] for s, p in zip(seqs, pls)]
+
+
+@pytest.mark.slow
+def test_cli_calibrate_tune_and_bench_hsd_auto(smollm, monkeypatch, tmp_path, capsys):
+    import json
+
+    from specjax import cli
+
+    monkeypatch.setattr("specjax.models.load", lambda *a, **k: smollm)
+    monkeypatch.setattr("specjax.exit_heads.shipped_heads", lambda name: None)
+    calib = tmp_path / "calib.json"
+    assert cli.main(["calibrate", "--layers", "20,28", "--limit", "2", "--max-new-tokens", "12",
+                     "--widths", "1,4", "--out", str(calib)]) == 0
+    c = json.loads(calib.read_text())
+    assert c["candidates"] == ["ngram", "exit 20", "exit 28", "target"] and c["positions"] > 0
+    a = np.asarray(c["alpha"])
+    assert np.all((0 <= a) & (a <= 1)) and a[2, 3] > a[1, 3]  # the deeper exit agrees more
+    assert set(c["cost_ms"]["target"]) == {"1", "4"} and c["cost_ms"]["exit 20"]["1"] > 0
+    assert cli.main(["tune", "--calibration", str(calib), "--t-max", "4"]) == 0
+    assert "best:" in capsys.readouterr().out
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--methods", "ar,hsd:auto", "--calibration", str(calib),
+                     "--t-max", "4", "--limit", "2", "--max-new-tokens", "12",
+                     "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["greedy_mismatch_vs_ar"] == []
+    lv = rep["methods"]["hsd:auto"]["levels"]
+    assert lv["forwards"][-1] == rep["methods"]["hsd:auto"]["target_forwards"]

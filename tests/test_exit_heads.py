@@ -1,0 +1,130 @@
+"""Early-exit heads on a toy model: an untrained adapter is the plain exit, distillation
+lowers the KL, resume after a kill reaches the same parameters, exported heads load back
+(and fail clearly when they do not fit), and decoding with trained heads stays lossless."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax import eagle, exit_heads
+from specjax.drafters import EarlyExitDrafter
+from specjax.models.llama import Llama, LlamaConfig, init_params
+from specjax.train import checkpoint, distill
+from specjax.train import exit_heads as train_exits
+
+V = 32
+TOY = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=4,
+                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+CFG = train_exits.ExitConfig(layers=(1, 2), rank=8, steps=40, batch_tokens=256, max_len=64,
+                             lr=3e-2, warmup=4, save_every=10, kl_vocab=24, seed=2)
+
+
+@dataclasses.dataclass
+class ToyLM:
+    model: Llama
+    params: dict
+    eos_ids: tuple = (0,)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return ToyLM(Llama(TOY), jax.tree.map(lambda x: x * 3.0, init_params(TOY, jax.random.key(7))))
+
+
+@pytest.fixture(scope="module")
+def corpus(lm):
+    rng = np.random.default_rng(1)
+    prompts = [list(rng.integers(1, V, size=n)) for n in rng.integers(3, 20, size=24)]
+    return distill.answer_batch(lm, prompts, max_new_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def feats(lm, corpus):
+    return train_exits.layer_features(lm.model, lm.params, corpus, CFG)
+
+
+def test_untrained_adapter_is_the_plain_early_exit(lm):
+    heads = exit_heads.init_heads(TOY, (1, 3), jax.random.key(0), rank=4)
+    h = jax.random.normal(jax.random.key(1), (2, 5, TOY.hidden_size))
+    np.testing.assert_array_equal(np.asarray(exit_heads.exit_head(lm.model, lm.params,
+                                                                  heads["3"], h)),
+                                  np.asarray(lm.model.logits(lm.params, h)))
+    moved = jax.tree.map(lambda x: x + 0.1, heads["3"])
+    assert not np.allclose(exit_heads.exit_head(lm.model, lm.params, moved, h),
+                           lm.model.logits(lm.params, h))
+    with pytest.raises(ValueError, match="exit layers"):
+        exit_heads.init_heads(TOY, (0, 2), jax.random.key(0))
+    with pytest.raises(ValueError, match="exit layers"):
+        exit_heads.init_heads(TOY, (4,), jax.random.key(0))
+
+
+def test_layer_features_are_the_targets_hidden_states(lm, corpus, feats):
+    for (tok, _, _), f in list(zip(corpus, feats))[:4]:
+        t = jnp.asarray(tok)[None]
+        _, hid, _ = lm.model.forward(lm.params, t, jnp.arange(len(tok))[None],
+                                     lm.model.init_cache(1, 128), return_layers=(1, 2))
+        assert f.shape == (len(tok), 3, TOY.hidden_size) and f.dtype == jnp.bfloat16
+        for k, l in enumerate((1, 2)):
+            np.testing.assert_allclose(np.asarray(f[:, k], np.float32), hid[l][0],
+                                       rtol=0.02, atol=0.05)
+        final = eagle.features(lm.model, lm.params, hid[TOY.num_layers][0])
+        np.testing.assert_allclose(np.asarray(f[:, 2], np.float32), final, rtol=0.02, atol=0.05)
+
+
+def test_distillation_lowers_the_kl_of_every_exit(lm, corpus, feats, tmp_path):
+    logs = []
+    train_exits.train(lm.model, lm.params, corpus, CFG, tmp_path / "run", feats=feats,
+                      log=logs.append)
+    first, last = logs[0], np.mean([r["loss"] for r in logs[-5:]])
+    assert last < 0.7 * first["loss"], f"KL {first['loss']:.3f} -> {last:.3f}"
+    for l in CFG.layers:
+        assert np.mean([r[f"acc_{l}"] for r in logs[-5:]]) >= first[f"acc_{l}"]
+
+
+def test_resume_after_kill_gives_the_same_parameters(lm, corpus, feats, tmp_path):
+    whole = train_exits.train(lm.model, lm.params, corpus, CFG, tmp_path / "a", feats=feats)
+    train_exits.train(lm.model, lm.params, corpus, CFG, tmp_path / "b", feats=feats,
+                      stop_after=17)
+    shutil.rmtree(tmp_path / "b" / "ckpt" / "17")  # killed after step 17, before saving it
+    resumed = train_exits.train(lm.model, lm.params, corpus, CFG, tmp_path / "b", feats=feats)
+    assert int(resumed["step"]) == CFG.steps
+    for a, b in zip(jax.tree.leaves(whole["params"]), jax.tree.leaves(resumed["params"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(checkpoint.CheckpointError, match="different configuration"):
+        train_exits.train(lm.model, lm.params, corpus, dataclasses.replace(CFG, rank=4),
+                          tmp_path / "b", feats=feats)
+
+
+def test_exported_heads_load_back_and_mismatches_fail(lm, tmp_path):
+    heads = exit_heads.init_heads(TOY, (1, 2), jax.random.key(3), rank=8)
+    heads = jax.tree.map(lambda x: x + 0.25, heads)
+    out = checkpoint.export_head(heads, tmp_path / "h", {"kind": "exit-heads",
+                                                         "layers": [1, 2], "rank": 8})
+    back, meta = exit_heads.load_heads(lm.model, out)
+    assert sorted(back) == [1, 2] and meta["rank"] == 8
+    np.testing.assert_allclose(back[2]["up"], heads["2"]["up"], rtol=1e-2)  # bfloat16
+    with pytest.raises(checkpoint.CheckpointError, match="not 'exit-heads'"):
+        checkpoint.export_head(heads, tmp_path / "e", {"kind": "eagle"})
+        exit_heads.load_heads(lm.model, tmp_path / "e")
+    big = Llama(dataclasses.replace(TOY, hidden_size=48))
+    with pytest.raises(checkpoint.CheckpointError, match="another model"):
+        exit_heads.load_heads(big, out)
+
+
+def test_decoding_with_a_trained_exit_head_equals_ar(lm, corpus, feats, tmp_path):
+    state = train_exits.train(lm.model, lm.params, corpus, dataclasses.replace(CFG, steps=10),
+                              tmp_path / "run", feats=feats)
+    head = state["params"]["2"]
+    assert float(jnp.abs(head["up"]).max()) > 0  # trained, not the plain exit
+    prompts = [list(range(1, 9)), list(range(3, 6))]
+    ar = specjax.generate(lm.model, lm.params, prompts, max_new_tokens=20)
+    d = EarlyExitDrafter(lm.model, 2, depth=3, head=exit_heads.exit_head)
+    sd = specjax.speculative_generate(lm.model, lm.params, d, head, prompts, max_new_tokens=20)
+    assert sd.to_lists() == ar.to_lists()

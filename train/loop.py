@@ -1,0 +1,56 @@
+"""The resumable training loop every head uses: Orbax checkpoints, progress and a log.
+
+``resume`` opens a run directory (refusing one made for another configuration) and restores
+the latest checkpoint; ``run_steps`` trains to a step count, saving every ``save_every``
+steps and at the end. Batches must be a function of the step alone (the callers derive them
+from the seed and the step), so a run killed after a checkpoint resumes to the same
+parameters as one that never stopped.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from specjax.train import checkpoint
+
+
+def resume(run_dir: str | Path, meta: dict, fresh: dict) -> tuple[dict, Any]:
+    """``(state, manager)``: the latest checkpoint in ``run_dir``, or ``fresh`` (a dict with
+    ``params``, ``opt_state`` and ``step``) if there is none."""
+    run = Path(run_dir)
+    checkpoint.check_run(run, meta)
+    mngr = checkpoint.manager(run)
+    got = checkpoint.restore_latest(mngr, fresh)
+    return (fresh if got is None else got[1]), mngr
+
+
+def run_steps(state: dict, step: Callable[[dict, int], tuple[dict, dict]], mngr, *,
+              steps: int, save_every: int, stop_after: int | None = None, progress=None,
+              log: Callable[[dict], Any] | None = None,
+              on_save: Callable[[dict], dict] | None = None) -> dict:
+    """Runs ``state, metrics = step(state, s)`` from the state's step up to ``steps``
+    (or ``stop_after`` more), checkpointing; ``on_save(state)`` adds validation metrics to
+    the log at every checkpoint. The manager is closed on return."""
+    start = int(state["step"])
+    end = steps if stop_after is None else min(steps, start + stop_after)
+    if progress is not None:
+        progress.update(start)
+    t0 = time.perf_counter()
+    for s in range(start, end):
+        state, m = step(state, s)
+        if log is not None:
+            log({"step": s + 1, **{k: float(v) for k, v in m.items()},
+                 "seconds": round(time.perf_counter() - t0, 1)})
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix({k: f"{float(v):.3f}" for k, v in m.items() if k in
+                                  ("loss", "acc")})
+        if (s + 1) % save_every == 0 or s + 1 == end:
+            mngr.save(s + 1, args=checkpoint.ocp.args.StandardSave(state), force=True)
+            if on_save is not None and log is not None:
+                log({"step": s + 1, **on_save(state)})
+    mngr.wait_until_finished()
+    mngr.close()
+    return state
