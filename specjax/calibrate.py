@@ -40,8 +40,8 @@ def _layer_logits(target, tparams, heads: dict, toks: np.ndarray, layers: Sequen
     """``{layer: logits [T, V]}`` and the target's ``[T, V]``, teacher-forced on ``toks``."""
     t = toks[None]
     pos = jnp.arange(t.shape[1])[None]
-    logits, hid, _ = target.forward(tparams, t, pos, target.init_cache(1, t.shape[1]),
-                                    return_layers=tuple(layers))
+    cache = target.init_cache(1, t.shape[1], tparams["embed"].dtype)
+    logits, hid, _ = target.forward(tparams, t, pos, cache, return_layers=tuple(layers))
     return ({l: exit_head(target, tparams, heads.get(l), hid[l])[0] for l in layers},
             logits[0])
 
@@ -78,7 +78,7 @@ def agreement(target, tparams, heads: dict, layers: Sequence[int], seqs, prompt_
         if progress is not None:
             progress.update(1)
     alpha = np.zeros((n, n))
-    alpha[tuple(np.array(pairs).T)] = total / max(count, 1)
+    alpha[tuple(np.array(pairs).T)] = np.clip(total / max(count, 1), 0.0, 1.0)
     return alpha, count
 
 
@@ -98,7 +98,8 @@ def forward_costs(target, tparams, heads: dict, layers: Sequence[int], widths: S
                   ngram: NGramDrafter = NGramDrafter(), progress=None) -> dict:
     """``{name: {width: ms}}``: the median time of one forward (exit head included) at each
     width with ``filled`` tokens in a cache of ``capacity``; ``ngram``: one lookup."""
-    cache = target.init_cache(1, capacity).replace(length=jnp.asarray([filled], jnp.int32))
+    cache = target.init_cache(1, capacity, tparams["embed"].dtype)
+    cache = cache.replace(length=jnp.asarray([filled], jnp.int32))
     out: dict = {}
     for name, layer in zip(names(layers)[1:], list(layers) + [None]):
         lvl = hsd.Exit() if layer is None else hsd.Exit(layer, exit_head)
@@ -132,9 +133,13 @@ def _median_ms(fn, *args, repeats: int) -> float:
 # ----------------------------------------------------------------------------- tuning
 
 def _cost_at(table: dict, width: int) -> float:
-    """Cost at ``width``, interpolated linearly between measured widths (clamped)."""
+    """Cost at ``width``: linear between measured widths, extended linearly past the two
+    widest (and clamped below the narrowest)."""
     ws = sorted(int(w) for w in table)
-    return float(np.interp(width, ws, [table[w] if w in table else table[str(w)] for w in ws]))
+    vs = [table[w] if w in table else table[str(w)] for w in ws]
+    if width > ws[-1] and len(ws) > 1:
+        return float(vs[-1] + (width - ws[-1]) * (vs[-1] - vs[-2]) / (ws[-1] - ws[-2]))
+    return float(np.interp(width, ws, vs))
 
 
 def level_costs(costs: dict, sigma: Sequence[int], T: Sequence[int],
@@ -155,7 +160,7 @@ def level_costs(costs: dict, sigma: Sequence[int], T: Sequence[int],
     for k, i in enumerate(sigma):
         table = costs[cand[i]]
         if k == 0:
-            out.append(table[1] if cand[i] == "ngram" else
+            out.append(table[1] / T[0] if cand[i] == "ngram" else  # one lookup per fill
                        _cost_at(table, 1) + _cost_at(table, 1 + top) / T[0])
         else:
             out.append(_cost_at(table, buf[k] + 1 + top - k))
@@ -178,8 +183,9 @@ def tune(calib: dict, t_max: int = 8, max_levels: int = 4, model: hier.Model = "
     ``table`` lists every hierarchy's best ``T`` and latency. The n-gram candidate can only
     be the bottom level; ``t_max`` bounds every ``T``."""
     n = len(calib["layers"]) + 2
-    if t_max < 1 or max_levels < 1:
-        raise ValueError(f"t_max and max_levels must be >= 1, got {t_max}, {max_levels}")
+    if t_max < 1 or max_levels < 2:
+        raise ValueError(f"need t_max >= 1 and max_levels >= 2 (a drafter and the target), "
+                         f"got {t_max}, {max_levels}")
     best, table = (predicted_latency(calib, (n - 1,), ()), (n - 1,), ()), []
     for size in range(1, max_levels):
         for drafts in itertools.combinations(range(n - 1), size):

@@ -76,6 +76,9 @@ def _hsd(lm, args, spec: str):
             raise SystemExit("--hierarchy auto needs --calibration FILE (from `specjax "
                              "calibrate`)")
         calib = json.loads(Path(args.calibration).read_text())
+        if calib.get("model") != args.model:
+            raise SystemExit(f"{args.calibration} was measured for {calib.get('model')!r}, "
+                             f"not {args.model!r}; run `specjax calibrate` for this model")
         heads, layers, _ = _exit_heads(lm, args, calib["layers"])
         if layers != list(calib["layers"]):
             raise SystemExit(f"{args.calibration} was measured for exit layers "
@@ -212,6 +215,7 @@ def cmd_calibrate(args) -> int:
     res = {"model": args.model, "dtype": args.dtype, "layers": layers, "exit_heads": source,
            "candidates": calibrate.names(layers), "alpha": alpha.tolist(), "positions": n,
            "prompts": len(seqs), "temperature": max(args.temperature, 0.0),
+           "top_k": args.top_k, "top_p": args.top_p,
            "cost_ms": cost, "machine": {"platform": platform.platform(),
                                         "cpu_count": os.cpu_count()}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -261,7 +265,8 @@ def cmd_bench(args) -> int:
 
     methods = split_methods(args.methods)
     known = {"ar", "hf", "hf-pld"}
-    bad = [m for m in methods if m not in known and not m.startswith(("sd-", "eagle2", "hsd"))]
+    bad = [m for m in methods if m not in known and m != "hsd"
+           and not m.startswith(("sd-", "eagle2", "hsd:"))]
     if bad:
         raise SystemExit(f"unknown methods {bad}; available: {sorted(known)}, sd-ngram, "
                          f"sd-early-exit:L, eagle2[:depth,topk,total][:opts], hsd[:SPEC]")
@@ -524,6 +529,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--limit", type=int, help="prompts to use, spread over categories")
     c.add_argument("--temperature", type=float, default=0.0,
                    help="0: agreement of argmaxes; > 0: 1 - TV of the tempered distributions")
+    c.add_argument("--top-k", type=int, default=0)
+    c.add_argument("--top-p", type=float, default=1.0)
     c.add_argument("--widths", default="1,2,3,4,5,6,8,10,12,16,20,25",
                    help="forward widths to time (tokens)")
     c.add_argument("--out", required=True)

@@ -98,10 +98,11 @@ def test_level_costs_follow_the_widths_hsd_runs():
     assert c[1] == pytest.approx(6.0 + (12.0 - 6.0) / 12)
     assert c[2] == pytest.approx(12.0 + (24.0 - 12.0) * 2 / 12)
     flat = {k: {"1": v["1"]} for k, v in CALIB["cost_ms"].items()}
-    assert calibrate.level_costs(flat, (0, 3), (4,), CALIB["layers"]) == [0.2, 8.0]
+    # one n-gram lookup proposes the whole fill of T[0] tokens
+    assert calibrate.level_costs(flat, (0, 3), (4,), CALIB["layers"]) == [0.05, 8.0]
     a = np.asarray(CALIB["alpha"])
     assert calibrate.predicted_latency({**CALIB, "cost_ms": flat}, (0, 3), (4,)) == \
-        pytest.approx(hierarchy.latency([0.2, 8.0], a[np.ix_((0, 3), (0, 3))], (0, 1), (4,)))
+        pytest.approx(hierarchy.latency([0.05, 8.0], a[np.ix_((0, 3), (0, 3))], (0, 1), (4,)))
 
 
 def test_tune_returns_the_least_predicted_latency():
@@ -116,6 +117,10 @@ def test_tune_returns_the_least_predicted_latency():
             assert r["latency_ms"] <= calibrate.predicted_latency(CALIB, r["sigma"], T2) + 1e-9
     with pytest.raises(ValueError, match="t_max"):
         calibrate.tune(CALIB, t_max=0)
+    with pytest.raises(ValueError, match="max_levels"):
+        calibrate.tune(CALIB, max_levels=1)
+    wide = calibrate.level_costs(CALIB["cost_ms"], (2, 3), (30,), CALIB["layers"])
+    assert wide[1] == pytest.approx(24.0 + (31 - 16) * 12.0 / 12)  # extended past width 16
 
 
 def test_hierarchy_specs_parse_strictly_and_run(toy):

@@ -55,7 +55,7 @@ def layer_features(target, tparams, corpus: Sequence, cfg: ExitConfig, progress=
     layers = tuple(cfg.layers)
 
     @jax.jit
-    def run(toks):
+    def run(tparams, toks):
         b, t = toks.shape
         pos = jnp.broadcast_to(jnp.arange(t), (b, t))
         _, hid, _ = target.forward(tparams, toks, pos, target.init_cache(b, t),
@@ -71,7 +71,7 @@ def layer_features(target, tparams, corpus: Sequence, cfg: ExitConfig, progress=
         batch = np.zeros((len(idx), width), np.int32)
         for r, i in enumerate(idx):
             batch[r, :len(toks[i])] = toks[i]
-        feats = np.asarray(run(jnp.asarray(batch)))
+        feats = np.asarray(run(tparams, jnp.asarray(batch)))
         for r, i in enumerate(idx):
             out[i] = feats[r, :len(toks[i])]
         if progress is not None:
