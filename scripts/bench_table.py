@@ -27,8 +27,9 @@ def main(path: str) -> None:
             cells.append("-" if cs is None else f"{cs['tokens_per_s']:.1f} tok/s, "
                          f"{cs.get('speedup_vs_ar', 0):.2f}×, τ {cs['tau']:.2f}")
         print(f"| {name} | " + " | ".join(cells) + " |")
-    peers = [(a, b) for a, b in (("sd-ngram", "hf-pld"), ("eagle2", "hf"), ("ar", "hf"))
-             if a in ms and b in ms]
+    eagles = [m for m in ms if m.startswith("eagle2")]
+    peers = [(a, b) for a, b in [("sd-ngram", "hf-pld")] + [(e, "hf") for e in eagles]
+             + [("ar", "hf")] if a in ms and b in ms]
     for a, b in peers:
         print(f"\n{a} / {b}: {ms[a]['tokens_per_s'] / ms[b]['tokens_per_s']:.2f}× tokens/s")
     if rep.get("greedy_mismatch_vs_ar"):
