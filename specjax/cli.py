@@ -281,6 +281,7 @@ def cmd_bench(args) -> int:
     runners = {"ar": lambda: bench.ar_method(lm, sampler),
                "hf": lambda: bench.hf_method(lm, threads, hf, max(args.temperature, 0.0)),
                "hf-pld": lambda: bench.hf_pld_method(lm, threads, hf)}
+    hierarchies = {}  # hsd method -> the hierarchy it runs, as a spec
     for m in methods:
         if m.startswith("sd-"):
             d = drafters.from_spec(m[3:], lm.model, args.draft_len)
@@ -293,7 +294,7 @@ def cmd_bench(args) -> int:
             d.check(lm.model)
             runners[m] = lambda d=d, dp=dp: bench.sd_method(lm, d, dp, sampler)
         elif m.startswith("hsd"):
-            h, hp, _ = _hsd(lm, args, m.partition(":")[2] or "auto")
+            h, hp, hierarchies[m] = _hsd(lm, args, m.partition(":")[2] or "auto")
             runners[m] = lambda h=h, hp=hp: bench.hsd_method(lm, h, hp, sampler)
     run = {m: runners[m]() for m in methods}
     results = {m: [] for m in methods}
@@ -319,6 +320,12 @@ def cmd_bench(args) -> int:
               "n_questions": len(questions), "machine": bench.machine_info(),
               "methods": summary, "greedy_mismatch_vs_ar": mismatches,
               "draft_len": args.draft_len}
+    if hierarchies:
+        from specjax import exit_heads
+
+        heads = args.exit_heads or exit_heads.shipped_heads(args.model)
+        report["hsd"] = {"hierarchies": hierarchies, "calibration": args.calibration,
+                         "exit_heads": str(heads) if heads else None}
     if "ar" in summary:
         import jax
 

@@ -163,3 +163,6 @@ def test_cli_calibrate_tune_and_bench_hsd_auto(smollm, monkeypatch, tmp_path, ca
     assert rep["greedy_mismatch_vs_ar"] == []
     lv = rep["methods"]["hsd:auto"]["levels"]
     assert lv["forwards"][-1] == rep["methods"]["hsd:auto"]["target_forwards"]
+    spec = rep["hsd"]["hierarchies"]["hsd:auto"]  # the tuned hierarchy, recorded as a spec
+    sigma, T = calibrate.parse_hierarchy(spec, c["layers"])
+    assert sigma[-1] == 3 and len(T) == len(sigma) - 1
