@@ -26,6 +26,8 @@ def main(log: str, out: str) -> None:
         r = json.loads(line)
         (val if "val_acc" in r else rows)[r["step"]] = r  # a resumed run repeats: keep the last
     steps = np.asarray(sorted(rows))
+    if "ce" not in rows[steps[-1]]:  # exit heads: KL and top-1 agreement per exit layer
+        return plot_exits(rows, steps, out)
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for ax, key, title in zip(axes, ("loss", "ce", "acc"),
                               ("total loss", "cross-entropy vs target", "top-1 agreement")):
@@ -46,6 +48,27 @@ def main(log: str, out: str) -> None:
     print(f"wrote {out}; last step {steps[-1]}: "
           + ", ".join(f"{k} {rows[steps[-1]][k]:.3f}" for k in ("loss", "ce", "acc"))
           + (f"; held out: acc {val[max(val)]['val_acc']:.3f}" if val else ""))
+
+
+def plot_exits(rows: dict, steps: np.ndarray, out: str) -> None:
+    layers = sorted(int(k[4:]) for k in rows[steps[-1]] if k.startswith("acc_"))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    y = np.asarray([rows[s]["loss"] for s in steps])
+    axes[0].plot(steps, y, alpha=0.3, lw=0.8)
+    axes[0].plot(steps[len(steps) - len(smooth(y)):], smooth(y), lw=1.8)
+    axes[0].set_title("KL(final || exit), mean over exits")
+    for l in layers:
+        ys = smooth(np.asarray([rows[s][f"acc_{l}"] for s in steps]))
+        axes[1].plot(steps[len(steps) - len(ys):], ys, lw=1.5, label=f"exit {l}")
+    axes[1].set_title("top-1 agreement with the final layer")
+    axes[1].legend(fontsize=8)
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}; last step {steps[-1]}: loss {rows[steps[-1]]['loss']:.3f}, "
+          + ", ".join(f"exit {l} {rows[steps[-1]][f'acc_{l}']:.3f}" for l in layers))
 
 
 if __name__ == "__main__":

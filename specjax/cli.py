@@ -400,8 +400,10 @@ def cmd_train_exits(args) -> int:
                                  kl_vocab=args.kl_vocab)
     log = _run_log(args.run)
     print(f"{len(corpus)} examples, {sum(len(t) for t, _, _ in corpus)} tokens; {cfg}", flush=True)
-    with tqdm(total=len(corpus), desc="target features", unit="example") as bar:
-        feats = train_exits.layer_features(lm.model, lm.params, corpus, cfg, progress=bar)
+    def feats():
+        with tqdm(total=len(corpus), desc="target features", unit="example") as bar:
+            return train_exits.layer_features(lm.model, lm.params, corpus, cfg, progress=bar)
+
     with tqdm(total=cfg.steps, desc="train exit heads", unit="step") as bar:
         state = train_exits.train(lm.model, lm.params, corpus, cfg, args.run, feats=feats,
                                   progress=bar, log=log,
@@ -412,6 +414,9 @@ def cmd_train_exits(args) -> int:
                 "rank": cfg.rank, "train": dataclasses.asdict(cfg),
                 "steps_done": int(state["step"]),
                 "data": json.loads(summary.read_text()) if summary.exists() else None}
+        ids = train_exits.vocab_ids(corpus, lm.model.config.vocab_size, cfg)
+        if ids is not None:  # the exits propose only tokens the KL was taken over
+            meta["vocab_ids"] = ids.tolist()
         out = checkpoint.export_head(state["params"], args.export, meta)
         print(f"exported the exit heads (bfloat16) to {out}")
     return 0

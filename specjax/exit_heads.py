@@ -17,8 +17,10 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
+from specjax.eagle import output_embedding
 from specjax.models import llama
 
 SHIPPED = {"smollm2-135m": "heads/smollm2-135m-exits"}  # registry name -> package data
@@ -55,10 +57,22 @@ def adapt(hp: dict, hidden: Float[Array, "... D"], eps: float) -> Float[Array, "
 
 def exit_head(target, tparams, hp: dict | None, hidden: Float[Array, "... D"]
               ) -> Float[Array, "... V"]:
-    """Logits of an exit with adapter ``hp`` (``None``: the target's plain head)."""
+    """Logits of an exit with adapter ``hp`` (``None``: the target's plain head).
+
+    When ``hp`` has ``vocab_ids`` (the vocabulary it was distilled on), only those rows of
+    the LM head are computed and every other token gets the dtype's lowest logit, so the
+    exit never proposes a token its training did not constrain; the target still verifies
+    every draft, so decoding stays lossless."""
     if hp is None:
         return target.logits(tparams, hidden)
-    return target.logits(tparams, adapt(hp, hidden, target.config.rms_norm_eps))
+    z = adapt(hp, hidden, target.config.rms_norm_eps)
+    ids = hp.get("vocab_ids")
+    if ids is None:
+        return target.logits(tparams, z)
+    sub = target.logits(tparams, z, head=output_embedding(target, tparams)[ids].T)
+    full = jnp.full((*sub.shape[:-1], target.config.vocab_size), jnp.finfo(sub.dtype).min,
+                    sub.dtype)
+    return full.at[..., ids].set(sub)
 
 
 def shipped_heads(model_name: str):
@@ -80,8 +94,17 @@ def load_heads(target, path: str | Path, dtype=jnp.float32) -> tuple[dict[int, d
     meta = checkpoint.read_meta(path, "exit-heads")
     like = init_heads(target.config, meta["layers"], jax.random.key(0), meta["rank"])
     heads, meta = checkpoint.load_head(path, "exit-heads", like=like)
-    return {int(l): jax.tree.map(lambda x: jnp.asarray(x, dtype), hp)
-            for l, hp in heads.items()}, meta
+    heads = {int(l): jax.tree.map(lambda x: jnp.asarray(x, dtype), hp) for l, hp in heads.items()}
+    ids = meta.get("vocab_ids")
+    if ids is not None:
+        ids = np.asarray(ids, np.int32)
+        v = target.config.vocab_size
+        if ids.ndim != 1 or not len(ids) or ids.min() < 0 or ids.max() >= v \
+                or len(np.unique(ids)) != len(ids):
+            raise checkpoint.CheckpointError(
+                f"{path}: vocab_ids must be distinct token ids in [0, {v})")
+        heads = {l: {**hp, "vocab_ids": jnp.asarray(ids)} for l, hp in heads.items()}
+    return heads, meta
 
 
 __all__ = ["init_adapter", "init_heads", "adapt", "exit_head", "load_heads", "shipped_heads"]

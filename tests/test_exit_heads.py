@@ -118,6 +118,26 @@ def test_exported_heads_load_back_and_mismatches_fail(lm, tmp_path):
         exit_heads.load_heads(big, out)
 
 
+def test_a_distilled_vocabulary_restricts_the_exit_to_it(lm, tmp_path):
+    heads = jax.tree.map(lambda x: x + 0.1, exit_heads.init_heads(TOY, (2,), jax.random.key(4)))
+    h = jax.random.normal(jax.random.key(5), (3, TOY.hidden_size))
+    ids = jnp.asarray([7, 0, 19, 3], jnp.int32)
+    full = np.asarray(exit_heads.exit_head(lm.model, lm.params, heads["2"], h))
+    sub = np.asarray(exit_heads.exit_head(lm.model, lm.params, {**heads["2"], "vocab_ids": ids},
+                                          h))
+    np.testing.assert_allclose(sub[:, ids], full[:, ids], rtol=1e-5, atol=1e-5)
+    rest = np.setdiff1d(np.arange(V), ids)
+    assert np.all(sub[:, rest] == np.finfo(np.float32).min)
+    assert set(sub.argmax(-1)) <= set(np.asarray(ids).tolist())
+    meta = {"kind": "exit-heads", "layers": [2], "rank": 64}
+    out = checkpoint.export_head(heads, tmp_path / "v", {**meta, "vocab_ids": [7, 0, 19, 3]})
+    back, _ = exit_heads.load_heads(lm.model, out)
+    np.testing.assert_array_equal(back[2]["vocab_ids"], ids)
+    bad = checkpoint.export_head(heads, tmp_path / "b", {**meta, "vocab_ids": [7, 7, V]})
+    with pytest.raises(checkpoint.CheckpointError, match="vocab_ids"):
+        exit_heads.load_heads(lm.model, bad)
+
+
 def test_decoding_with_a_trained_exit_head_equals_ar(lm, corpus, feats, tmp_path):
     state = train_exits.train(lm.model, lm.params, corpus, dataclasses.replace(CFG, steps=10),
                               tmp_path / "run", feats=feats)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import hsd, sampling
+from specjax import calibrate, exit_heads, hsd, sampling
 from specjax.models import Llama, LlamaConfig
 from specjax.models.llama import init_params
 
@@ -93,20 +93,52 @@ def test_bad_hierarchy_is_rejected(toy, levels, T, msg):
         hsd.hsd_generate(model, tp, hsd.Hierarchy(levels, T), [PROMPT], max_new_tokens=4)
 
 
+@pytest.fixture(scope="module")
+def shipped(smollm):
+    """The exit heads that ship for SmolLM2-135M: ``({layer: adapter}, metadata)``."""
+    path = exit_heads.shipped_heads("smollm2-135m")
+    assert path is not None, "no exit heads ship for smollm2-135m"
+    return exit_heads.load_heads(smollm.model, path)
+
+
+def test_shipped_exit_heads_agree_with_the_target_more_than_plain_exits(smollm, shipped):
+    from test_speculative import PROMPTS
+
+    heads, meta = shipped
+    layers = sorted(heads)
+    assert layers == sorted(meta["layers"]) and meta["model"] == "smollm2-135m"
+    seqs, pls = [], []
+    for p, c in PROMPTS:
+        ids = smollm.encode(p, chat=c)
+        out = specjax.generate(smollm.model, smollm.params, [ids], max_new_tokens=40,
+                               eos_ids=smollm.eos_ids)
+        seqs.append(ids + out.to_lists()[0])
+        pls.append(len(ids))
+    args = (smollm.model, smollm.params)
+    trained, n = calibrate.agreement(*args, heads, layers, seqs, pls)
+    plain, _ = calibrate.agreement(*args, {}, layers, seqs, pls)
+    tgt = len(layers) + 1
+    gain = trained[1:tgt, tgt] - plain[1:tgt, tgt]  # per exit: top-1 agreement with the target
+    assert n > 100 and np.all(gain > 0), f"trained minus plain agreement per exit: {gain}"
+    assert gain.mean() > 0.1, f"trained exits barely beat plain exits: {gain}"
+
+
 @pytest.mark.slow
-def test_greedy_three_level_hsd_equals_ar_on_real_model(smollm):
+def test_greedy_three_level_hsd_equals_ar_on_real_model(smollm, shipped):
     from test_speculative import PROMPTS
 
     ids = [smollm.encode(p, chat=c) for p, c in PROMPTS]
     budgets = [24, 9, 17, 30]
-    h = hsd.Hierarchy((hsd.NGram(specjax.NGramDrafter(depth=4)), hsd.Exit(12), hsd.Exit()),
-                      (4, 2))
+    heads, _ = shipped
+    h = hsd.Hierarchy((hsd.NGram(specjax.NGramDrafter(depth=4)),
+                       hsd.Exit(12, exit_heads.exit_head), hsd.Exit()), (4, 2))
+    hp = (None, heads[12], None)
     ar = specjax.generate(smollm.model, smollm.params, ids, max_new_tokens=budgets,
                           eos_ids=smollm.eos_ids).to_lists()
     out = hsd.hsd_generate(smollm.model, smollm.params, h, ids, max_new_tokens=budgets,
-                           eos_ids=smollm.eos_ids)
+                           eos_ids=smollm.eos_ids, hparams=hp)
     assert out.to_lists() == ar, "hsd: batch of 4 differs from ar"
     one = hsd.hsd_generate(smollm.model, smollm.params, h, ids[:1], max_new_tokens=budgets[0],
-                           eos_ids=smollm.eos_ids)
+                           eos_ids=smollm.eos_ids, hparams=hp)
     assert one.to_lists() == ar[:1], "hsd: batch of 1 differs from ar"
     assert out.accepted[1] > 0 and out.accepted[2] > 0

@@ -138,13 +138,17 @@ def train(target, tparams, corpus: Sequence, cfg: ExitConfig, run_dir: str | Pat
           feats: Sequence[np.ndarray] | None = None, meta: dict | None = None,
           stop_after: int | None = None, progress=None, log=None) -> dict:
     """Trains (or resumes) the adapters of ``cfg.layers`` in ``run_dir``; returns the state.
-    ``feats`` are ``layer_features(...)`` of ``corpus`` (computed here when omitted)."""
+    ``feats`` are ``layer_features(...)`` of ``corpus``, or a function returning them, called
+    only when steps remain (computed here when omitted)."""
     opt = train_eagle.optimizer(cfg)
     params = exit_heads.init_heads(target.config, cfg.layers, jax.random.key(cfg.seed),
                                    cfg.rank)
     fresh = {"params": params, "opt_state": opt.init(params), "step": jnp.asarray(0, jnp.int32)}
     state, mngr = loop.resume(run_dir, {"kind": "exit-heads", **(meta or {}),
                                         **dataclasses.asdict(cfg)}, fresh)
+    if int(state["step"]) >= cfg.steps:  # already trained: no features to compute
+        return state
+    feats = feats() if callable(feats) else feats
     feats = layer_features(target, tparams, corpus, cfg) if feats is None else feats
     plan = train_eagle.batch_plan([(f, 0, None) for f in feats], cfg)
     ids = vocab_ids(corpus, target.config.vocab_size, cfg)
