@@ -436,12 +436,13 @@ def cmd_train(args) -> int:
     cfg = train_eagle.TrainConfig(steps=args.steps, batch_tokens=args.batch_tokens,
                                   max_len=args.max_len, lr=args.lr, seed=args.seed,
                                   save_every=args.save_every, ce_vocab=args.ce_vocab,
-                                  val_examples=args.val_examples)
+                                  val_examples=args.val_examples, warmup=args.warmup,
+                                  w_reg=args.w_reg, w_ce=args.w_ce, noise=args.noise)
     log = _run_log(args.run)
     n_tok = sum(len(t) - pl for t, pl, _ in corpus)
     print(f"{len(corpus)} examples, {n_tok} answer tokens; {cfg}", flush=True)
     with tqdm(total=cfg.steps, desc="train eagle", unit="step") as bar:
-        state = train_eagle.train(lm.model, lm.params, corpus, cfg, run, progress=bar, log=log,
+        state = train_eagle.train(lm.model, lm.params, corpus, cfg, args.run, progress=bar, log=log,
                                   meta={"model": args.model, "data": str(Path(args.data))})
     if args.export:
         ids = train_eagle.vocab_by_frequency(corpus, lm.model.config.vocab_size, 32768)
@@ -576,6 +577,12 @@ def build_parser() -> argparse.ArgumentParser:
     te.add_argument("--batch-tokens", type=int, default=4096)
     te.add_argument("--max-len", type=int, default=512)
     te.add_argument("--lr", type=float, default=5e-4)
+    te.add_argument("--warmup", type=int, default=100)
+    te.add_argument("--w-reg", type=float, default=1.0, help="weight of the feature regression")
+    te.add_argument("--w-ce", type=float, default=0.1,
+                    help="weight of the cross-entropy against the target's distribution")
+    te.add_argument("--noise", type=float, default=0.1,
+                    help="uniform noise on the input features, relative to their RMS")
     te.add_argument("--seed", type=int, default=0)
     te.add_argument("--save-every", type=int, default=100)
     te.add_argument("--ce-vocab", type=int, default=8192,

@@ -127,3 +127,28 @@ def test_prompt_selection_drops_spec_bench_overlap(tmp_path):
     picked, info = distill.select_prompts(d, 10, exclude=["intro " + text])
     assert sorted(picked) == ["do it", "q2", "summarize this"]
     assert info["dropped_overlapping_spec_bench"] == 1
+
+
+def test_cli_train_eagle_logs_resumes_and_exports(lm, corpus, tmp_path, monkeypatch):
+    """``specjax train eagle`` end to end: one log line per step, the loss weights it was
+    given recorded in the export, and a second call resumes instead of starting over."""
+    import json
+
+    from specjax import cli
+
+    monkeypatch.setattr("specjax.models.load", lambda *a, **k: lm)
+    monkeypatch.setattr(distill, "load_shards", lambda d: corpus)
+    run, out = tmp_path / "run", tmp_path / "head"
+    argv = ["train", "eagle", "--data", str(tmp_path), "--run", str(run), "--batch-tokens", "256",
+            "--max-len", "64", "--save-every", "3", "--w-ce", "1.0", "--noise", "0.05",
+            "--steps", "6", "--export", str(out)]
+    assert cli.main(argv) == 0
+    shutil.rmtree(run / "ckpt" / "6")  # as if killed after step 6, before saving it
+    assert cli.main(argv) == 0
+    steps = [json.loads(r)["step"] for r in (run / "log.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6, 4, 5, 6], steps  # the rerun went on from step 3
+    meta = json.loads((out / "head.json").read_text())
+    assert meta["steps_done"] == 6
+    assert (meta["train"]["w_ce"], meta["train"]["noise"]) == (1.0, 0.05)
+    head, _ = checkpoint.load_head(out, "eagle", like=eagle.init_head(TOY, jax.random.key(0)))
+    assert head["fc"].dtype == jnp.bfloat16
