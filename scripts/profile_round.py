@@ -1,8 +1,11 @@
 """Where a speculative round's time goes on this machine: the target forward at each
 verification width, and the drafting, verification and KV-commit steps, each jitted and
-timed alone (median of repeats) at one cache capacity. Writes JSON.
+timed alone (median of repeats) at one cache capacity. With ``--eagle SPEC``, also one
+EAGLE-2 tree draft with the shipped head (its first head pass over the pending features,
+then ``depth`` levels). Writes JSON.
 
     .venv/bin/python scripts/profile_round.py --capacity 1024 --out docs/results/profile_round_cpu.json
+    .venv/bin/python scripts/profile_round.py --widths 1,7 --eagle eagle2:3,4,6:vocab=8192
 """
 
 from __future__ import annotations
@@ -33,12 +36,28 @@ def _median_ms(fn, *args, repeats=15):
     return 1e3 * float(np.median(times))
 
 
+def _eagle_propose_ms(lm, spec: str, ctx: Context) -> float:
+    """One EAGLE-2 ``propose`` (head pass over the pending root, then the tree's levels)."""
+    from specjax import eagle
+
+    drafter, dparams = eagle.load_drafter(spec, lm, "smollm2-135m")
+    b, c = ctx.tokens.shape
+    n = int(ctx.length[0])
+    ctx = ctx.replace(length=ctx.length + 1, prompt_len=ctx.length,
+                      hidden=jnp.ones((b, c, lm.model.config.hidden_size), jnp.float32))
+    state = jax.jit(lambda dp, ctx: drafter.init(dp, ctx, 64))(dparams, ctx)
+    assert int(state.cache.length[0]) == n
+    fn = jax.jit(lambda dp, st, ctx: drafter.propose(dp, st, ctx, None, sampling.Greedy())[0].tokens)
+    return _median_ms(fn, dparams, state, ctx)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--capacity", type=int, default=1024)
     p.add_argument("--filled", type=int, default=800)
     p.add_argument("--widths", default="1,2,3,5,9,17")
+    p.add_argument("--eagle", help="also time one EAGLE-2 draft with this spec")
     p.add_argument("--out")
     args = p.parse_args()
     lm = load(args.model, tokenizer=False)
@@ -73,8 +92,11 @@ def main() -> None:
     src = jnp.arange(n + 1, dtype=jnp.int32)[None]
     commit = jax.jit(lambda c: c.commit(src, jnp.asarray([n + 1]), window=n + 1).length)
     res["kv_commit_ms"] = _median_ms(commit, cache)
-    for k in ("ngram_propose_ms", "verify_greedy_ms", "kv_commit_ms"):
-        print(f"{k}: {res[k]:.2f}")
+    if args.eagle:
+        res["eagle_propose_ms"] = _eagle_propose_ms(lm, args.eagle, ctx)
+    for k in ("ngram_propose_ms", "verify_greedy_ms", "kv_commit_ms", "eagle_propose_ms"):
+        if k in res:
+            print(f"{k}: {res[k]:.2f}")
     f1 = res["forward_ms"][1]
     res["forward_cost_vs_one_token"] = {w: t / f1 for w, t in res["forward_ms"].items()}
     print("forward cost relative to 1 token:",
