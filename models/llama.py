@@ -92,20 +92,52 @@ def rope_inv_freq(cfg: LlamaConfig) -> Float[Array, "H2"]:
     return inv
 
 
-def apply_rope(x: Float[Array, "B T N H"], positions: Int[Array, "B T"],
-               inv_freq: Float[Array, "H2"]) -> Float[Array, "B T N H"]:
-    """Rotates query/key heads by their positions (HF's half-split convention)."""
-    ang = positions[..., None].astype(jnp.float32) * inv_freq  # [B,T,H/2]
-    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+def fast_width(n: int) -> int:
+    """The column count ``project`` multiplies at for ``n`` columns on this backend.
+
+    On XLA:CPU a product with 2-3 or 5-7 (or 9-15, ...) columns falls back to a kernel that
+    costs several times the next multiple of the GEMM's 4- and 8-column micro-tiles, so
+    widths are padded: 1 stays a matrix-vector product, 2-4 become 4, wider ones the next
+    multiple of 8 (measured in docs/results/width_cost_cpu.json). Other backends run ``n``.
+    """
+    if n <= 1 or jax.default_backend() != "cpu":
+        return n
+    return 4 if n <= 4 else -(-n // 8) * 8
+
+
+def project(w: Float[Array, "O I"], x: Float[Array, "I N"]) -> Float[Array, "O N"]:
+    """``w @ x``, exactly, with the weights as the left operand and ``N`` padded to
+    ``fast_width(N)`` zero columns that are dropped again."""
+    n = x.shape[1]
+    m = fast_width(n)
+    if m != n:
+        x = jnp.pad(x, ((0, 0), (0, m - n)))
+    y = jnp.einsum("oi,in->on", w, x)  # o out features, i in features, n columns (tokens)
+    return y[:, :n] if m != n else y
+
+
+def _proj(w: Float[Array, "O I"], x: Float[Array, "I B T"]) -> Float[Array, "O B T"]:
+    i, b, t = x.shape
+    return project(w, x.reshape(i, b * t)).reshape(w.shape[0], b, t)
+
+
+def apply_rope(x: Float[Array, "N H B T"], positions: Int[Array, "B T"],
+               inv_freq: Float[Array, "H2"]) -> Float[Array, "N H B T"]:
+    """Rotates feature-major query/key heads by their positions (HF's half-split convention)."""
+    ang = inv_freq[:, None, None] * positions[None].astype(jnp.float32)  # [H/2,B,T]
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=1)
     return out.astype(x.dtype)
 
 
-def rms_norm(x: Array, weight: Array, eps: float) -> Array:
-    """RMSNorm computed in float32 and cast back before the gain, as HF Llama does."""
+def rms_norm(x: Array, weight: Array, eps: float, axis: int = -1) -> Array:
+    """RMSNorm over ``axis`` computed in float32 and cast back before the gain, as HF Llama
+    does. ``axis=0`` normalizes a feature-major ``[D, ...]`` array."""
     xf = x.astype(jnp.float32)
-    xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=axis, keepdims=True) + eps)
+    if axis in (0, -x.ndim) and x.ndim > 1:
+        weight = weight.reshape((-1,) + (1,) * (x.ndim - 1))
     return weight * xf.astype(x.dtype)
 
 
@@ -120,46 +152,69 @@ def _attention(q, k_new, v_new, k_cache, v_cache, length, mask, visible=None):
     """
     b, nk, g, t, hd = q.shape
     s = k_cache.shape[3]
-    qf = q.reshape(b, nk, g * t, hd)
+    qf = q.reshape(b, nk, g * t, hd) * jnp.asarray(1 / math.sqrt(hd), q.dtype)
     # b batch, k kv-head, s cache slot, n new key, q = (g query heads per kv-head, t query), h head dim
-    scores = jnp.concatenate([jnp.einsum("bkqh,bkhs->bkqs", qf, k_cache),
-                              jnp.einsum("bkqh,bknh->bkqn", qf, k_new)], axis=3)
-    scores = scores.astype(jnp.float32).reshape(b, nk, g, t, s + t) / math.sqrt(hd)
-    old_ok = (jnp.broadcast_to((jnp.arange(s)[None, :] < length[:, None])[:, None, :], (b, t, s))
-              if visible is None else visible)
-    ok = jnp.concatenate([old_ok, mask], axis=2)  # [B, T queries, S+T keys]
-    scores = jnp.where(ok[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype).reshape(b, nk, g * t, s + t)
-    out = (jnp.einsum("bkqs,bksh->bkqh", probs[..., :s], v_cache)
-           + jnp.einsum("bkqn,bknh->bkqh", probs[..., s:], v_new.astype(v_cache.dtype)))
+    old = jnp.einsum("bkqh,bkhs->bkqs", qf, k_cache).astype(jnp.float32).reshape(b, nk, g, t, s)
+    new = jnp.einsum("bkqh,bknh->bkqn", qf, k_new).astype(jnp.float32).reshape(b, nk, g, t, t)
+    if visible is None:
+        visible = (jnp.arange(s)[None, :] < length[:, None])[:, None, :]  # [B,1,S]
+    neg = jnp.finfo(jnp.float32).min
+    old = jnp.where(visible[:, None, None], old, neg)
+    new = jnp.where(mask[:, None, None], new, neg)
+    # one softmax over [cache slots, new keys], without concatenating the two score blocks
+    top = jnp.maximum(old.max(-1, keepdims=True), new.max(-1, keepdims=True))
+    e_old, e_new = jnp.exp(old - top), jnp.exp(new - top)
+    inv = 1.0 / (e_old.sum(-1, keepdims=True) + e_new.sum(-1, keepdims=True))
+    p_old = (e_old * inv).astype(v_cache.dtype).reshape(b, nk, g * t, s)
+    p_new = (e_new * inv).astype(v_cache.dtype).reshape(b, nk, g * t, t)
+    out = (jnp.einsum("bkqs,bksh->bkqh", p_old, v_cache)
+           + jnp.einsum("bkqn,bknh->bkqh", p_new, v_new.astype(v_cache.dtype)))
     return out.reshape(b, nk, g, t, hd)
 
 
-def _layer(cfg: LlamaConfig, lp: Params, x, k_cache, v_cache, length, mask, positions,
-           visible=None):
-    """One decoder layer; returns the new residual stream and this layer's K/V cache.
+def _layer(cfg: LlamaConfig, lp: Params, x: Float[Array, "D B T"], k_cache, v_cache, length,
+           mask, positions, visible=None):
+    """One decoder layer over a feature-major residual stream ``x`` ([D, B, T]); returns the
+    new stream and this layer's K/V cache.
 
     New K/V are written at slot ``length``; ``visible`` ([B,T,S]) replaces the default
     cache visibility (slots ``< length``), which lets a draft tree see its ancestors' scratch
-    entries."""
-    b, t, _ = x.shape
+    entries. Every weight is ``[out, in]`` and the left operand of its product (``project``)."""
+    _, b, t = x.shape
     nq, nk, hd, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     inv_freq = rope_inv_freq(cfg)
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    qkv = jnp.einsum("btd,de->bte", h, lp["qkv"])  # e = (nq + 2 nk) * hd
-    q, k, v = jnp.split(qkv.reshape(b, t, nq + 2 * nk, hd), [nq, nq + nk], axis=2)
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, axis=0)
+    qkv = _proj(lp["qkv"], h).reshape(nq + 2 * nk, hd, b, t)
+    q, k, v = jnp.split(qkv, [nq, nq + nk], axis=0)  # [N,H,B,T]
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-    q = q.reshape(b, t, nk, nq // nk, hd).transpose(0, 2, 3, 1, 4)  # [B,K,G,T,H]
-    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B,K,T,H]
-    att = _attention(q, k, v, k_cache, v_cache, length, mask, visible)
-    att = att.transpose(0, 3, 1, 2, 4).reshape(b, t, nq * hd)
-    x = x + jnp.einsum("bte,ed->btd", att, lp["o"])
-    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    gate, up = jnp.split(jnp.einsum("btd,df->btf", h, lp["gate_up"]), [f], axis=-1)
-    # down is stored [D, F] (out, in): the faster matrix-vector layout on CPU
-    x = x + jnp.einsum("btf,df->btd", jax.nn.silu(gate) * up, lp["down"])
-    return (x, kv_cache.write(k_cache, length, k.transpose(0, 1, 3, 2), axis=3),
+    q = q.reshape(nk, nq // nk, hd, b, t).transpose(3, 0, 1, 4, 2)  # [B,K,G,T,H]
+    v = v.transpose(2, 0, 3, 1)  # [B,K,T,H]
+    att = _attention(q, k.transpose(2, 0, 3, 1), v, k_cache, v_cache, length, mask, visible)
+    x = x + _proj(lp["o"], att.transpose(1, 2, 4, 0, 3).reshape(nq * hd, b, t))
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, axis=0)
+    gate, up = jnp.split(_proj(lp["gate_up"], h), [f], axis=0)
+    x = x + _proj(lp["down"], jax.nn.silu(gate) * up)
+    return (x, kv_cache.write(k_cache, length, k.transpose(2, 0, 1, 3), axis=3),
             kv_cache.write(v_cache, length, v, axis=2))
+
+
+def layer(cfg: LlamaConfig, lp: Params, x: Float[Array, "B T D"], k_cache, v_cache, length,
+          mask, positions, visible=None):
+    """``_layer`` on a batch-major ``[B, T, D]`` stream (for draft heads built on one layer)."""
+    y, k_cache, v_cache = _layer(cfg, lp, x.transpose(2, 0, 1), k_cache, v_cache, length, mask,
+                                 positions, visible)
+    return y.transpose(1, 2, 0), k_cache, v_cache
+
+
+def head_logits(head: Float[Array, "V D"], h: Float[Array, "... D"]) -> Float[Array, "... V"]:
+    """``h @ head.T`` as float32 logits, computed weights-left (``project``).
+
+    The barrier keeps XLA from folding the final transpose into the product's output
+    layout, which made an 8-column LM head cost twice as much on XLA:CPU."""
+    lead = h.shape[:-1]
+    flat = h.reshape(-1, h.shape[-1]).astype(head.dtype)
+    out = lax.optimization_barrier(project(head, flat.T)).T  # [N, V]
+    return out.reshape(*lead, head.shape[0]).astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,13 +229,12 @@ class Llama:
 
     def logits(self, params: Params, hidden: Float[Array, "... D"],
                head: Array | None = None) -> Float[Array, "... V"]:
-        """Final norm and LM head (float32 logits). ``head`` ([D,V]) overrides the model's."""
+        """Final norm and LM head (float32 logits). ``head`` ([V', D] rows) overrides the
+        model's ``[V, D]`` head."""
         h = rms_norm(hidden, params["final_norm"], self.config.rms_norm_eps)
-        if head is not None:
-            return jnp.einsum("...d,dv->...v", h, head).astype(jnp.float32)
-        if self.config.tie_embeddings:
-            return jnp.einsum("...d,vd->...v", h, params["embed"]).astype(jnp.float32)
-        return jnp.einsum("...d,dv->...v", h, params["lm_head"]).astype(jnp.float32)
+        if head is None:
+            head = params["embed"] if self.config.tie_embeddings else params["lm_head"]
+        return head_logits(head, h)
 
     def forward(
         self,
@@ -220,7 +274,7 @@ class Llama:
         b, t = tokens.shape
         if mask is None:
             mask = kv_cache.causal_mask(b, t)
-        x = params["embed"][tokens]
+        x = params["embed"][tokens].transpose(2, 0, 1)  # feature-major [D,B,T]
         hidden = {0: x} if 0 in return_layers else {}
         ks, vs = list(cache.k), list(cache.v)
         for i in range(n):
@@ -229,6 +283,8 @@ class Llama:
             if i + 1 in return_layers:
                 hidden[i + 1] = x
         hidden[n] = x
+        hidden = {l: h.transpose(1, 2, 0) for l, h in hidden.items()}
+        x = hidden[n]
         cache = cache.replace(k=tuple(ks), v=tuple(vs))
         logits = self.logits(params, x) if compute_logits else None
         return logits, hidden, cache
@@ -249,22 +305,22 @@ def init_params(cfg: LlamaConfig, key: Array, dtype=jnp.float32) -> Params:
     params = {"embed": (jax.random.normal(keys[-2], (cfg.vocab_size, d)) * 0.05).astype(dtype),
               "layers": layers, "final_norm": jnp.ones((d,), dtype)}
     if not cfg.tie_embeddings:
-        params["lm_head"] = (jax.random.normal(keys[-1], (d, cfg.vocab_size)) * 0.05).astype(dtype)
+        params["lm_head"] = (jax.random.normal(keys[-1], (cfg.vocab_size, d)) * 0.05).astype(dtype)
     return params
 
 
 def layer_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Shape of each weight of one decoder layer.
+    """Shape of each weight of one decoder layer, all ``[out, in]`` (torch's layout).
 
-    ``qkv`` is [D, (Nq + 2 Nkv) * H]: the Q, K and V projections side by side, each head's
-    columns in HF's half-split RoPE order. ``gate_up`` is [D, 2F], gate first. ``down`` is
-    [D, F], the transpose of the usual [F, D]. The fused, mixed layouts are the fastest
-    matrix-vector products XLA emits on CPU (docs/design.md).
+    ``qkv`` is [(Nq + 2 Nkv) * H, D]: the Q, K and V projections stacked, each head's rows
+    in HF's half-split RoPE order. ``gate_up`` is [2F, D], gate first. Weights are the left
+    operand of every product, the layout XLA:CPU multiplies fastest at 1-32 columns
+    (docs/design.md).
     """
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     return {
-        "attn_norm": (d,), "qkv": (d, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd),
-        "o": (cfg.num_heads * hd, d), "mlp_norm": (d,), "gate_up": (d, 2 * f), "down": (d, f),
+        "attn_norm": (d,), "qkv": ((cfg.num_heads + 2 * cfg.num_kv_heads) * hd, d),
+        "o": (d, cfg.num_heads * hd), "mlp_norm": (d,), "gate_up": (2 * f, d), "down": (d, f),
     }
 
 
@@ -272,5 +328,5 @@ def top_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Shape of each weight outside the decoder layers."""
     shapes = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,)}
     if not cfg.tie_embeddings:
-        shapes["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
+        shapes["lm_head"] = (cfg.vocab_size, cfg.hidden_size)
     return shapes

@@ -24,16 +24,11 @@ class WeightLoadError(ValueError):
     """A checkpoint that does not match the architecture it claims."""
 
 
-def _t(w, cfg):  # torch/ggml [out, in] -> ours [in, out]
-    return w.T
-
-
 def _unpermute(n_heads: Callable[[LlamaConfig], int]) -> Transform:
-    """Undoes llama.cpp's row permutation of Q/K (interleaved -> half-split RoPE), then [in, out]."""
+    """Undoes llama.cpp's row permutation of Q/K (interleaved -> half-split RoPE)."""
     def f(w, cfg):
         n = n_heads(cfg)
-        w = w.reshape(n, cfg.head_dim // 2, 2, w.shape[-1]).swapaxes(1, 2).reshape(w.shape)
-        return w.T
+        return w.reshape(n, cfg.head_dim // 2, 2, w.shape[-1]).swapaxes(1, 2).reshape(w.shape)
     return f
 
 
@@ -43,48 +38,48 @@ _same = lambda w, cfg: w  # noqa: E731
 GGUF_KEYS = [
     ("token_embd.weight", "embed", _same),
     ("output_norm.weight", "final_norm", _same),
-    ("output.weight", "lm_head", _t),
+    ("output.weight", "lm_head", _same),
     ("blk.{i}.attn_norm.weight", "layers/attn_norm", _same),
     ("blk.{i}.attn_q.weight", "layers/q", _unpermute(lambda c: c.num_heads)),
     ("blk.{i}.attn_k.weight", "layers/k", _unpermute(lambda c: c.num_kv_heads)),
-    ("blk.{i}.attn_v.weight", "layers/v", _t),
-    ("blk.{i}.attn_output.weight", "layers/o", _t),
+    ("blk.{i}.attn_v.weight", "layers/v", _same),
+    ("blk.{i}.attn_output.weight", "layers/o", _same),
     ("blk.{i}.ffn_norm.weight", "layers/mlp_norm", _same),
-    ("blk.{i}.ffn_gate.weight", "layers/gate", _t),
-    ("blk.{i}.ffn_up.weight", "layers/up", _t),
-    ("blk.{i}.ffn_down.weight", "layers/down", _same),  # kept [out, in]
+    ("blk.{i}.ffn_gate.weight", "layers/gate", _same),
+    ("blk.{i}.ffn_up.weight", "layers/up", _same),
+    ("blk.{i}.ffn_down.weight", "layers/down", _same),
 ]
 
 HF_KEYS = [
     ("model.embed_tokens.weight", "embed", _same),
     ("model.norm.weight", "final_norm", _same),
-    ("lm_head.weight", "lm_head", _t),
+    ("lm_head.weight", "lm_head", _same),
     ("model.layers.{i}.input_layernorm.weight", "layers/attn_norm", _same),
-    ("model.layers.{i}.self_attn.q_proj.weight", "layers/q", _t),
-    ("model.layers.{i}.self_attn.k_proj.weight", "layers/k", _t),
-    ("model.layers.{i}.self_attn.v_proj.weight", "layers/v", _t),
-    ("model.layers.{i}.self_attn.o_proj.weight", "layers/o", _t),
+    ("model.layers.{i}.self_attn.q_proj.weight", "layers/q", _same),
+    ("model.layers.{i}.self_attn.k_proj.weight", "layers/k", _same),
+    ("model.layers.{i}.self_attn.v_proj.weight", "layers/v", _same),
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers/o", _same),
     ("model.layers.{i}.post_attention_layernorm.weight", "layers/mlp_norm", _same),
-    ("model.layers.{i}.mlp.gate_proj.weight", "layers/gate", _t),
-    ("model.layers.{i}.mlp.up_proj.weight", "layers/up", _t),
-    ("model.layers.{i}.mlp.down_proj.weight", "layers/down", _same),  # kept [out, in]
+    ("model.layers.{i}.mlp.gate_proj.weight", "layers/gate", _same),
+    ("model.layers.{i}.mlp.up_proj.weight", "layers/up", _same),
+    ("model.layers.{i}.mlp.down_proj.weight", "layers/down", _same),
 ]
 
 
 def unfused_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of the per-matrix weights that source formats store, in our [in, out] layout."""
+    """Shapes of the per-matrix weights that source formats store, all [out, in]."""
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    layer = {"attn_norm": (d,), "q": (d, cfg.num_heads * hd), "k": (d, cfg.num_kv_heads * hd),
-             "v": (d, cfg.num_kv_heads * hd), "o": (cfg.num_heads * hd, d), "mlp_norm": (d,),
-             "gate": (d, f), "up": (d, f), "down": (d, f)}
+    layer = {"attn_norm": (d,), "q": (cfg.num_heads * hd, d), "k": (cfg.num_kv_heads * hd, d),
+             "v": (cfg.num_kv_heads * hd, d), "o": (d, cfg.num_heads * hd), "mlp_norm": (d,),
+             "gate": (f, d), "up": (f, d), "down": (d, f)}
     return {**top_shapes(cfg), **{f"layers/{k}": v for k, v in layer.items()}}
 
 
 def pack_layer(w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Fuses one layer's separate matrices into the layout ``Llama.forward`` reads."""
-    return {"attn_norm": w["attn_norm"], "qkv": np.concatenate([w["q"], w["k"], w["v"]], axis=1),
+    return {"attn_norm": w["attn_norm"], "qkv": np.concatenate([w["q"], w["k"], w["v"]], axis=0),
             "o": w["o"], "mlp_norm": w["mlp_norm"],
-            "gate_up": np.concatenate([w["gate"], w["up"]], axis=1), "down": w["down"]}
+            "gate_up": np.concatenate([w["gate"], w["up"]], axis=0), "down": w["down"]}
 
 
 def _match(name: str, keys) -> tuple[str, int | None, Transform] | None:

@@ -374,6 +374,27 @@ def cmd_distill(args) -> int:
     return 0
 
 
+def cmd_features(args) -> int:
+    from tqdm import tqdm
+
+    from specjax.models import load
+    from specjax.train import text_corpus
+
+    lm = load(args.model)
+    exclude = _spec_bench_texts(args.exclude) if args.exclude else []
+    pairs, info = text_corpus.reference_pairs(args.prompts, exclude, args.seed)
+    print(f"{info['pairs']} (prompt, reference answer) pairs "
+          f"({info['dropped_overlapping_exclude']} dropped for overlapping "
+          f"{args.exclude or 'nothing'}); taking {args.tokens} tokens", flush=True)
+    with tqdm(total=args.tokens, desc="features", unit="tok", unit_scale=True) as bar:
+        summary = text_corpus.build(lm, pairs, args.out, max_tokens=args.tokens,
+                                    max_len=args.max_len, progress=bar)
+    summary.update(info)
+    Path(args.out, "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def _run_log(run_dir: str):
     """A function appending one JSON line per call to ``run_dir/log.jsonl``."""
     run = Path(run_dir)
@@ -437,10 +458,11 @@ def cmd_train(args) -> int:
                                   max_len=args.max_len, lr=args.lr, seed=args.seed,
                                   save_every=args.save_every, ce_vocab=args.ce_vocab,
                                   val_examples=args.val_examples, warmup=args.warmup,
-                                  w_reg=args.w_reg, w_ce=args.w_ce, noise=args.noise)
+                                  w_reg=args.w_reg, w_ce=args.w_ce, noise=args.noise,
+                                  all_positions=args.all_positions)
     log = _run_log(args.run)
-    n_tok = sum(len(t) - pl for t, pl, _ in corpus)
-    print(f"{len(corpus)} examples, {n_tok} answer tokens; {cfg}", flush=True)
+    n_tok = sum(len(t) - (0 if cfg.all_positions else pl) for t, pl, _ in corpus)
+    print(f"{len(corpus)} examples, {n_tok} trained tokens; {cfg}", flush=True)
     with tqdm(total=cfg.steps, desc="train eagle", unit="step") as bar:
         state = train_eagle.train(lm.model, lm.params, corpus, cfg, args.run, progress=bar, log=log,
                                   meta={"model": args.model, "data": str(Path(args.data))})
@@ -567,6 +589,17 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--out", required=True, help="corpus directory (resumes if it exists)")
     ds.set_defaults(fn=cmd_distill)
 
+    fe = sub.add_parser("features", help="a fixed training corpus: reference (prompt, answer) "
+                                          "texts and the target's features, one prefill each")
+    fe.add_argument("--model", default="smollm2-135m")
+    fe.add_argument("--prompts", required=True, help="directory of training prompt files")
+    fe.add_argument("--exclude", help="Spec-Bench question.jsonl: overlapping prompts are dropped")
+    fe.add_argument("--tokens", type=int, default=2_000_000, help="corpus size in tokens")
+    fe.add_argument("--max-len", type=int, default=512, help="tokens per text (left-truncated)")
+    fe.add_argument("--seed", type=int, default=0)
+    fe.add_argument("--out", required=True, help="corpus directory (resumes if it exists)")
+    fe.set_defaults(fn=cmd_features)
+
     t = sub.add_parser("train", help="train a draft head")
     tsub = t.add_subparsers(dest="head", required=True)
     te = tsub.add_parser("eagle", help="the EAGLE head, on a corpus from `specjax distill`")
@@ -589,6 +622,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cross-entropy over the corpus's most frequent tokens (0: all)")
     te.add_argument("--val-examples", type=int, default=0,
                     help="examples held out and scored at every checkpoint (val_acc in the log)")
+    te.add_argument("--all-positions", action="store_true",
+                    help="train on every position, prompts included (for a text corpus "
+                         "from `specjax features`); default: answer positions only")
     te.add_argument("--draft-vocab", type=int, default=0,
                     help="default draft vocabulary size of the exported head (0: full)")
     te.add_argument("--export", help="write the trained head (bfloat16) here")

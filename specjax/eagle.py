@@ -62,7 +62,7 @@ def output_embedding(target, tparams) -> Float[Array, "V D"]:
     """The target's LM head as ``[V, D]`` (the tied embedding for SmolLM2)."""
     if target.config.tie_embeddings:
         return tparams["embed"]
-    return tparams["lm_head"].T
+    return tparams["lm_head"]
 
 
 def head_forward(target, hp, tparams, tokens: Int[Array, "B T"], prev_feat: Float[Array, "B T D"],
@@ -73,8 +73,8 @@ def head_forward(target, hp, tparams, tokens: Int[Array, "B T"], prev_feat: Floa
     emb = tparams["embed"][tokens].astype(hp["fc"].dtype)
     x = jnp.concatenate([emb, prev_feat.astype(emb.dtype)], axis=-1)
     x = jnp.einsum("bte,ed->btd", x, hp["fc"]) + hp["fc_b"]  # e = 2D
-    return llama._layer(target.config, hp["layer"], x, k_cache, v_cache, length, mask,
-                        positions, visible)
+    return llama.layer(target.config, hp["layer"], x, k_cache, v_cache, length, mask,
+                       positions, visible)
 
 
 def training_forward(target, hp, tparams, tokens: Int[Array, "B T"],
@@ -301,8 +301,8 @@ class EagleDrafter:
         return dparams.get("out_embed", output_embedding(self.target, tparams))
 
     def _logq(self, dparams, tparams, f):
-        logits = jnp.einsum("...d,vd->...v", f, self._embed(dparams, tparams).astype(f.dtype))
-        return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        logits = llama.head_logits(self._embed(dparams, tparams).astype(f.dtype), f)
+        return jax.nn.log_softmax(logits, axis=-1)
 
     def init(self, dparams, ctx, chunk: int) -> EagleState:
         cfg, tp = self.target.config, ctx.params

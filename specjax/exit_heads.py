@@ -69,7 +69,7 @@ def exit_head(target, tparams, hp: dict | None, hidden: Float[Array, "... D"]
     ids = hp.get("vocab_ids")
     if ids is None:
         return target.logits(tparams, z)
-    sub = target.logits(tparams, z, head=output_embedding(target, tparams)[ids].T)
+    sub = target.logits(tparams, z, head=output_embedding(target, tparams)[ids])
     full = jnp.full((*sub.shape[:-1], target.config.vocab_size), jnp.finfo(sub.dtype).min,
                     sub.dtype)
     return full.at[..., ids].set(sub)

@@ -47,6 +47,7 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 200
     val_examples: int = 0  # held out (a seeded choice), scored at every checkpoint
+    all_positions: bool = False  # loss on prompt positions too (a fixed text corpus)
 
 
 def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -99,7 +100,7 @@ def batch_at(corpus, plan, step: int, cfg: TrainConfig):
         prev[r, 1:n] = feats[r, :n - 1]
         if cut:
             prev[r, 0] = np.asarray(f[cut - 1], np.float32)
-        lo = max(pl - 1 - cut, 0)
+        lo = 0 if cfg.all_positions else max(pl - 1 - cut, 0)
         mask[r, lo:n - 1] = 1.0  # positions whose next token is an answer token
     return toks, feats, prev, mask
 
