@@ -143,8 +143,15 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _demo_run(lm, ids, args, cand) -> dict:
+    args.method, args.drafter, args.draft_len, args.eagle = (cand.method, cand.drafter,
+                                                             cand.draft_len, cand.eagle)
+    print(f"[{cand.name}] compiling and decoding {args.max_new_tokens} tokens ...", flush=True)
+    return _generate_once(lm, ids, args)
+
+
 def cmd_demo(args) -> int:
-    from specjax import bench
+    from specjax import bench, demo, eagle
     from specjax.models import load
 
     print(f"loading {args.model} ...", flush=True)
@@ -153,30 +160,44 @@ def cmd_demo(args) -> int:
                                  if q.category == "summarization")
     ids = lm.encode(prompt, chat=True)
     print(f"prompt ({len(ids)} tokens): {prompt[:200]}{'...' if len(prompt) > 200 else ''}")
-    runs, chosen = {}, args.method
-    if chosen == "eagle2" and not args.draft_checkpoint:
-        from specjax import eagle
-
-        if eagle.shipped_head(args.model) is None:
-            print(f"no EAGLE head ships for {args.model}: showing sd (n-gram drafter) instead")
-            chosen = "sd"
-    for method in ("ar", chosen):
-        args.method = method
-        print(f"[{method}] compiling and decoding {args.max_new_tokens} tokens ...", flush=True)
-        runs[method] = _generate_once(lm, ids, args)
-    ar, sd = runs["ar"], runs[chosen]
-    print("\n" + sd["text"] + "\n")
-    for r in (ar, sd):
-        name = r["method"] + (f" ({r['drafter']} drafter)" if r["drafter"] else "")
-        print(f"{name:<22} {r['new_tokens']} tokens in {r['seconds']:.2f} s = "
-              f"{r['tokens_per_s']:.1f} tok/s, tau {r['tau']:.2f} tokens/forward "
-              f"(compile {r['compile_s']:.1f} s, excluded)")
-    print(f"speedup of {chosen} over ar: {sd['tokens_per_s'] / ar['tokens_per_s']:.2f}x")
-    if args.temperature > 0:
+    cands = [c for c in demo.CANDIDATES
+             if c.method != "eagle2" or eagle.shipped_head(args.model) is not None]
+    greedy = args.temperature <= 0
+    choice = None if (args.remeasure or not greedy) else demo.read_choice(args.model, cands)
+    if args.method != "auto":  # an explicit method: run it, record nothing
+        choice = demo.Candidate(args.method, args.drafter, args.draft_len, args.eagle)
+    if args.method != "auto":
+        pass
+    elif choice is not None:
+        print(f"fastest lossless method measured here before: {choice.name} "
+              f"(record: {demo.cache_file(args.model)}; --remeasure to measure again)")
+    elif greedy:
+        print(f"measuring {len(cands)} lossless configurations on this prompt (once per "
+              f"machine; the fastest is recorded)")
+    ar = _demo_run(lm, ids, args, demo.Candidate("ar"))
+    runs = {}
+    for cand in ([choice] if choice is not None else cands if greedy else cands[-1:]):
+        r = _demo_run(lm, ids, args, cand)
+        r.update(lossless=r["token_ids"] == ar["token_ids"], ar_tokens_per_s=ar["tokens_per_s"])
+        runs[cand.name] = r
+    if choice is None and greedy:
+        choice = demo.write_choice(args.model, runs, cands)
+    elif choice is None:
+        choice = cands[-1]
+    best = runs[choice.name]
+    print("\n" + best["text"] + "\n")
+    for name, r in [("ar", ar), *runs.items()]:
+        mark = "*" if name == choice.name else " "
+        print(f"{mark} {name:<16} {r['new_tokens']} tokens in {r['seconds']:.2f} s = "
+              f"{r['tokens_per_s']:6.1f} tok/s  {r['tokens_per_s'] / ar['tokens_per_s']:.2f}x ar, "
+              f"tau {r['tau']:.2f} tokens/forward (compile {r['compile_s']:.1f} s, excluded)")
+    print(f"speedup of {choice.name} over ar: {best['tokens_per_s'] / ar['tokens_per_s']:.2f}x")
+    if not greedy:
         return 0
-    same = ar["token_ids"] == sd["token_ids"]
-    print(f"greedy {chosen} output is {'identical to' if same else 'DIFFERENT FROM'} ar")
-    return 0 if same else 1
+    bad = [n for n, r in runs.items() if not r["lossless"]]
+    print(f"greedy output of {', '.join(runs)} is "
+          f"{'identical to' if not bad else 'DIFFERENT FROM'} ar" + (f" ({bad})" if bad else ""))
+    return 0 if not bad else 1
 
 
 def split_methods(spec: str) -> list[str]:
@@ -532,7 +553,9 @@ def build_parser() -> argparse.ArgumentParser:
     common(d)
     sampling(d)
     d.add_argument("--prompt", help="default: the built-in summarization prompt")
-    d.set_defaults(method="eagle2")
+    d.add_argument("--remeasure", action="store_true",
+                   help="measure every candidate again instead of using the recorded fastest")
+    d.set_defaults(method="auto")  # auto: the fastest lossless configuration measured here
     d.set_defaults(fn=cmd_demo)
 
     b = sub.add_parser("bench", help="tokens/s of methods side by side")

@@ -1,0 +1,93 @@
+"""The main job's choice of method: the fastest lossless configuration measured on this
+machine, remembered between runs.
+
+The first ``specjax demo`` on a machine decodes its prompt with every candidate below (greedy,
+so each must equal ``ar``), reports them all, and records the fastest in a small JSON file
+keyed by model, device, core count and package version. Later runs decode with ``ar`` and the
+recorded choice only. ``--remeasure`` measures again. The file lives in ``$SPECJAX_CACHE``
+(default ``~/.cache/specjax``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One decoding configuration, as the CLI's ``--method`` and its options."""
+
+    method: str
+    drafter: str = "ngram"
+    draft_len: int | None = None
+    eagle: str = "eagle2"
+
+    @property
+    def name(self) -> str:
+        if self.method == "sd":
+            return f"sd-{self.drafter}" + (f":{self.draft_len}" if self.draft_len else "")
+        return self.eagle if self.method == "eagle2" else self.method
+
+
+# Verification widths 4 and 8 (root included): the cheapest wide forwards on XLA:CPU
+# (docs/results/width_cost_cpu.json). Each is lossless.
+CANDIDATES = (
+    Candidate("sd", "ngram", 3),
+    Candidate("sd", "ngram", 7),
+    Candidate("eagle2", eagle="eagle2:2,2,3"),
+    Candidate("eagle2", eagle="eagle2:3,4,7"),
+    Candidate("eagle2", eagle="eagle2:4,4,7"),
+)
+
+
+def cache_file(model: str) -> Path:
+    """Where the choice for ``model`` on this machine is recorded."""
+    import jax
+
+    import specjax
+
+    from specjax import eagle
+
+    dev = jax.devices()[0]
+    head = eagle.shipped_head(model)  # a retrained head invalidates the record
+    digest = hashlib.sha1(head.joinpath("head.json").read_bytes()).hexdigest()[:8] if head else "none"
+    key = "_".join([model, dev.platform, dev.device_kind, f"{os.cpu_count()}cpu",
+                    specjax.__version__, digest])
+    key = "".join(c if c.isalnum() or c in "._-" else "-" for c in key)
+    root = Path(os.environ.get("SPECJAX_CACHE", Path.home() / ".cache" / "specjax"))
+    return root / f"demo_{key}.json"
+
+
+def read_choice(model: str, candidates=CANDIDATES) -> Candidate | None:
+    """The recorded fastest candidate, or None when nothing valid is recorded."""
+    f = cache_file(model)
+    try:
+        rec = json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    by_name = {c.name: c for c in candidates}
+    if rec.get("candidates") != sorted(by_name) or rec.get("choice") not in by_name:
+        return None
+    return by_name[rec["choice"]]
+
+
+def write_choice(model: str, results: dict[str, dict], candidates=CANDIDATES) -> Candidate:
+    """Records the fastest of ``results`` (name -> the CLI's run dict, with ``tokens_per_s``
+    and ``lossless``) among candidates that matched ``ar``; returns it."""
+    ok = {n: r for n, r in results.items() if r["lossless"]}
+    if not ok:
+        raise RuntimeError("no candidate reproduced ar's greedy output")
+    best = max(ok, key=lambda n: ok[n]["tokens_per_s"])
+    f = cache_file(model)
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text(json.dumps({
+        "choice": best, "candidates": sorted(c.name for c in candidates),
+        "tokens_per_s": {n: round(r["tokens_per_s"], 2) for n, r in results.items()},
+        "tau": {n: round(r["tau"], 3) for n, r in results.items()},
+        "ar_tokens_per_s": round(next(iter(results.values()))["ar_tokens_per_s"], 2)},
+        indent=1))
+    return {c.name: c for c in candidates}[best]
