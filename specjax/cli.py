@@ -144,8 +144,7 @@ def cmd_generate(args) -> int:
 
 
 def _demo_run(lm, ids, args, cand) -> dict:
-    args.method, args.drafter, args.draft_len, args.eagle = (cand.method, cand.drafter,
-                                                             cand.draft_len, cand.eagle)
+    args.method, args.drafter, args.eagle = cand.method, cand.drafter, cand.eagle
     print(f"[{cand.name}] compiling and decoding {args.max_new_tokens} tokens ...", flush=True)
     return _generate_once(lm, ids, args)
 
@@ -165,7 +164,8 @@ def cmd_demo(args) -> int:
     greedy = args.temperature <= 0
     choice = None if (args.remeasure or not greedy) else demo.read_choice(args.model, cands)
     if args.method != "auto":  # an explicit method: run it, record nothing
-        choice = demo.Candidate(args.method, args.drafter, args.draft_len, args.eagle)
+        drafter = args.drafter + (f":{args.draft_len}" if args.draft_len else "")
+        choice = demo.Candidate(args.method, drafter, args.eagle)
     if args.method != "auto":
         pass
     elif choice is not None:
@@ -467,6 +467,7 @@ def cmd_train_exits(args) -> int:
 def cmd_train(args) -> int:
     import dataclasses
 
+    import jax
     from tqdm import tqdm
 
     from specjax.models import load
@@ -484,9 +485,17 @@ def cmd_train(args) -> int:
     log = _run_log(args.run)
     n_tok = sum(len(t) - (0 if cfg.all_positions else pl) for t, pl, _ in corpus)
     print(f"{len(corpus)} examples, {n_tok} trained tokens; {cfg}", flush=True)
+    init = None
+    if args.init:
+        from specjax import eagle
+
+        init, _ = checkpoint.load_head(args.init, "eagle",
+                                       like=eagle.init_head(lm.model.config, jax.random.key(0)))
     with tqdm(total=cfg.steps, desc="train eagle", unit="step") as bar:
         state = train_eagle.train(lm.model, lm.params, corpus, cfg, args.run, progress=bar, log=log,
-                                  meta={"model": args.model, "data": str(Path(args.data))})
+                                  meta={"model": args.model, "data": Path(args.data).name,
+                                        "init": args.init and Path(args.init).name},
+                                  init=init)
     if args.export:
         ids = train_eagle.vocab_by_frequency(corpus, lm.model.config.vocab_size, 32768)
         summary = Path(args.data, "summary.json")
@@ -522,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "eagle2[:depth,topk,total][:conf,norerank,fullvocab,vocab=N]")
         s.add_argument("--draft-checkpoint", help="an exported EAGLE head directory (default: "
                                                   "the head shipped for --model)")
-        s.add_argument("--drafter", default="ngram", help="for sd: ngram | early-exit:L")
+        s.add_argument("--drafter", default="ngram", help="for sd: ngram[:depth] | early-exit:L")
         s.add_argument("--draft-len", type=int, help="draft tokens per round (default: the "
                                                       "drafter's own)")
         s.add_argument("--hierarchy", default="auto", help="for hsd: auto (tuned from "
@@ -645,6 +654,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cross-entropy over the corpus's most frequent tokens (0: all)")
     te.add_argument("--val-examples", type=int, default=0,
                     help="examples held out and scored at every checkpoint (val_acc in the log)")
+    te.add_argument("--init", help="start from this exported EAGLE head (fine-tuning); "
+                                   "default: a random head")
     te.add_argument("--all-positions", action="store_true",
                     help="train on every position, prompts included (for a text corpus "
                          "from `specjax features`); default: answer positions only")

@@ -23,21 +23,20 @@ class Candidate:
 
     method: str
     drafter: str = "ngram"
-    draft_len: int | None = None
     eagle: str = "eagle2"
 
     @property
     def name(self) -> str:
         if self.method == "sd":
-            return f"sd-{self.drafter}" + (f":{self.draft_len}" if self.draft_len else "")
+            return f"sd-{self.drafter}"
         return self.eagle if self.method == "eagle2" else self.method
 
 
 # Verification widths 4 and 8 (root included): the cheapest wide forwards on XLA:CPU
 # (docs/results/width_cost_cpu.json). Each is lossless.
 CANDIDATES = (
-    Candidate("sd", "ngram", 3),
-    Candidate("sd", "ngram", 7),
+    Candidate("sd", "ngram:3"),
+    Candidate("sd", "ngram:7"),
     Candidate("eagle2", eagle="eagle2:2,2,3"),
     Candidate("eagle2", eagle="eagle2:3,4,7"),
     Candidate("eagle2", eagle="eagle2:4,4,7"),

@@ -186,14 +186,19 @@ def make_step(target, cfg: TrainConfig, opt: optax.GradientTransformation):
 
 def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Path, *,
           meta: dict | None = None, stop_after: int | None = None, progress=None,
-          log=None) -> dict:
+          log=None, init: dict | None = None) -> dict:
     """Trains (or resumes) the head in ``run_dir`` up to ``cfg.steps``; returns the state.
+
+    ``init`` (head parameters) starts a new run from an existing head instead of a random
+    one (fine-tuning); a resumed run ignores it.
 
     ``stop_after`` stops after that many steps of this call (for tests of resume); the
     latest checkpoint is always written before returning.
     """
     opt = optimizer(cfg)
     params = eagle.init_head(target.config, jax.random.key(cfg.seed))
+    if init is not None:
+        params = jax.tree.map(lambda a, b: jnp.asarray(b, a.dtype), params, init)
     fresh = {"params": params, "opt_state": opt.init(params), "step": jnp.asarray(0, jnp.int32)}
     state, mngr = loop.resume(run_dir, {"kind": "eagle", **(meta or {}),
                                         **dataclasses.asdict(cfg)}, fresh)
