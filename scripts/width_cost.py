@@ -4,8 +4,8 @@ tokens already cached, relative to a 1-token forward (median of repeats, one pro
 For each width it times the whole forward (logits included) with the shipped layout
 (weights as the left operand, columns padded to ``llama.fast_width``) and, for comparison,
 the same forward with padding switched off. At ``--breakdown`` widths it also reads an XLA
-profile of the forward and sums device time per kind of operation (layer weights, attention
-over the cache, LM head, the rest), which is where a wide round's time goes. Writes JSON and
+profile of the forward and sums device time per kind of operation (products with the
+weights, LM head included; attention over the cache; the rest), which is where a wide round's time goes. Writes JSON and
 a plot.
 
     .venv/bin/python scripts/width_cost.py --out docs/results/width_cost_cpu.json \
@@ -54,12 +54,10 @@ def _forward_fn(model):
 def _kind(shape: str, cfg, capacity: int) -> str:
     """Which part of the model a dot with this output shape belongs to."""
     dims = [int(d) for d in re.findall(r"\d+", shape.split("{")[0])]
-    if dims and dims[0] == cfg.vocab_size:
-        return "lm_head"
     if capacity in dims or (len(dims) == 3 and dims[-1] == cfg.head_dim) \
             or (len(dims) == 4 and dims[1] == cfg.num_kv_heads):
         return "attention"
-    return "layer_matmuls"
+    return "weight_matmuls"
 
 
 def _breakdown(fwd, args, cfg, capacity: int) -> dict[str, float]:
@@ -149,7 +147,7 @@ def _plot(res: dict, path: str) -> None:
     a.set_title(f"{res['model']}, {res['filled']} tokens cached, {res['device']}")
     a.legend(fontsize=8)
     ws = sorted(res["breakdown_ms"], key=int)
-    kinds = ["layer_matmuls", "attention", "lm_head", "other"]
+    kinds = ["weight_matmuls", "attention", "other"]
     bottom = np.zeros(len(ws))
     for k in kinds:
         v = np.array([res["breakdown_ms"][w].get(k, 0.0) for w in ws])
