@@ -141,21 +141,27 @@ def rms_norm(x: Array, weight: Array, eps: float, axis: int = -1) -> Array:
     return weight * xf.astype(x.dtype)
 
 
-def _attention(q, k_new, v_new, k_cache, v_cache, length, mask, visible=None):
+def _attention(q, k_new, v_new, k_cache, v_cache, length, mask, visible=None, *,
+               scale: float | None = None, softcap: float | None = None):
     """Grouped-query attention of new tokens over the committed cache and each other.
 
     q: [B,K,G,T,H]; k_new, v_new: [B,K,T,H]; k_cache: [B,K,H,S]; v_cache: [B,K,S,H]; length: [B];
     mask: [B,T,T]. Query ``i`` sees cache slots ``< length`` (or, if given, the slots ``s``
-    with ``visible[b, i, s]``) and new keys ``j`` with ``mask[b, i, j]``. Returns
-    [B,K,G,T,H]. The cache is only read here, and written after, so XLA can update it in
-    place inside a decode loop.
+    with ``visible[b, i, s]``, [B,1,S] or [B,T,S]) and new keys ``j`` with ``mask[b, i, j]``.
+    Scores are scaled by ``scale`` (default ``H ** -0.5``) and, with ``softcap``, squashed
+    to ``softcap * tanh(score / softcap)`` before masking (Gemma 2). Returns [B,K,G,T,H].
+    The cache is only read here, and written after, so XLA can update it in place inside a
+    decode loop.
     """
     b, nk, g, t, hd = q.shape
     s = k_cache.shape[3]
-    qf = q.reshape(b, nk, g * t, hd) * jnp.asarray(1 / math.sqrt(hd), q.dtype)
+    scale = 1 / math.sqrt(hd) if scale is None else scale
+    qf = q.reshape(b, nk, g * t, hd) * jnp.asarray(scale, q.dtype)
     # b batch, k kv-head, s cache slot, n new key, q = (g query heads per kv-head, t query), h head dim
     old = jnp.einsum("bkqh,bkhs->bkqs", qf, k_cache).astype(jnp.float32).reshape(b, nk, g, t, s)
     new = jnp.einsum("bkqh,bknh->bkqn", qf, k_new).astype(jnp.float32).reshape(b, nk, g, t, t)
+    if softcap is not None:
+        old, new = (softcap * jnp.tanh(x / softcap) for x in (old, new))
     if visible is None:
         visible = (jnp.arange(s)[None, :] < length[:, None])[:, None, :]  # [B,1,S]
     neg = jnp.finfo(jnp.float32).min

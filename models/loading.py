@@ -15,9 +15,23 @@ from typing import Callable
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.models.gemma import GemmaConfig, gemma3_layer_types
 from specjax.models.llama import LlamaConfig, RopeScaling, top_shapes
 
 Transform = Callable[[np.ndarray, LlamaConfig], np.ndarray]
+Config = LlamaConfig | GemmaConfig
+
+
+def family(cfg: Config) -> str:
+    return "Gemma" if isinstance(cfg, GemmaConfig) else "Llama"
+
+
+def model_for(cfg: Config):
+    """The model class instance for a config: ``Llama`` or ``Gemma``."""
+    from specjax.models.gemma import Gemma
+    from specjax.models.llama import Llama
+
+    return Gemma(cfg) if isinstance(cfg, GemmaConfig) else Llama(cfg)
 
 
 class WeightLoadError(ValueError):
@@ -66,20 +80,67 @@ HF_KEYS = [
 ]
 
 
-def unfused_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+GGUF_GEMMA_KEYS = [  # norm gains are stored as the multiplier (1 + w), as we keep them
+    ("token_embd.weight", "embed", _same),
+    ("output_norm.weight", "final_norm", _same),
+    ("output.weight", "lm_head", _same),
+    ("blk.{i}.attn_norm.weight", "layers/attn_norm", _same),
+    ("blk.{i}.attn_q.weight", "layers/q", _same),
+    ("blk.{i}.attn_k.weight", "layers/k", _same),
+    ("blk.{i}.attn_v.weight", "layers/v", _same),
+    ("blk.{i}.attn_q_norm.weight", "layers/q_norm", _same),
+    ("blk.{i}.attn_k_norm.weight", "layers/k_norm", _same),
+    ("blk.{i}.attn_output.weight", "layers/o", _same),
+    ("blk.{i}.post_attention_norm.weight", "layers/post_attn_norm", _same),
+    ("blk.{i}.ffn_norm.weight", "layers/mlp_norm", _same),
+    ("blk.{i}.ffn_gate.weight", "layers/gate", _same),
+    ("blk.{i}.ffn_up.weight", "layers/up", _same),
+    ("blk.{i}.ffn_down.weight", "layers/down", _same),
+    ("blk.{i}.post_ffw_norm.weight", "layers/post_mlp_norm", _same),
+]
+
+_gain = lambda w, cfg: w + 1.0  # noqa: E731  -- HF Gemma stores w and multiplies by 1 + w
+
+HF_GEMMA_KEYS = [
+    ("model.embed_tokens.weight", "embed", _same),
+    ("model.norm.weight", "final_norm", _gain),
+    ("lm_head.weight", "lm_head", _same),
+    ("model.layers.{i}.input_layernorm.weight", "layers/attn_norm", _gain),
+    ("model.layers.{i}.self_attn.q_proj.weight", "layers/q", _same),
+    ("model.layers.{i}.self_attn.k_proj.weight", "layers/k", _same),
+    ("model.layers.{i}.self_attn.v_proj.weight", "layers/v", _same),
+    ("model.layers.{i}.self_attn.q_norm.weight", "layers/q_norm", _gain),
+    ("model.layers.{i}.self_attn.k_norm.weight", "layers/k_norm", _gain),
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers/o", _same),
+    ("model.layers.{i}.post_attention_layernorm.weight", "layers/post_attn_norm", _gain),
+    ("model.layers.{i}.pre_feedforward_layernorm.weight", "layers/mlp_norm", _gain),
+    ("model.layers.{i}.mlp.gate_proj.weight", "layers/gate", _same),
+    ("model.layers.{i}.mlp.up_proj.weight", "layers/up", _same),
+    ("model.layers.{i}.mlp.down_proj.weight", "layers/down", _same),
+    ("model.layers.{i}.post_feedforward_layernorm.weight", "layers/post_mlp_norm", _gain),
+]
+
+
+def unfused_shapes(cfg) -> dict[str, tuple[int, ...]]:
     """Shapes of the per-matrix weights that source formats store, all [out, in]."""
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     layer = {"attn_norm": (d,), "q": (cfg.num_heads * hd, d), "k": (cfg.num_kv_heads * hd, d),
              "v": (cfg.num_kv_heads * hd, d), "o": (d, cfg.num_heads * hd), "mlp_norm": (d,),
              "gate": (f, d), "up": (f, d), "down": (d, f)}
+    if isinstance(cfg, GemmaConfig):
+        layer.update(post_attn_norm=(d,), post_mlp_norm=(d,))
+        if cfg.qk_norm:
+            layer.update(q_norm=(hd,), k_norm=(hd,))
     return {**top_shapes(cfg), **{f"layers/{k}": v for k, v in layer.items()}}
 
 
 def pack_layer(w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Fuses one layer's separate matrices into the layout ``Llama.forward`` reads."""
-    return {"attn_norm": w["attn_norm"], "qkv": np.concatenate([w["q"], w["k"], w["v"]], axis=0),
-            "o": w["o"], "mlp_norm": w["mlp_norm"],
-            "gate_up": np.concatenate([w["gate"], w["up"]], axis=0), "down": w["down"]}
+    """Fuses one layer's separate matrices into the layout the models read: ``qkv`` and
+    ``gate_up`` stacked; every other weight (norm gains) as it is."""
+    out = {k: v for k, v in w.items() if k not in ("q", "k", "v", "gate", "up")}
+    out["qkv"] = np.concatenate([w["q"], w["k"], w["v"]], axis=0)
+    out["gate_up"] = np.concatenate([w["gate"], w["up"]], axis=0)
+    return out
 
 
 def _match(name: str, keys) -> tuple[str, int | None, Transform] | None:
@@ -103,7 +164,7 @@ def assemble(cfg: LlamaConfig, tensors: dict[str, np.ndarray], keys, source: str
         hit = _match(name, keys)
         if hit is None or (hit[0] not in shapes) or (hit[1] is not None and hit[1] >= cfg.num_layers):
             raise WeightLoadError(f"{source}: unexpected tensor {name!r} (shape {w.shape}) "
-                                  f"for a {cfg.num_layers}-layer Llama with "
+                                  f"for a {cfg.num_layers}-layer {family(cfg)} with "
                                   f"tie_embeddings={cfg.tie_embeddings}")
         ours, layer, fn = hit
         want = shapes[ours]
@@ -141,11 +202,13 @@ def _gguf_field(reader, key, default=None):
     return default if f is None else f.contents()
 
 
-def gguf_config(reader) -> LlamaConfig:
-    """The architecture recorded in a GGUF file's metadata."""
+def gguf_config(reader) -> Config:
+    """The architecture recorded in a GGUF file's metadata (``llama`` or ``gemma3``)."""
     arch = _gguf_field(reader, "general.architecture")
+    if arch == "gemma3":
+        return _gguf_gemma3_config(reader)
     if arch != "llama":
-        raise WeightLoadError(f"GGUF architecture {arch!r} is not 'llama'")
+        raise WeightLoadError(f"GGUF architecture {arch!r} is not supported (llama, gemma3)")
     g = lambda k, d=None: _gguf_field(reader, f"llama.{k}", d)  # noqa: E731
     heads = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
@@ -168,8 +231,48 @@ def gguf_config(reader) -> LlamaConfig:
         max_position_embeddings=int(g("context_length", 4096)))
 
 
-def load_gguf(path: str | Path, dtype=jnp.float32) -> tuple[LlamaConfig, dict]:
-    """Reads and dequantizes a llama-architecture GGUF file (any ggml quantization)."""
+def _gguf_gemma3_config(reader) -> GemmaConfig:
+    """Gemma 3 from GGUF metadata. The local RoPE base, the 5-local-1-global layer pattern
+    and ``query_pre_attn_scalar`` are not recorded in the file; transformers' Gemma 3
+    defaults apply (10000, 6, 256), as in the reference it loads from the same file."""
+    g = lambda k, d=None: _gguf_field(reader, f"gemma3.{k}", d)  # noqa: E731
+    heads, n = int(g("attention.head_count")), int(g("block_count"))
+    names = {t.name for t in reader.tensors}
+    scaling = RopeScaling()
+    if g("rope.scaling.type") == "linear":
+        scaling = RopeScaling("linear", factor=float(g("rope.scaling.factor")))
+    return GemmaConfig(
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+        hidden_size=int(g("embedding_length")), intermediate_size=int(g("feed_forward_length")),
+        num_layers=n, num_heads=heads, num_kv_heads=int(g("attention.head_count_kv", heads)),
+        head_dim=int(g("attention.key_length")), layer_types=gemma3_layer_types(n),
+        sliding_window=int(g("attention.sliding_window", 512)),
+        rope_theta=float(g("rope.freq_base", 1_000_000.0)),
+        rope_local_theta=float(g("rope.freq_base_swa", 10_000.0)), rope_scaling=scaling,
+        query_pre_attn_scalar=256.0, qk_norm=True,
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        tie_embeddings="output.weight" not in names,
+        max_position_embeddings=int(g("context_length", 32768)))
+
+
+def gguf_file_config(path: str | Path) -> Config:
+    """The model config of a GGUF file, from its metadata alone (no tensor is read)."""
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    try:
+        return gguf_config(gguf.GGUFReader(str(path)))
+    except WeightLoadError:
+        raise
+    except Exception as e:  # gguf raises assorted errors on corrupt files
+        raise WeightLoadError(f"{path}: not a readable GGUF file ({e})") from e
+
+
+def load_gguf(path: str | Path, dtype=jnp.float32) -> tuple[Config, dict]:
+    """Reads and dequantizes a llama- or gemma3-architecture GGUF file (any ggml
+    quantization)."""
     import gguf
 
     path = Path(path)
@@ -184,7 +287,8 @@ def load_gguf(path: str | Path, dtype=jnp.float32) -> tuple[LlamaConfig, dict]:
     for t in reader.tensors:
         w = gguf.quants.dequantize(t.data, t.tensor_type)
         tensors[t.name] = np.asarray(w, np.float32).reshape(tuple(reversed(t.shape.tolist())))
-    return cfg, assemble(cfg, tensors, GGUF_KEYS, str(path), dtype)
+    keys = GGUF_GEMMA_KEYS if isinstance(cfg, GemmaConfig) else GGUF_KEYS
+    return cfg, assemble(cfg, tensors, keys, str(path), dtype)
 
 
 # --------------------------------------------------------------------------- HF directory
@@ -207,18 +311,65 @@ def hf_config(d: dict) -> LlamaConfig:
         max_position_embeddings=d.get("max_position_embeddings", 4096))
 
 
-def load_hf_dir(path: str | Path, dtype=jnp.float32) -> tuple[LlamaConfig, dict]:
+def hf_gemma_config(d: dict) -> GemmaConfig:
+    """A GemmaConfig from an HF ``config.json`` of ``gemma2`` or ``gemma3_text``."""
+    kind = d["model_type"]
+    n, heads = d["num_hidden_layers"], d["num_attention_heads"]
+    types = d.get("layer_types")
+    if types is None:
+        pattern = d.get("sliding_window_pattern", d.get("_sliding_window_pattern",
+                                                        2 if kind == "gemma2" else 6))
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(n)]
+    rope = d.get("rope_parameters") or {}
+    full = dict(rope.get("full_attention", rope if "rope_theta" in rope else {}))
+    local = rope.get("sliding_attention", {})
+    theta = full.pop("rope_theta", d.get("rope_theta", 10000.0 if kind == "gemma2" else 1e6))
+    rtype = full.pop("rope_type", "default")
+    fields = {f: full[f] for f in ("factor",) if f in full}
+    local_theta = local.get("rope_theta", d.get("rope_local_base_freq",
+                                                theta if kind == "gemma2" else 10000.0))
+    act = d.get("hidden_activation") or d.get("hidden_act", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise WeightLoadError(f"hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+    return GemmaConfig(
+        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"], num_layers=n, num_heads=heads,
+        num_kv_heads=d.get("num_key_value_heads", heads),
+        head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+        layer_types=tuple("full" if t == "full_attention" else "sliding" for t in types),
+        sliding_window=int(d.get("sliding_window") or 4096), rope_theta=float(theta),
+        rope_local_theta=float(local_theta), rope_scaling=RopeScaling(rtype, **fields),
+        query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
+        qk_norm=kind != "gemma2", attn_logit_softcapping=d.get("attn_logit_softcapping"),
+        final_logit_softcapping=d.get("final_logit_softcapping"),
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        tie_embeddings=d.get("tie_word_embeddings", True),
+        max_position_embeddings=d.get("max_position_embeddings", 8192))
+
+
+_HF_FAMILIES = {"llama": hf_config, "gemma2": hf_gemma_config, "gemma3_text": hf_gemma_config}
+
+
+def hf_dir_config(path: str | Path) -> Config:
+    """The model config of a local HF directory, from its ``config.json``."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{path}: no config.json")
+    d = json.loads(cfg_file.read_text())
+    kind = d.get("model_type", "llama")
+    if kind not in _HF_FAMILIES:
+        raise WeightLoadError(f"{cfg_file}: model_type {kind!r} is not supported "
+                              f"({', '.join(_HF_FAMILIES)})")
+    return _HF_FAMILIES[kind](d)
+
+
+def load_hf_dir(path: str | Path, dtype=jnp.float32) -> tuple[Config, dict]:
     """Loads ``config.json`` and every ``*.safetensors`` file of a local HF directory."""
     from safetensors.flax import load_file
 
     path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"{path}: no config.json")
-    d = json.loads(cfg_file.read_text())
-    if d.get("model_type", "llama") != "llama":
-        raise WeightLoadError(f"{cfg_file}: model_type {d.get('model_type')!r} is not a Llama")
-    cfg = hf_config(d)
+    cfg = hf_dir_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
@@ -236,4 +387,5 @@ def load_hf_dir(path: str | Path, dtype=jnp.float32) -> tuple[LlamaConfig, dict]
             raise WeightLoadError(f"{path}: config.json ties the embeddings, but "
                                   "'lm_head.weight' differs from 'model.embed_tokens.weight'")
         ignore = ("lm_head.weight",)  # a saved copy of the tied embedding
-    return cfg, assemble(cfg, tensors, HF_KEYS, str(path), dtype, ignore=ignore)
+    keys = HF_GEMMA_KEYS if isinstance(cfg, GemmaConfig) else HF_KEYS
+    return cfg, assemble(cfg, tensors, keys, str(path), dtype, ignore=ignore)

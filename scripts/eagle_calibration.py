@@ -46,7 +46,7 @@ def main() -> None:
     conf = {1: [], 2: []}
     hit = {1: [], 2: []}
     for q in tqdm(bench.load_questions(args.questions, limit=args.limit), desc="calibration"):
-        ids = lm.encode(q.text, chat=True)
+        ids = lm.encode(q.text, chat=lm.has_chat_template)
         ans = specjax.generate(m, tp, [ids], max_new_tokens=args.max_new_tokens,
                                eos_ids=lm.eos_ids).to_lists()[0]
         seq = jnp.asarray([ids + ans])

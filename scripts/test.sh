@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the whole test suite (about 10 minutes on 2 CPU cores).
+# Runs the whole test suite (about 30 minutes on 2 CPU cores).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/env.sh"

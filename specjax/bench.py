@@ -41,18 +41,24 @@ def load_questions(path: str | Path | None = None, categories: Sequence[str] | N
     that they are spread evenly. Without ``path``, the project's own small prompt set is used.
     """
     if path is None:
+        name = "specjax/data/prompts.jsonl"
         text = resources.files("specjax").joinpath("data/prompts.jsonl").read_text()
     else:
+        name = str(path)
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"questions file {name} does not exist")
         text = Path(path).read_text()
     by_cat: dict[str, list[Question]] = defaultdict(list)
-    for line in text.splitlines():
+    for num, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
-        cat = "mt_bench" if row["category"] in MT_BENCH else row["category"]
+        q = _parse_question(line, f"{name}:{num}")
+        cat = "mt_bench" if q.category in MT_BENCH else q.category
         if categories and cat not in categories:
             continue
-        by_cat[cat].append(Question(int(row["question_id"]), cat, row["turns"][0]))
+        by_cat[cat].append(dataclasses.replace(q, category=cat))
+    if not by_cat and not categories:
+        raise ValueError(f"{name} holds no questions")
     if categories:
         unknown = set(categories) - set(by_cat)
         if unknown:
@@ -67,6 +73,31 @@ def load_questions(path: str | Path | None = None, categories: Sequence[str] | N
                 picked.append(by_cat[cat][i])
         i += 1
     return picked
+
+
+def _parse_question(line: str, where: str) -> Question:
+    """One ``question.jsonl`` record; ``ValueError`` naming ``file:line`` if malformed."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    missing = [k for k in ("question_id", "category", "turns") if k not in row]
+    if missing:
+        raise ValueError(f"{where}: record lacks {', '.join(map(repr, missing))} (Spec-Bench "
+                         f"format: question_id, category, turns)")
+    turns = row["turns"]
+    if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) \
+            or not turns[0].strip():
+        raise ValueError(f"{where}: 'turns' must be a list whose first entry is a non-empty "
+                         f"string")
+    try:
+        qid = int(row["question_id"])
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: question_id {row['question_id']!r} is not an integer") \
+            from None
+    return Question(qid, str(row["category"]), turns[0])
 
 
 @dataclasses.dataclass
@@ -298,3 +329,44 @@ def machine_info() -> dict:
     return {"platform": platform.platform(), "processor": platform.processor(),
             "cpu_count": os.cpu_count(), "jax": jax.__version__,
             "jax_devices": [str(d) for d in jax.devices()]}
+
+
+def run_record(q: Question, r: Run) -> dict:
+    """One question's run as JSON: what a resumed bench restores."""
+    return {"question": q.qid, "category": q.category, **dataclasses.asdict(r)}
+
+
+def restore_runs(path: str | Path | None, settings: dict) -> dict[str, dict[int, Run]]:
+    """Per method, the runs (by question id) of an earlier bench written to ``path`` with
+    the same ``settings``; empty when ``path`` does not exist yet.
+
+    Raises ``ValueError`` when ``path`` holds another kind of file or a bench with other
+    settings, so a resume never mixes runs that do not belong together.
+    """
+    if path is None or not Path(path).exists():
+        return {}
+    try:
+        old = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} exists but is not a bench report ({e.msg}); choose another "
+                         f"--out or remove it") from None
+    if not isinstance(old, dict) or "settings" not in old or "runs" not in old:
+        raise ValueError(f"{path} exists but holds no resumable bench (no settings and runs); "
+                         f"choose another --out or remove it")
+    if old["settings"] != settings:
+        diff = sorted(k for k in {*settings, *old["settings"]}
+                      if settings.get(k) != old["settings"].get(k))
+        raise ValueError(f"{path} holds a bench with other settings ({', '.join(diff)}); "
+                         f"choose another --out to start a new one")
+    fields = {f.name for f in dataclasses.fields(Run)}
+    return {m: {rec["question"]: Run(**{k: v for k, v in rec.items() if k in fields})
+                for rec in recs} for m, recs in old["runs"].items()}
+
+
+def write_json(path: str | Path, obj: dict) -> None:
+    """Writes ``obj`` to ``path`` atomically (a killed write leaves the old file intact)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)

@@ -12,6 +12,28 @@ from pathlib import Path
 
 
 
+class UsageError(Exception):
+    """A mistake in the command's arguments: reported in one line, exit code 2."""
+
+
+def _check_args(args) -> None:
+    """Checks that need no model: sampling values, budgets, the prompt, input files."""
+    if getattr(args, "temperature", 0.0) < 0:
+        raise UsageError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if getattr(args, "top_k", 0) < 0:
+        raise UsageError(f"--top-k must be >= 0 (0: no limit), got {args.top_k}")
+    if not 0 < getattr(args, "top_p", 1.0) <= 1:
+        raise UsageError(f"--top-p must be in (0, 1] (1: no limit), got {args.top_p}")
+    for name in ("max_new_tokens", "limit", "draft_len", "steps", "batch_tokens", "max_len",
+                 "tokens", "num_prompts", "batch", "save_every", "threads", "t_max",
+                 "max_levels", "rank"):
+        v = getattr(args, name, None)
+        if v is not None and v < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if getattr(args, "prompt", None) is not None and not args.prompt.strip():
+        raise UsageError("--prompt is empty")
+
+
 def _dtype(name: str):
     import jax.numpy as jnp
 
@@ -73,15 +95,15 @@ def _hsd(lm, args, spec: str):
 
     if spec == "auto":
         if not args.calibration:
-            raise SystemExit("--hierarchy auto needs --calibration FILE (from `specjax "
+            raise UsageError("--hierarchy auto needs --calibration FILE (from `specjax "
                              "calibrate`)")
         calib = json.loads(Path(args.calibration).read_text())
         if calib.get("model") != args.model:
-            raise SystemExit(f"{args.calibration} was measured for {calib.get('model')!r}, "
+            raise UsageError(f"{args.calibration} was measured for {calib.get('model')!r}, "
                              f"not {args.model!r}; run `specjax calibrate` for this model")
         heads, layers, _ = _exit_heads(lm, args, calib["layers"])
         if layers != list(calib["layers"]):
-            raise SystemExit(f"{args.calibration} was measured for exit layers "
+            raise UsageError(f"{args.calibration} was measured for exit layers "
                              f"{calib['layers']}, but the exit heads have {layers}")
         lat, sigma, T, table = calibrate.tune(calib, args.t_max, args.max_levels)
         if len(sigma) == 1:  # the target alone is predicted fastest: run the best hierarchy
@@ -127,10 +149,25 @@ def _generate_once(lm, ids, args) -> dict:
     return res
 
 
+def _fits_context(args, prompt: str, chat: bool | None):
+    """A ``load(check=...)`` hook: the prompt and its budget fit the model's context.
+    ``chat=None``: the chat template where the tokenizer has one."""
+    def check(tokenizer, cfg):
+        from specjax.models.registry import encode
+
+        wrap = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
+        n = len(encode(tokenizer, prompt, wrap))
+        if n + args.max_new_tokens > cfg.max_position_embeddings:
+            raise UsageError(f"a prompt of {n} tokens + --max-new-tokens {args.max_new_tokens} "
+                             f"exceeds {args.model}'s context of {cfg.max_position_embeddings} "
+                             f"positions")
+    return check
+
+
 def cmd_generate(args) -> int:
     from specjax.models import load
 
-    lm = load(args.model, _dtype(args.dtype))
+    lm = load(args.model, _dtype(args.dtype), check=_fits_context(args, args.prompt, args.chat))
     ids = lm.encode(args.prompt, chat=args.chat)
     res = _generate_once(lm, ids, args)
     if args.json:
@@ -154,10 +191,10 @@ def cmd_demo(args) -> int:
     from specjax.models import load
 
     print(f"loading {args.model} ...", flush=True)
-    lm = load(args.model, _dtype(args.dtype))
     prompt = args.prompt or next(q.text for q in bench.load_questions()
                                  if q.category == "summarization")
-    ids = lm.encode(prompt, chat=True)
+    lm = load(args.model, _dtype(args.dtype), check=_fits_context(args, prompt, None))
+    ids = lm.encode(prompt, chat=lm.has_chat_template)
     print(f"prompt ({len(ids)} tokens): {prompt[:200]}{'...' if len(prompt) > 200 else ''}")
     cands = [c for c in demo.CANDIDATES
              if c.method != "eagle2" or eagle.shipped_head(args.model) is not None]
@@ -216,13 +253,13 @@ def cmd_calibrate(args) -> int:
     from specjax import bench, calibrate
     from specjax.models import load
 
+    qs = bench.load_questions(args.prompts, None, args.limit)  # checked before the model loads
     lm = load(args.model, _dtype(args.dtype))
     heads, layers, source = _exit_heads(lm, args)
-    qs = bench.load_questions(args.prompts, None, args.limit)
     sampler = _sampler(args)
     seqs, pls = [], []
     for q in tqdm(qs, desc="target outputs", unit="prompt"):
-        ids = lm.encode(q.text, chat=True)
+        ids = lm.encode(q.text, chat=lm.has_chat_template)
         out = specjax.generate(lm.model, lm.params, [ids], max_new_tokens=args.max_new_tokens,
                                eos_ids=lm.eos_ids, **bench._sampling_kw(sampler))
         seqs.append(ids + out.to_lists()[0])
@@ -276,33 +313,24 @@ def cmd_tune(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
-    from tqdm import tqdm
+def _bench_settings(args, methods) -> dict:
+    """What makes two bench runs comparable, question by question (a resume must match)."""
+    return {"model": args.model, "dtype": args.dtype, "methods": methods,
+            "temperature": max(args.temperature, 0.0), "top_k": args.top_k, "top_p": args.top_p,
+            "max_new_tokens": args.max_new_tokens, "draft_len": args.draft_len,
+            "draft_checkpoint": args.draft_checkpoint, "calibration": args.calibration,
+            "exit_heads": args.exit_heads,
+            "questions": args.questions or "specjax/data/prompts.jsonl"}
 
-    from specjax import bench
-    from specjax.models import load
 
-    from specjax import drafters
+def _bench_runners(args, lm, methods, threads, hierarchies) -> dict:
+    from specjax import bench, drafters
 
-    methods = split_methods(args.methods)
-    known = {"ar", "hf", "hf-pld"}
-    bad = [m for m in methods if m not in known and m != "hsd"
-           and not m.startswith(("sd-", "eagle2", "hsd:"))]
-    if bad:
-        raise SystemExit(f"unknown methods {bad}; available: {sorted(known)}, sd-ngram, "
-                         f"sd-early-exit:L, eagle2[:depth,topk,total][:opts], hsd[:SPEC]")
-    questions = bench.load_questions(args.questions, args.categories, args.limit)
-    lm = load(args.model, _dtype(args.dtype))
-    threads = args.threads or os.cpu_count() or 1
     hf = bench.load_hf(lm) if {"hf", "hf-pld"} & set(methods) else None
     sampler = _sampler(args)
-    greedy = args.temperature <= 0
-    if not greedy and "hf-pld" in methods:
-        raise SystemExit("hf-pld is greedy only; drop it when --temperature > 0")
     runners = {"ar": lambda: bench.ar_method(lm, sampler),
                "hf": lambda: bench.hf_method(lm, threads, hf, max(args.temperature, 0.0)),
                "hf-pld": lambda: bench.hf_pld_method(lm, threads, hf)}
-    hierarchies = {}  # hsd method -> the hierarchy it runs, as a spec
     for m in methods:
         if m.startswith("sd-"):
             d = drafters.from_spec(m[3:], lm.model, args.draft_len)
@@ -317,57 +345,93 @@ def cmd_bench(args) -> int:
         elif m.startswith("hsd"):
             h, hp, hierarchies[m] = _hsd(lm, args, m.partition(":")[2] or "auto")
             runners[m] = lambda h=h, hp=hp: bench.hsd_method(lm, h, hp, sampler)
-    run = {m: runners[m]() for m in methods}
+    return {m: runners[m]() for m in methods}
+
+
+def cmd_bench(args) -> int:
+    from tqdm import tqdm
+
+    from specjax import bench
+    from specjax.models import load
+
+    methods = split_methods(args.methods)
+    known = {"ar", "hf", "hf-pld"}
+    bad = [m for m in methods if m not in known and m != "hsd"
+           and not m.startswith(("sd-", "eagle2", "hsd:"))]
+    if bad:
+        raise UsageError(f"unknown methods {bad}; available: {sorted(known)}, sd-ngram, "
+                         f"sd-early-exit:L, eagle2[:depth,topk,total][:opts], hsd[:SPEC]")
+    greedy = args.temperature <= 0
+    if not greedy and "hf-pld" in methods:
+        raise UsageError("hf-pld is greedy only; drop it when --temperature > 0")
+    questions = bench.load_questions(args.questions, args.categories, args.limit)
+    settings = _bench_settings(args, methods)
+    done = bench.restore_runs(args.out, settings)  # an interrupted bench resumes here
+    lm = load(args.model, _dtype(args.dtype))
+    threads = args.threads or os.cpu_count() or 1
+    hierarchies = {}  # hsd method -> the hierarchy it runs, as a spec
+    run = _bench_runners(args, lm, methods, threads, hierarchies)
     results = {m: [] for m in methods}
     mismatches = []
+    report = {"model": args.model, "dtype": args.dtype, "batch": 1, "greedy": greedy,
+              "temperature": max(args.temperature, 0.0),
+              "max_new_tokens": args.max_new_tokens, "threads": threads,
+              "questions": settings["questions"], "n_questions": len(questions),
+              "machine": bench.machine_info(), "draft_len": args.draft_len,
+              "settings": settings, "complete": False}
+    resumed = sum(all(q.qid in done.get(m, {}) for m in methods) for q in questions)
+    if resumed:
+        print(f"resuming {args.out}: {resumed} of {len(questions)} questions already done")
     bar = tqdm(total=len(questions) * len(methods), desc="bench", unit="run")
     for q in questions:
-        ids = lm.encode(q.text, chat=True)
-        for m in methods:
+        old = [done.get(m, {}).get(q.qid) for m in methods]
+        ids = None if all(old) else lm.encode(q.text, chat=lm.has_chat_template)
+        for m, r in zip(methods, old):
             bar.set_postfix_str(f"{q.category} {m}")
-            results[m].append((q, run[m](ids, args.max_new_tokens)))
+            results[m].append((q, r if all(old) else run[m](ids, args.max_new_tokens)))
             bar.update()
         if "ar" in results and greedy:
             for m in methods:  # every greedy method must reproduce ar
                 if results[m][-1][1].tokens != results["ar"][-1][1].tokens:
                     mismatches.append({"question": q.qid, "method": m})
+        if args.out:  # what an interruption keeps
+            runs = {m: [bench.run_record(qq, r) for qq, r in rs] for m, rs in results.items()}
+            bench.write_json(args.out, {**report, "runs": runs})
     bar.close()
     summary = bench.summarize(results)
     print(bench.format_table(summary))
-    report = {"model": args.model, "dtype": args.dtype, "batch": 1, "greedy": greedy,
-              "temperature": max(args.temperature, 0.0),
-              "max_new_tokens": args.max_new_tokens, "threads": threads,
-              "questions": args.questions or "specjax/data/prompts.jsonl",
-              "n_questions": len(questions), "machine": bench.machine_info(),
-              "methods": summary, "greedy_mismatch_vs_ar": mismatches,
-              "draft_len": args.draft_len}
+    report.update(methods=summary, greedy_mismatch_vs_ar=mismatches, complete=True)
     if hierarchies:
         from specjax import exit_heads
 
         heads = args.exit_heads or exit_heads.shipped_heads(args.model)
         report["hsd"] = {"hierarchies": hierarchies, "calibration": args.calibration,
-                         "exit_heads": str(heads) if heads else None}
+                         "exit_heads": Path(heads).name if heads else None}
     if "ar" in summary:
-        import jax
-
-        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(lm.params))
-        # the tied embedding is read once as the LM head; lookups read single rows
-        bw = bench.copy_bandwidth()
-        bound = bw / weight_bytes
-        report["bandwidth"] = {"copy_GBps": bw / 1e9, "weight_bytes": int(weight_bytes),
-                               "bound_tokens_per_s": bound,
-                               "ar_fraction_of_bound": summary["ar"]["tokens_per_s"] / bound,
-                               "method": "best of 5 multi-threaded numpy copies of 256 MiB, "
-                                         "read + written bytes"}
-        print(f"\nbandwidth: {bw / 1e9:.1f} GB/s copy; weights {weight_bytes / 1e6:.0f} MB/token "
-              f"-> bound {bound:.1f} tok/s; ar reaches {100 * summary['ar']['tokens_per_s'] / bound:.0f}%")
+        report["bandwidth"] = _bandwidth(lm, summary["ar"]["tokens_per_s"])
     if mismatches:
         print(f"note: greedy outputs differ from ar: {mismatches}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        runs = {m: [bench.run_record(q, r) for q, r in rs] for m, rs in results.items()}
+        bench.write_json(args.out, {**report, "runs": runs})
         print(f"wrote {args.out}")
     return 0
+
+
+def _bandwidth(lm, ar_tokens_per_s: float) -> dict:
+    """Copy bandwidth, bytes of weights per token, and ``ar``'s share of that bound."""
+    import jax
+
+    from specjax import bench
+
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(lm.params))
+    bw = bench.copy_bandwidth()
+    bound = bw / weight_bytes
+    print(f"\nbandwidth: {bw / 1e9:.1f} GB/s copy; weights {weight_bytes / 1e6:.0f} MB/token "
+          f"-> bound {bound:.1f} tok/s; ar reaches {100 * ar_tokens_per_s / bound:.0f}%")
+    return {"copy_GBps": bw / 1e9, "weight_bytes": int(weight_bytes),
+            "bound_tokens_per_s": bound, "ar_fraction_of_bound": ar_tokens_per_s / bound,
+            "method": "best of 5 multi-threaded numpy copies of 256 MiB, read + written bytes"}
 
 
 def _spec_bench_texts(path: str) -> list[str]:
@@ -417,11 +481,10 @@ def cmd_features(args) -> int:
 
 
 def _run_log(run_dir: str):
-    """A function appending one JSON line per call to ``run_dir/log.jsonl``."""
-    run = Path(run_dir)
-    run.mkdir(parents=True, exist_ok=True)
-    log_f = (run / "log.jsonl").open("a")
-    return lambda r: (log_f.write(json.dumps(r) + "\n"), log_f.flush())
+    """``run_dir/log.jsonl``, rewound to the checkpoint a resumed run starts from."""
+    from specjax.train.loop import RunLog
+
+    return RunLog(run_dir)
 
 
 def cmd_train_exits(args) -> int:
@@ -508,8 +571,15 @@ def cmd_train(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: ``specjax: error: ...``, exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"specjax: error: {message} (see `{self.prog} -h`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specjax", description=__doc__)
+    p = _Parser(prog="specjax", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(s, max_new=128):
@@ -680,12 +750,42 @@ def build_parser() -> argparse.ArgumentParser:
                     help="KL over the corpus's most frequent tokens (0: all)")
     tx.add_argument("--export", help="write the trained heads (bfloat16) here")
     tx.set_defaults(fn=cmd_train_exits)
+    p.set_defaults(debug=False)
+    for sp in [*(v for k, v in sub.choices.items() if k != "train"), *tsub.choices.values()]:
+        sp.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error (or SPECJAX_DEBUG=1)")
     return p
 
 
+def _one_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    text = msg[0] if msg else ""
+    if not isinstance(e, (UsageError, ValueError, FileNotFoundError)) or not text:
+        text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return text
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.fn(args)
+    """Runs one command. Errors print one line, ``specjax: error: ...``, and exit with 2 for
+    a usage mistake and 1 otherwise; ``--debug`` or ``SPECJAX_DEBUG=1`` shows the traceback."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    debug = args.debug or os.environ.get("SPECJAX_DEBUG", "") not in ("", "0")
+    try:
+        _check_args(args)
+        return args.fn(args)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("specjax: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 -- the CLI's one place that reports errors
+        if debug:
+            raise
+        clean = isinstance(e, (UsageError, ValueError, FileNotFoundError))
+        hint = "" if clean else " (--debug shows the traceback)"
+        print(f"specjax: error: {_one_line(e)}{hint}", file=sys.stderr)
+        return 2 if isinstance(e, UsageError) else 1
 
 
 if __name__ == "__main__":

@@ -57,8 +57,9 @@ def cache_file(model: str) -> Path:
     key = "_".join([model, dev.platform, dev.device_kind, f"{os.cpu_count()}cpu",
                     specjax.__version__, digest])
     key = "".join(c if c.isalnum() or c in "._-" else "-" for c in key)
-    root = Path(os.environ.get("SPECJAX_CACHE", Path.home() / ".cache" / "specjax"))
-    return root / f"demo_{key}.json"
+    from specjax.models.registry import cache_dir
+
+    return cache_dir() / f"demo_{key}.json"
 
 
 def read_choice(model: str, candidates=CANDIDATES) -> Candidate | None:

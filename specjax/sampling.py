@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax import lax
 from jaxtyping import Array, Float, Int
@@ -23,15 +24,37 @@ class Sample:
     """Ancestral sampling from softmax(logits / temperature), restricted to the top-k tokens
     (``top_k <= 0``: no limit) and to the smallest set whose mass reaches ``top_p``.
 
-    All three fields are traced values, so changing them does not recompile.
+    All three fields are traced values, so changing them does not recompile. Concrete values
+    are checked on construction: ``temperature > 0`` (use ``Greedy`` for 0), ``top_k >= 0``
+    and ``0 < top_p <= 1``. Under ``jit`` the most likely token is always kept, so no value
+    of ``top_k`` or ``top_p`` can leave an empty distribution.
     """
 
     temperature: float | Array = 1.0
     top_k: int | Array = 0
     top_p: float | Array = 1.0
 
+    def __post_init__(self):
+        checks = (("temperature", lambda t: t > 0, "> 0 (Greedy() decodes greedily)"),
+                  ("top_k", lambda k: k >= 0, ">= 0 (0: no limit)"),
+                  ("top_p", lambda p: 0 < p <= 1, "in (0, 1] (1: no limit)"))
+        for name, ok, want in checks:
+            v = _concrete(getattr(self, name))
+            if v is not None and not ok(v):
+                raise ValueError(f"Sample({name}={getattr(self, name)!r}): {name} must be {want}")
+
 
 Sampler = Greedy | Sample
+
+
+def _concrete(x) -> float | None:
+    """``x`` as a Python number when it is known outside tracing (a scalar), else ``None``."""
+    if isinstance(x, (int, float, np.integer, np.floating)):
+        return float(x)
+    if isinstance(x, (np.ndarray, jax.Array)) and not isinstance(x, jax.core.Tracer) \
+            and np.ndim(x) == 0:
+        return float(x)
+    return None
 
 
 def _truncate(logits: Float[Array, "B V"], top_k, top_p) -> Float[Array, "B V"]:
@@ -42,7 +65,7 @@ def _truncate(logits: Float[Array, "B V"], top_k, top_p) -> Float[Array, "B V"]:
     kth = jnp.take_along_axis(srt, jnp.broadcast_to(k - 1, srt.shape[:-1])[..., None], -1)
     p = jax.nn.softmax(jnp.where(srt >= kth, srt, -jnp.inf), axis=-1)
     mass_before = jnp.cumsum(p, axis=-1) - p
-    keep_sorted = (mass_before < top_p) & (srt >= kth)
+    keep_sorted = ((mass_before < top_p) & (srt >= kth)).at[..., 0].set(True)  # never empty
     # smallest kept logit: everything at or above it stays (ties stay together)
     cut = jnp.min(jnp.where(keep_sorted, srt, jnp.inf), axis=-1, keepdims=True)
     return jnp.where(logits >= cut, logits, -jnp.inf)

@@ -23,7 +23,7 @@ from specjax._compile import AotCache
 from specjax.decoding import PAD, plan_shapes, prefill, stops
 from specjax.drafters import Context
 from specjax.models.kv_cache import KVCache
-from specjax.verify import Draft, Rejection, Rule, VerifyResult, verify
+from specjax.verify import Draft, Rejection, Rule, VerifyResult, sanitize, verify
 
 
 @struct.dataclass
@@ -91,7 +91,8 @@ def _verify_width(w: int, target, rule, depth: int, tparams, draft: Draft, root,
     n = w - 1
     d = Draft(tokens=draft.tokens[:, :n], parents=draft.parents[:, :n],
               valid=draft.valid[:, :n], probs=None if draft.probs is None else draft.probs[:, :n])
-    toks = jnp.concatenate([root, jnp.where(d.valid, d.tokens, 0)], axis=1)
+    d = sanitize(d, target.config.vocab_size)  # a malformed node is inert, never run as is
+    toks = jnp.concatenate([root, d.tokens], axis=1)
     logits, hidden, cache = target.forward(tparams, toks, tree.positions(length - 1, d.parents),
                                            cache, tree.attention_mask(d.parents, d.valid))
     res = verify(logits, d, key, sampler, rule=rule, depth=min(depth, max(n, 1)))

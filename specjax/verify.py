@@ -92,6 +92,24 @@ class Typical:
 Rule = Rejection | Typical
 
 
+def sanitize(draft: Draft, vocab_size: int) -> Draft:
+    """The same draft with every node that cannot be verified made inert.
+
+    A node stays valid only if it was marked valid, its token lies in ``[0, vocab_size)``,
+    its parent lies in ``[-1, j)`` and that parent is itself valid. Inert nodes get token
+    ``0`` (in range, never emitted) and, where their parent was out of range, parent ``-1``.
+    Works under ``jit``: a malformed draft can shorten a round but never change its output.
+    """
+    n = draft.tokens.shape[1]
+    par_ok = (draft.parents >= -1) & (draft.parents < jnp.arange(n)[None])
+    parents = jnp.where(par_ok, draft.parents, -1).astype(jnp.int32)
+    ok = draft.valid & par_ok & (draft.tokens >= 0) & (draft.tokens < vocab_size)
+    anc = tree.ancestors(parents)  # [B, N, N]: well formed now
+    ok = jnp.all(~anc | ok[:, None, :], axis=-1)  # every node on the path is valid
+    return draft.replace(tokens=jnp.where(ok, draft.tokens, 0).astype(jnp.int32),
+                         parents=parents, valid=ok)
+
+
 def _path_tokens(tokens, path, accepted, nxt):
     """[accepted path tokens, next token, PAD...] for one row."""
     d = path.shape[0]
@@ -164,7 +182,9 @@ def verify(target_logits: Float[Array, "B N+1 V"], draft: Draft, key: Array | No
 
     ``depth`` bounds the accepted path (default ``N``; the tree's depth suffices). Lossless
     for ``Greedy`` and for ``Sample`` with ``Rejection``; ``Typical`` is lossy. Shapes are
-    checked eagerly; use ``tree.validate`` on host-built parents before calling under jit.
+    checked eagerly. Nodes that cannot be verified (a token outside the vocabulary, a parent
+    outside ``[-1, j)``, an invalid ancestor) are treated as invalid (``sanitize``): never
+    accepted, never emitted. ``tree.validate`` is the eager check that reports them.
     """
     b, n = draft.tokens.shape
     if target_logits.shape[:2] != (b, n + 1):
@@ -175,6 +195,7 @@ def verify(target_logits: Float[Array, "B N+1 V"], draft: Draft, key: Array | No
         raise ValueError(f"draft probabilities have shape {draft.probs.shape}, expected "
                          f"{(b, n, vocab)}: the draft and target vocabularies differ")
     depth = n if depth is None else depth
+    draft = sanitize(draft, vocab)
     if n == 0:  # nothing to verify: one ordinary decoding step
         if key is None and not isinstance(sampler, sampling.Greedy):
             raise ValueError("sampled verification needs an explicit PRNG key")
@@ -196,4 +217,4 @@ def verify(target_logits: Float[Array, "B N+1 V"], draft: Draft, key: Array | No
     return VerifyResult(accepted=acc, path=path, tokens=toks, next_token=nxt)
 
 
-__all__ = ["Draft", "VerifyResult", "Rejection", "Typical", "Rule", "verify", "PAD"]
+__all__ = ["Draft", "VerifyResult", "Rejection", "Typical", "Rule", "verify", "sanitize", "PAD"]

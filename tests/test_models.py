@@ -430,3 +430,35 @@ def test_hf_dir_tied_config_with_distinct_lm_head_fails(tiny_dir, tmp_path):
 def test_missing_model_path_is_file_not_found():
     with pytest.raises(FileNotFoundError, match="does not exist"):
         specjax.models.load("/no/such/dir/model.gguf", tokenizer=False)
+
+
+def test_cached_gguf_tokenizer_encodes_like_the_converted_one(smollm, tmp_path, monkeypatch):
+    """The tokenizer converted from the GGUF file is kept in the cache; the cached copy
+    encodes text and the chat template exactly as the conversion does."""
+    from specjax.models import registry
+
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    fresh = registry._gguf_tokenizer(smollm.source)
+    saved = list((tmp_path / "tokenizers").iterdir())
+    assert len(saved) == 1 and (saved[0] / "tokenizer_config.json").is_file()
+    cached = registry._gguf_tokenizer(smollm.source)
+    for text in ["Hello, world!", "  spaces\tand\nnewlines ", "naïve café 日本語 🙂", "x" * 300]:
+        for chat in (False, True):
+            assert registry.encode(cached, text, chat) == registry.encode(fresh, text, chat)
+    assert cached.eos_token_id == fresh.eos_token_id
+
+
+def test_load_check_runs_before_the_weights(monkeypatch):
+    from specjax.models import loading
+
+    def no_weights(*a, **k):
+        raise AssertionError("weights were read before the check")
+    monkeypatch.setattr(loading, "load_gguf", no_weights)
+    seen = []
+
+    def check(tok, cfg):
+        seen.append((tok.eos_token_id is not None, cfg.vocab_size))
+        raise ValueError("prompt too long")
+    with pytest.raises(ValueError, match="prompt too long"):
+        specjax.models.load("smollm2-135m", check=check)
+    assert seen == [(True, 49152)]

@@ -35,6 +35,7 @@ class ToyLM:
     eos_ids: tuple = (V - 1,)
     tokenizer: _Tok = dataclasses.field(default_factory=_Tok)
     source: str = "/some/where/toy.gguf"
+    has_chat_template: bool = True
 
     def encode(self, text, chat=False):
         return [V - 1] * chat + self.tokenizer.encode(text)

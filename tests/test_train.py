@@ -146,9 +146,29 @@ def test_cli_train_eagle_logs_resumes_and_exports(lm, corpus, tmp_path, monkeypa
     shutil.rmtree(run / "ckpt" / "6")  # as if killed after step 6, before saving it
     assert cli.main(argv) == 0
     steps = [json.loads(r)["step"] for r in (run / "log.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4, 5, 6, 4, 5, 6], steps  # the rerun went on from step 3
+    # the killed run's rows after its checkpoint (steps 4-6) were dropped, then rewritten
+    assert steps == [1, 2, 3, 4, 5, 6], steps
     meta = json.loads((out / "head.json").read_text())
     assert meta["steps_done"] == 6
     assert (meta["train"]["w_ce"], meta["train"]["noise"]) == (1.0, 0.05)
     head, _ = checkpoint.load_head(out, "eagle", like=eagle.init_head(TOY, jax.random.key(0)))
     assert head["fc"].dtype == jnp.bfloat16
+
+
+def test_cli_corrupt_checkpoint_is_one_line(lm, corpus, tmp_path, monkeypatch, capsys, caplog):
+    from specjax import cli
+
+    monkeypatch.setattr("specjax.models.load", lambda *a, **k: lm)
+    monkeypatch.setattr(distill, "load_shards", lambda d: corpus)
+    run = tmp_path / "run"
+    argv = ["train", "eagle", "--data", str(tmp_path), "--run", str(run), "--batch-tokens", "256",
+            "--max-len", "64", "--save-every", "2", "--steps", "2"]
+    assert cli.main(argv) == 0
+    for f in (run / "ckpt" / "2").rglob("*"):
+        if f.is_file() and f.stat().st_size > 0:
+            f.write_bytes(b"\0garbage")
+    capsys.readouterr()
+    assert cli.main(argv) == 1
+    err = [l for l in capsys.readouterr().err.splitlines() if "specjax: error" in l]
+    assert len(err) == 1 and "corrupt" in err[0] and f"remove {run / 'ckpt' / '2'}" in err[0]
+    assert not [r for r in caplog.records if r.name == "absl" and r.levelno >= 40]

@@ -70,10 +70,16 @@ def _draft(key, parents, q_tables, sampler, mode, valid_len=None):
                  valid=valid, probs=None if mode == "topk" else jnp.stack(qs, 1)), dep
 
 
-def _run(key, parents, sampler, mode, rule=Rejection(), q_seed=1, valid_len=None):
-    """One verification round per row, then target sampling up to M tokens. -> [ROWS, M]."""
+def _run(key, parents, sampler, mode, rule=Rejection(), q_seed=1, valid_len=None, pad=0.0):
+    """One verification round per row, then target sampling up to M tokens. -> [ROWS, M].
+    ``pad``: the share of draft tokens replaced by ids outside the vocabulary."""
     kd, kv, kc = jax.random.split(key, 3)
     draft, dep = _draft(kd, parents, _tables(q_seed), sampler, mode, valid_len)
+    if pad:
+        kh, kb = jax.random.split(jax.random.fold_in(kd, 99))
+        hit = jax.random.uniform(kh, draft.tokens.shape) < pad
+        bad = jax.random.choice(kb, jnp.asarray([-1, V, V + 7]), draft.tokens.shape)
+        draft = draft.replace(tokens=jnp.where(hit, bad, draft.tokens))
     node_logits = [_logits(TARGET, draft.tokens[:, j], dep[j]) for j in range(len(parents))]
     logits = jnp.stack([_logits(TARGET, jnp.full((ROWS,), ROOT), 0)] + node_logits, 1)
     res = jax.jit(verify, static_argnames=("rule", "depth"))(logits, draft, kv, sampler,
@@ -170,6 +176,78 @@ def test_padding_rows_and_nodes():
     out, acc = _run(jax.random.key(11), CHAIN, T1, "iid", valid_len=lens)
     assert np.all(acc <= np.asarray(lens))
     assert _min_pvalue(out, T1) > 1e-4
+
+
+@pytest.mark.parametrize("mode", ["topk", "iid"])
+def test_padding_tokens_in_the_draft_keep_the_target_law(mode):
+    """Ids outside the vocabulary (-1, V, V+7) marked valid, with one-hot q (``probs=None``)
+    or with q given: never emitted, and the output is still the target's law."""
+    parents = TREE if mode == "topk" else CHAIN
+    out, acc = _run(jax.random.key(13), parents, T1, mode, pad=0.3)
+    assert out.min() >= 0 and out.max() < V
+    assert acc.mean() > 0  # the clean nodes are still accepted
+    assert _min_pvalue(out, T1) > 1e-4
+
+
+def _inert_reference(tokens, parents, valid, vocab):
+    """Per row, the nodes that can be verified (numpy): valid, token in range, parent in
+    [-1, j), parent verifiable."""
+    ok = np.zeros(tokens.shape, bool)
+    for b in range(tokens.shape[0]):
+        for j in range(tokens.shape[1]):
+            p = parents[b, j]
+            ok[b, j] = (valid[b, j] and 0 <= tokens[b, j] < vocab and -1 <= p < j
+                        and (p < 0 or ok[b, p]))
+    return ok
+
+
+@pytest.mark.parametrize("sampler", [sampling.Greedy(), sampling.Sample(1.0)],
+                         ids=["greedy", "sampled"])
+def test_invalid_nodes_are_inert_under_jit(sampler):
+    """Random trees with out-of-vocabulary tokens, bad parents and invalid flags, verified
+    under jit: every emitted token is in the vocabulary, and each row emits exactly what the
+    same draft with the unverifiable nodes removed emits."""
+    rng = np.random.default_rng(0)
+    b, n, v = 48, 8, 6
+    parents = np.stack([[rng.integers(-1, j) if j else -1 for j in range(n)] for _ in range(b)])
+    tokens = rng.integers(0, v, (b, n))
+    valid = rng.random((b, n)) < 0.9
+    oov = rng.random((b, n)) < 0.15
+    tokens = np.where(oov, rng.choice([-1, v, 99], (b, n)), tokens)
+    badp = rng.random((b, n)) < 0.1
+    parents = np.where(badp, rng.choice([-2, n, 0], (b, n)) + np.where(
+        rng.random((b, n)) < 0.5, np.arange(n), 0), parents)  # some >= own index
+    # a target that often agrees with the draft, so paths are long
+    logits = rng.normal(size=(b, n + 1, v)).astype(np.float32)
+    for j in range(n):
+        src = np.where(parents[:, j] >= -1, np.clip(parents[:, j], -1, n - 1) + 1, 0)
+        agree = rng.random(b) < 0.7
+        rows = np.nonzero(agree & (tokens[:, j] >= 0) & (tokens[:, j] < v))[0]
+        logits[rows, src[rows], tokens[rows, j]] += 6.0
+    key = jax.random.key(5)
+    run = jax.jit(lambda lg, d, k: verify(lg, d, k, sampler))
+    res = run(jnp.asarray(logits), Draft(jnp.asarray(tokens, jnp.int32),
+                                         jnp.asarray(parents, jnp.int32), jnp.asarray(valid)),
+              key)
+    acc, emitted = np.asarray(res.accepted), np.asarray(res.tokens)
+    assert acc.max() >= 2, "the test should exercise accepted paths"
+    ok = _inert_reference(tokens, parents, valid, v)
+    for i in range(b):
+        got = emitted[i, :acc[i] + 1]
+        assert got.min() >= 0 and got.max() < v, f"row {i} emitted {got}"
+        path = np.asarray(res.path)[i, :acc[i]]
+        assert all(ok[i, j] for j in path), f"row {i} accepted an unverifiable node"
+        if not isinstance(sampler, sampling.Greedy):
+            continue
+        keep = np.nonzero(ok[i])[0]  # the same draft with unverifiable nodes removed
+        remap = {-1: -1, **{int(j): k for k, j in enumerate(keep)}}
+        clean = Draft(jnp.asarray(tokens[i, keep][None], jnp.int32),
+                      jnp.asarray([[remap[int(parents[i, j])] for j in keep]], jnp.int32),
+                      jnp.ones((1, len(keep)), bool))
+        want = verify(jnp.asarray(logits[i, np.concatenate([[0], keep + 1])][None]), clean,
+                      None, sampler)
+        exp = np.asarray(want.tokens)[0, :int(want.accepted[0]) + 1]
+        np.testing.assert_array_equal(got, exp, err_msg=f"row {i}")
 
 
 # --- negative controls: each wrong verifier must fail the same tests ------------------------

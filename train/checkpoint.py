@@ -8,7 +8,9 @@ checkpoint in ``params/``.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -47,17 +49,33 @@ def manager(run_dir: Path, keep: int = 2) -> ocp.CheckpointManager:
     return ocp.CheckpointManager((run_dir / "ckpt").absolute(), options=opts)
 
 
+@contextlib.contextmanager
+def quiet_absl():
+    """Silences Orbax's own log lines while it reads a checkpoint; failures surface as one
+    ``CheckpointError`` instead."""
+    log = logging.getLogger("absl")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def restore_latest(mngr: ocp.CheckpointManager, like: Any) -> tuple[int, Any] | None:
     """The latest ``(step, state)`` shaped like ``like``, or None for a fresh run."""
-    step = mngr.latest_step()
-    if step is None:
-        return None
-    try:
-        state = mngr.restore(step, args=ocp.args.StandardRestore(_abstract(like)))
-    except Exception as e:  # orbax raises many types for corrupt or mismatched trees
-        raise CheckpointError(f"cannot restore step {step} from {mngr.directory}: it is "
-                              f"corrupt or was saved for another head "
-                              f"({type(e).__name__}: {str(e)[:300]})") from e
+    with quiet_absl():
+        step = mngr.latest_step()
+        if step is None:
+            return None
+        try:
+            state = mngr.restore(step, args=ocp.args.StandardRestore(_abstract(like)))
+        except Exception as e:  # orbax raises many types for corrupt or mismatched trees
+            raise CheckpointError(
+                f"cannot restore step {step} from {mngr.directory}: it is corrupt or was saved "
+                f"for another head ({type(e).__name__}: {str(e)[:200]}); remove "
+                f"{Path(mngr.directory) / str(step)} to resume from the checkpoint before it"
+            ) from e
     return step, state
 
 

@@ -187,7 +187,7 @@ def distill(lm, prompts: Sequence[str], out_dir: str | Path, *, max_new_tokens: 
     shards are kept (resume). Returns the corpus summary, also written as ``summary.json``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ids = [lm.encode(p, chat=True) for p in prompts]
+    ids = [lm.encode(p, chat=lm.has_chat_template) for p in prompts]
     keep = [i for i in ids if len(i) <= max_prompt_tokens]
     per_shard = batch * shard_batches
     n_shards = -(-len(keep) // per_shard)

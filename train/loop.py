@@ -9,6 +9,7 @@ parameters as one that never stopped.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -21,9 +22,39 @@ def resume(run_dir: str | Path, meta: dict, fresh: dict) -> tuple[dict, Any]:
     ``params``, ``opt_state`` and ``step``) if there is none."""
     run = Path(run_dir)
     checkpoint.check_run(run, meta)
-    mngr = checkpoint.manager(run)
+    with checkpoint.quiet_absl():  # a corrupt checkpoint is reported once, by restore_latest
+        mngr = checkpoint.manager(run)
     got = checkpoint.restore_latest(mngr, fresh)
     return (fresh if got is None else got[1]), mngr
+
+
+class RunLog:
+    """``run_dir/log.jsonl``, one JSON row per call. ``rewind(step)`` drops the rows a killed
+    run wrote after its last checkpoint, so a resumed log matches the checkpoint it
+    continues from."""
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / "log.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, row: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def rewind(self, step: int) -> None:
+        if not self.path.exists():
+            return
+        rows = []
+        for line in self.path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by the kill
+                continue
+            if row.get("step", 0) <= step:
+                rows.append(line)
+        tmp = self.path.with_name("log.jsonl.tmp")
+        tmp.write_text("".join(r + "\n" for r in rows))
+        tmp.replace(self.path)
 
 
 def run_steps(state: dict, step: Callable[[dict, int], tuple[dict, dict]], mngr, *,
@@ -35,6 +66,8 @@ def run_steps(state: dict, step: Callable[[dict, int], tuple[dict, dict]], mngr,
     the log at every checkpoint. The manager is closed on return."""
     start = int(state["step"])
     end = steps if stop_after is None else min(steps, start + stop_after)
+    if isinstance(log, RunLog):
+        log.rewind(start)
     if progress is not None:
         progress.update(start)
     t0 = time.perf_counter()

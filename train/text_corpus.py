@@ -68,7 +68,7 @@ def reference_pairs(data_dir: str | Path, exclude: Iterable[str] = (),
 def encode_pair(lm, prompt: str, answer: str, max_len: int) -> tuple[np.ndarray, int]:
     """Chat-templated prompt, then the answer and EOS; the last ``max_len`` tokens, and how
     many of them belong to the prompt."""
-    p = lm.encode(prompt, chat=True)
+    p = lm.encode(prompt, chat=lm.has_chat_template)
     a = list(lm.tokenizer.encode(answer.strip(), add_special_tokens=False)) + list(lm.eos_ids[:1])
     toks = np.asarray(p + a, np.int32)
     cut = max(0, len(toks) - max_len)

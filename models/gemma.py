@@ -1,0 +1,244 @@
+"""Gemma-family decoder (Gemma 3 text models; Gemma 2's soft-capping) as pure JAX functions.
+
+Same contract, cache and weights-left layout as ``specjax.models.llama`` (see
+``Llama.forward``); what differs is Gemma's:
+
+* RMSNorm multiplies by its gain in float32 before casting back; gains are stored as the
+  multiplier itself (HF's ``1 + w``; GGUF files already store ``1 + w``);
+* sandwich norms: each block's input and output are normalized;
+* QK-norm (Gemma 3): per-head RMSNorm of queries and keys, before RoPE;
+* local layers attend over a sliding window (a query at position ``p`` sees keys ``k`` with
+  ``p - window < k <= p``) and rotate with their own RoPE base;
+* the embedding is scaled by ``sqrt(hidden_size)`` (rounded to the weight dtype);
+* GeGLU (tanh-approximated GELU); queries scaled by ``query_pre_attn_scalar ** -0.5``;
+* optional soft-capping of attention scores and final logits (Gemma 2).
+
+The KV cache keeps every position: slot ``s`` holds position ``s``, and windows are masks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Bool, Float, Int
+
+from specjax.models import kv_cache
+from specjax.models.kv_cache import KVCache
+from specjax.models.llama import (RopeScaling, _attention, _proj, apply_rope, head_logits,
+                                  rope_inv_freq)
+
+Params = Mapping[str, Any]
+SLIDING, FULL = "sliding", "full"
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmaConfig:
+    """Architecture of one Gemma-family model size. ``layer_types[i]`` is ``"sliding"``
+    (local: window ``sliding_window``, RoPE base ``rope_local_theta``) or ``"full"``
+    (global: RoPE base ``rope_theta`` with ``rope_scaling``)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+    sliding_window: int = 512
+    rope_theta: float = 1_000_000.0
+    rope_local_theta: float = 10_000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    query_pre_attn_scalar: float = 256.0
+    qk_norm: bool = True
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rms_norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    max_position_embeddings: int = 32768
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+        if len(self.layer_types) != self.num_layers or \
+                set(self.layer_types) - {SLIDING, FULL}:
+            raise ValueError(f"layer_types must name {self.num_layers} layers, each "
+                             f"{SLIDING!r} or {FULL!r}; got {self.layer_types}")
+        if self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
+
+def gemma3_layer_types(num_layers: int, pattern: int = 6) -> tuple[str, ...]:
+    """Gemma 3's layout: every ``pattern``-th layer global, the others local."""
+    return tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers))
+
+
+GEMMA3_270M = GemmaConfig(
+    vocab_size=262144, hidden_size=640, intermediate_size=2048, num_layers=18, num_heads=4,
+    num_kv_heads=1, head_dim=256, layer_types=gemma3_layer_types(18), sliding_window=512,
+    rope_theta=1_000_000.0, rope_local_theta=10_000.0, query_pre_attn_scalar=256.0)
+
+
+def rms_norm(x: Array, gain: Array, eps: float, axis: int = -1) -> Array:
+    """Gemma's RMSNorm over ``axis``: normalized and multiplied by ``gain`` in float32, then
+    cast back to ``x``'s dtype. ``gain`` is the multiplier (HF's ``1 + weight``)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=axis, keepdims=True) + eps)
+    axis = axis % x.ndim
+    shape = [1] * x.ndim
+    shape[axis] = -1
+    return (xf * gain.astype(jnp.float32).reshape(shape)).astype(x.dtype)
+
+
+def _inv_freqs(cfg: GemmaConfig) -> dict[str, Array]:
+    """RoPE inverse frequencies per layer type."""
+    full = rope_inv_freq(_RopeView(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    local = rope_inv_freq(_RopeView(cfg.head_dim, cfg.rope_local_theta, RopeScaling()))
+    return {FULL: full, SLIDING: local}
+
+
+@dataclasses.dataclass(frozen=True)
+class _RopeView:  # the fields ``rope_inv_freq`` reads
+    head_dim: int
+    rope_theta: float
+    rope_scaling: RopeScaling
+
+
+def _window_masks(cfg: GemmaConfig, length, mask, positions, capacity: int):
+    """``(visible [B,T,S], mask [B,T,T])`` of a sliding layer: the committed slots and the
+    new keys whose positions lie within the window of each query's position."""
+    lo = positions - cfg.sliding_window  # a key at position k is seen iff k > p - window
+    slots = jnp.arange(capacity)[None, None, :]
+    visible = (slots < length[:, None, None]) & (slots > lo[:, :, None])
+    return visible, mask & (positions[:, None, :] > lo[:, :, None])
+
+
+def _layer(cfg: GemmaConfig, kind: str, lp: Params, x: Float[Array, "D B T"], k_cache, v_cache,
+           length, mask, positions, inv_freq, visible=None):
+    """One decoder layer over a feature-major residual stream ``x`` ([D, B, T]); returns the
+    new stream and this layer's K/V cache (new entries written at slot ``length``)."""
+    _, b, t = x.shape
+    nq, nk, hd, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    eps = cfg.rms_norm_eps
+    h = rms_norm(x, lp["attn_norm"], eps, axis=0)
+    qkv = _proj(lp["qkv"], h).reshape(nq + 2 * nk, hd, b, t)
+    q, k, v = jnp.split(qkv, [nq, nq + nk], axis=0)  # [N,H,B,T]
+    if cfg.qk_norm:
+        q, k = rms_norm(q, lp["q_norm"], eps, axis=1), rms_norm(k, lp["k_norm"], eps, axis=1)
+    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    q = q.reshape(nk, nq // nk, hd, b, t).transpose(3, 0, 1, 4, 2)  # [B,K,G,T,H]
+    v = v.transpose(2, 0, 3, 1)  # [B,K,T,H]
+    att = _attention(q, k.transpose(2, 0, 3, 1), v, k_cache, v_cache, length, mask, visible,
+                     scale=cfg.query_pre_attn_scalar ** -0.5,
+                     softcap=cfg.attn_logit_softcapping)
+    o = _proj(lp["o"], att.transpose(1, 2, 4, 0, 3).reshape(nq * hd, b, t))
+    x = x + rms_norm(o, lp["post_attn_norm"], eps, axis=0)
+    h = rms_norm(x, lp["mlp_norm"], eps, axis=0)
+    gate, up = jnp.split(_proj(lp["gate_up"], h), [f], axis=0)
+    y = _proj(lp["down"], jax.nn.gelu(gate, approximate=True) * up)
+    x = x + rms_norm(y, lp["post_mlp_norm"], eps, axis=0)
+    return (x, kv_cache.write(k_cache, length, k.transpose(2, 0, 1, 3), axis=3),
+            kv_cache.write(v_cache, length, v, axis=2))
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma:
+    """A Gemma-family model bound to its configuration. Hashable, so it can be static.
+    Follows the contract of ``specjax.models.Llama`` (``init_cache``, ``forward``,
+    ``logits``)."""
+
+    config: GemmaConfig
+
+    def init_cache(self, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
+        c = self.config
+        return KVCache.zeros(c.num_layers, batch, capacity, c.num_kv_heads, c.head_dim, dtype)
+
+    def embed(self, params: Params, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
+        """Token embeddings scaled by ``sqrt(hidden_size)`` (the scale rounded to the
+        weight dtype, as the reference does)."""
+        e = params["embed"]
+        return e[tokens] * jnp.asarray(math.sqrt(self.config.hidden_size), e.dtype)
+
+    def logits(self, params: Params, hidden: Float[Array, "... D"],
+               head: Array | None = None) -> Float[Array, "... V"]:
+        """Final norm, LM head (``head`` rows override it) and optional soft-cap; float32."""
+        h = rms_norm(hidden, params["final_norm"], self.config.rms_norm_eps)
+        if head is None:
+            head = params["embed"] if self.config.tie_embeddings else params["lm_head"]
+        out = head_logits(head, h)
+        cap = self.config.final_logit_softcapping
+        return out if cap is None else cap * jnp.tanh(out / cap)
+
+    def forward(self, params: Params, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
+                cache: KVCache, mask: Bool[Array, "B T T"] | None = None, *,
+                exit_layer: int | None = None, return_layers: tuple[int, ...] = (),
+                compute_logits: bool = True
+                ) -> tuple[Float[Array, "B T V"] | None, dict[int, Array], KVCache]:
+        """Runs new tokens against the cache, with the guarantees of ``Llama.forward``; in
+        local layers a query at position ``p`` also sees only keys at positions
+        ``> p - sliding_window``. Returns ``(logits [B,T,V] float32 or None, hidden, cache)``."""
+        cfg = self.config
+        n = cfg.num_layers if exit_layer is None else exit_layer
+        if not 1 <= n <= cfg.num_layers:
+            raise ValueError(f"exit_layer={exit_layer} outside [1, {cfg.num_layers}]")
+        bad = [l for l in return_layers if not 0 <= l <= n]
+        if bad:
+            raise ValueError(f"return_layers {bad} outside [0, {n}] (layers that run)")
+        b, t = tokens.shape
+        if mask is None:
+            mask = kv_cache.causal_mask(b, t)
+        inv = _inv_freqs(cfg)
+        local = None
+        if SLIDING in cfg.layer_types[:n]:
+            local = _window_masks(cfg, cache.length, mask, positions, cache.capacity)
+        x = self.embed(params, tokens).transpose(2, 0, 1)  # feature-major [D,B,T]
+        hidden = {0: x} if 0 in return_layers else {}
+        ks, vs = list(cache.k), list(cache.v)
+        for i in range(n):
+            kind = cfg.layer_types[i]
+            vis, m = (None, mask) if kind == FULL else local
+            x, ks[i], vs[i] = _layer(cfg, kind, params["layers"][i], x, ks[i], vs[i],
+                                     cache.length, m, positions, inv[kind], vis)
+            if i + 1 in return_layers:
+                hidden[i + 1] = x
+        hidden[n] = x
+        hidden = {l: h.transpose(1, 2, 0) for l, h in hidden.items()}
+        cache = cache.replace(k=tuple(ks), v=tuple(vs))
+        logits = self.logits(params, hidden[n]) if compute_logits else None
+        return logits, hidden, cache
+
+
+def layer_shapes(cfg: GemmaConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of each weight of one decoder layer, all ``[out, in]``; ``qkv`` and ``gate_up``
+    stacked as in ``specjax.models.llama.layer_shapes``."""
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    shapes = {"attn_norm": (d,), "qkv": ((cfg.num_heads + 2 * cfg.num_kv_heads) * hd, d),
+              "o": (d, cfg.num_heads * hd), "post_attn_norm": (d,), "mlp_norm": (d,),
+              "gate_up": (2 * f, d), "down": (d, f), "post_mlp_norm": (d,)}
+    if cfg.qk_norm:
+        shapes.update(q_norm=(hd,), k_norm=(hd,))
+    return shapes
+
+
+def init_params(cfg: GemmaConfig, key: Array, dtype=jnp.float32) -> Params:
+    """Random parameters with the right shapes (for tests and toy models)."""
+    d = cfg.hidden_size
+    keys = jax.random.split(key, cfg.num_layers + 2)
+    layers = []
+    for lk in keys[: cfg.num_layers]:
+        shapes = layer_shapes(cfg)
+        ws = {n: (jax.random.normal(k, s) * (0.1 if n.endswith("norm") else 0.05) +
+                  (1.0 if n.endswith("norm") else 0.0)).astype(dtype)
+              for (n, s), k in zip(shapes.items(), jax.random.split(lk, len(shapes)))}
+        layers.append(ws)
+    params = {"embed": (jax.random.normal(keys[-2], (cfg.vocab_size, d)) * 0.05).astype(dtype),
+              "layers": layers, "final_norm": jnp.ones((d,), dtype)}
+    if not cfg.tie_embeddings:
+        params["lm_head"] = (jax.random.normal(keys[-1], (cfg.vocab_size, d)) * 0.05).astype(dtype)
+    return params
