@@ -156,7 +156,10 @@ def _fits_context(args, prompt: str, chat: bool | None):
         from specjax.models.registry import encode
 
         wrap = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
-        n = len(encode(tokenizer, prompt, wrap))
+        try:
+            n = len(encode(tokenizer, prompt, wrap))
+        except ValueError as e:  # --chat on a model without a chat template
+            raise UsageError(str(e)) from None
         if n + args.max_new_tokens > cfg.max_position_embeddings:
             raise UsageError(f"a prompt of {n} tokens + --max-new-tokens {args.max_new_tokens} "
                              f"exceeds {args.model}'s context of {cfg.max_position_embeddings} "

@@ -3,6 +3,8 @@ sampled losslessness of the whole loop on toy models, KV commit, and bad input."
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -175,3 +177,32 @@ def test_bad_input_fails_clearly(toys):
     with pytest.raises(ValueError, match="early-exit layer"):
         speculative_generate(model, params, EarlyExitDrafter(model, 3), None, [PROMPT],
                              max_new_tokens=4)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PaddingDrafter(NGramDrafter):
+    """An n-gram drafter whose every third node carries a padding id outside the vocabulary
+    (alternately -1 and V + 5), still marked valid: a user's drafter gone wrong."""
+
+    def propose(self, table, state, ctx, key, sampler):
+        d, state, cache = super().propose(table, state, ctx, key, sampler)
+        j = jnp.arange(d.tokens.shape[1])[None]
+        bad = jnp.where(j % 6 == 2, -1, V + 5)
+        return d.replace(tokens=jnp.where(j % 3 == 2, bad, d.tokens)), state, cache
+
+
+def test_padding_ids_from_a_drafter_are_never_emitted(toys):
+    """The loop runs such drafts (the bad nodes inert) and still reproduces ``generate``."""
+    model, params, _ = toys
+    prompts = [PROMPT * 3, [4, 4, 4, 4, 4, 4], PROMPT + [3, 3]]
+    ar = specjax.generate(model, params, prompts, max_new_tokens=20).to_lists()
+    out = speculative_generate(model, params, _PaddingDrafter(depth=6, min_ngram=1), None,
+                               prompts, max_new_tokens=20)
+    assert out.to_lists() == ar
+    assert np.asarray(out.accepted_at)[:, 0].sum() > 0  # clean nodes were still accepted
+    for i in range(4):  # sampled: a padding id is never accepted, so never emitted
+        out = speculative_generate(model, params, _PaddingDrafter(depth=6, min_ngram=1), None,
+                                   prompts * 8, max_new_tokens=20, sampler=sampling.Sample(1.0),
+                                   key=jax.random.key(i))
+        toks = [t for row in out.to_lists() for t in row]
+        assert min(toks) >= 0 and max(toks) < V
