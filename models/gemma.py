@@ -165,13 +165,23 @@ class Gemma:
         e = params["embed"]
         return e[tokens] * jnp.asarray(math.sqrt(self.config.hidden_size), e.dtype)
 
+    def param_dtype(self, params: Params):
+        """The dtype the model computes in (its embedding's)."""
+        return params["embed"].dtype
+
+    def final_norm(self, params: Params, hidden: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        """The final norm: what the LM head reads."""
+        return rms_norm(hidden, params["final_norm"], self.config.rms_norm_eps)
+
+    def output_head(self, params: Params) -> Float[Array, "V D"]:
+        """The LM head as ``[V, D]`` rows (the embedding when tied)."""
+        return params["embed"] if self.config.tie_embeddings else params["lm_head"]
+
     def logits(self, params: Params, hidden: Float[Array, "... D"],
                head: Array | None = None) -> Float[Array, "... V"]:
         """Final norm, LM head (``head`` rows override it) and optional soft-cap; float32."""
-        h = rms_norm(hidden, params["final_norm"], self.config.rms_norm_eps)
-        if head is None:
-            head = params["embed"] if self.config.tie_embeddings else params["lm_head"]
-        out = head_logits(head, h)
+        h = self.final_norm(params, hidden)
+        out = head_logits(self.output_head(params) if head is None else head, h)
         cap = self.config.final_logit_softcapping
         return out if cap is None else cap * jnp.tanh(out / cap)
 

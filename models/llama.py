@@ -233,14 +233,28 @@ class Llama:
         c = self.config
         return KVCache.zeros(c.num_layers, batch, capacity, c.num_kv_heads, c.head_dim, dtype)
 
+    def param_dtype(self, params: Params):
+        """The dtype the model computes in (its embedding's)."""
+        return params["embed"].dtype
+
+    def embed(self, params: Params, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
+        """The input embeddings of ``tokens``."""
+        return params["embed"][tokens]
+
+    def final_norm(self, params: Params, hidden: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        """The final norm: what the LM head reads (EAGLE's feature)."""
+        return rms_norm(hidden, params["final_norm"], self.config.rms_norm_eps)
+
+    def output_head(self, params: Params) -> Float[Array, "V D"]:
+        """The LM head as ``[V, D]`` rows (the embedding when tied)."""
+        return params["embed"] if self.config.tie_embeddings else params["lm_head"]
+
     def logits(self, params: Params, hidden: Float[Array, "... D"],
                head: Array | None = None) -> Float[Array, "... V"]:
         """Final norm and LM head (float32 logits). ``head`` ([V', D] rows) overrides the
         model's ``[V, D]`` head."""
-        h = rms_norm(hidden, params["final_norm"], self.config.rms_norm_eps)
-        if head is None:
-            head = params["embed"] if self.config.tie_embeddings else params["lm_head"]
-        return head_logits(head, h)
+        h = self.final_norm(params, hidden)
+        return head_logits(self.output_head(params) if head is None else head, h)
 
     def forward(
         self,
@@ -280,7 +294,7 @@ class Llama:
         b, t = tokens.shape
         if mask is None:
             mask = kv_cache.causal_mask(b, t)
-        x = params["embed"][tokens].transpose(2, 0, 1)  # feature-major [D,B,T]
+        x = self.embed(params, tokens).transpose(2, 0, 1)  # feature-major [D,B,T]
         hidden = {0: x} if 0 in return_layers else {}
         ks, vs = list(cache.k), list(cache.v)
         for i in range(n):

@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Callable
 
 import jax
+
+
+_CACHES: "weakref.WeakSet[AotCache]" = weakref.WeakSet()
+
+
+def clear_all() -> None:
+    """Drops every ``AotCache``'s executables and JAX's own caches, freeing their code."""
+    for c in list(_CACHES):
+        c.clear()
+    jax.clear_caches()
 
 
 class AotCache:
@@ -20,6 +31,11 @@ class AotCache:
         self._jit = jax.jit(fn, static_argnames=static_argnames)
         self._static = static_argnames
         self._exes: dict[Any, Any] = {}
+        _CACHES.add(self)
+
+    def clear(self) -> None:
+        """Drops the compiled executables (the next call compiles again)."""
+        self._exes.clear()
 
     def __call__(self, *args, **kwargs):
         """Static arguments must be passed by keyword."""

@@ -81,7 +81,7 @@ def _exit_heads(lm, args, layers=None) -> tuple[dict, list[int], str | None]:
 
     path = args.exit_heads or exit_heads.shipped_heads(args.model)
     if path is not None:
-        heads, _ = exit_heads.load_heads(lm.model, path, lm.params["embed"].dtype)
+        heads, _ = exit_heads.load_heads(lm.model, path, lm.model.param_dtype(lm.params))
         return heads, sorted(heads), str(path)
     if layers is None:
         layers = [int(x) for x in args.layers.split(",")]

@@ -8,6 +8,7 @@ sampler settings are arrays.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import jax
@@ -65,7 +66,7 @@ def prefill(model, params, prompt: Int[Array, "B S"], prompt_len: Int[Array, "B"
     n_chunks = (jnp.max(prompt_len) + chunk - 1) // chunk
     depth = model.config.num_layers
     d = model.config.hidden_size
-    dtype = params["embed"].dtype
+    dtype = model.param_dtype(params)
 
     def body(i, carry):
         h_last, c, h_all = carry
@@ -92,7 +93,7 @@ def prefill(model, params, prompt: Int[Array, "B S"], prompt_len: Int[Array, "B"
 def _decode(params, prompt, prompt_len, budget, sampler, key, eos_ids, *,
             model, capacity: int, max_out: int, chunk: int) -> GenerateOutput:
     b = prompt.shape[0]
-    cache = model.init_cache(b, capacity, params["embed"].dtype)
+    cache = model.init_cache(b, capacity, model.param_dtype(params))
     h_last, cache = prefill(model, params, prompt, prompt_len, cache, chunk)
     key, sub = jax.random.split(key)
     first = sampling.sample(sub, model.logits(params, h_last), sampler)
@@ -155,6 +156,51 @@ def plan_shapes(prompt_lens: Sequence[int], budgets: Sequence[int], max_position
     return capacity, max_out
 
 
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A decode call's inputs, checked and laid out on the host: prompts right-padded into a
+    ``[B, capacity]`` buffer, per-row lengths and budgets, EOS ids and the PRNG key."""
+
+    tokens: Int[Array, "B C"]
+    lengths: Int[Array, "B"]
+    budgets: Int[Array, "B"]
+    eos: Int[Array, "E"]
+    key: Array
+    capacity: int
+    max_out: int
+
+
+def prepare(model, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
+            sampler: sampling.Sampler = sampling.Greedy(), key: Array | None = None,
+            eos_ids: Sequence[int] = (), cache_size: int | None = None, chunk: int = 64,
+            extra: int = 0) -> Batch:
+    """Checks a batch against ``model`` and lays it out (``plan_shapes``): prompts present,
+    a key when sampling, one budget per prompt, token ids in the vocabulary, and room for
+    prompt + budget + ``extra`` scratch slots. Raises ``ValueError`` before any compile."""
+    if not prompts:
+        raise ValueError("no prompts given")
+    if isinstance(sampler, sampling.Sample) and key is None:
+        raise ValueError("sampling needs an explicit PRNG key (key=jax.random.key(seed))")
+    lens = [len(p) for p in prompts]
+    budgets = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, (int, np.integer))
+               else list(max_new_tokens))
+    if len(budgets) != len(prompts):
+        raise ValueError(f"{len(budgets)} budgets for {len(prompts)} prompts")
+    capacity, max_out = plan_shapes(lens, budgets, model.config.max_position_embeddings,
+                                    cache_size, chunk, extra)
+    buf = np.zeros((len(prompts), capacity), np.int32)
+    for i, p in enumerate(prompts):
+        buf[i, : len(p)] = p
+    vocab = model.config.vocab_size
+    if buf.max() >= vocab or buf.min() < 0:
+        raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+    return Batch(tokens=jnp.asarray(buf), lengths=jnp.asarray(lens, jnp.int32),
+                 budgets=jnp.asarray(budgets, jnp.int32),
+                 eos=jnp.asarray(list(eos_ids) or [PAD], jnp.int32),
+                 key=jax.random.key(0) if key is None else key, capacity=capacity,
+                 max_out=max_out)
+
+
 def generate(model, params, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int | Sequence[int], sampler: sampling.Sampler = sampling.Greedy(),
              key: Array | None = None, eos_ids: Sequence[int] = (),
@@ -166,26 +212,8 @@ def generate(model, params, prompts: Sequence[Sequence[int]], *,
     Calls with the same batch size, cache capacity and output bucket reuse one compilation;
     ``compile_s`` of the result says how long this call spent compiling.
     """
-    if not prompts:
-        raise ValueError("no prompts given")
-    if isinstance(sampler, sampling.Sample) and key is None:
-        raise ValueError("sampling needs an explicit PRNG key (key=jax.random.key(seed))")
-    lens = [len(p) for p in prompts]
-    budgets = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, (int, np.integer))
-               else list(max_new_tokens))
-    if len(budgets) != len(prompts):
-        raise ValueError(f"{len(budgets)} budgets for {len(prompts)} prompts")
-    capacity, max_out = plan_shapes(lens, budgets, model.config.max_position_embeddings,
-                                    cache_size, chunk)
-    buf = np.zeros((len(prompts), capacity), np.int32)
-    for i, p in enumerate(prompts):
-        buf[i, : len(p)] = p
-    vocab = model.config.vocab_size
-    if buf.max() >= vocab or buf.min() < 0:
-        raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-    eos = np.asarray(list(eos_ids) or [PAD], np.int32)
-    out, compile_s = _DECODE(params, jnp.asarray(buf), jnp.asarray(lens, jnp.int32),
-                             jnp.asarray(budgets, jnp.int32), sampler,
-                             jax.random.key(0) if key is None else key, jnp.asarray(eos),
-                             model=model, capacity=capacity, max_out=max_out, chunk=chunk)
+    x = prepare(model, prompts, max_new_tokens, sampler=sampler, key=key, eos_ids=eos_ids,
+                cache_size=cache_size, chunk=chunk)
+    out, compile_s = _DECODE(params, x.tokens, x.lengths, x.budgets, sampler, x.key, x.eos,
+                             model=model, capacity=x.capacity, max_out=x.max_out, chunk=chunk)
     return out.replace(compile_s=compile_s)

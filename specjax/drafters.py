@@ -129,7 +129,7 @@ class ModelDrafter:
 
     def init(self, dparams, ctx: Context, chunk: int):
         cache = self.model.init_cache(ctx.tokens.shape[0], ctx.cache.capacity,
-                                      dparams["embed"].dtype)
+                                      self.model.param_dtype(dparams))
         return prefill(self.model, dparams, ctx.tokens, ctx.prompt_len, cache, chunk)[1]
 
     def propose(self, dparams, cache: KVCache, ctx: Context, key, sampler):

@@ -55,14 +55,12 @@ def init_head(target_cfg, key: Array, dtype=jnp.float32) -> dict:
 
 def features(target, tparams, hidden: Float[Array, "... D"]) -> Float[Array, "... D"]:
     """The target's feature: its last hidden state after the final norm (the LM head's input)."""
-    return llama.rms_norm(hidden, tparams["final_norm"], target.config.rms_norm_eps)
+    return target.final_norm(tparams, hidden)
 
 
 def output_embedding(target, tparams) -> Float[Array, "V D"]:
     """The target's LM head as ``[V, D]`` (the tied embedding for SmolLM2)."""
-    if target.config.tie_embeddings:
-        return tparams["embed"]
-    return tparams["lm_head"]
+    return target.output_head(tparams)
 
 
 def head_forward(target, hp, tparams, tokens: Int[Array, "B T"], prev_feat: Float[Array, "B T D"],
@@ -70,7 +68,7 @@ def head_forward(target, hp, tparams, tokens: Int[Array, "B T"], prev_feat: Floa
                  visible=None) -> tuple[Float[Array, "B T D"], Array, Array]:
     """Predicted features of ``tokens`` given the previous positions' features; K/V of the
     new tokens are written at slot ``length`` of the head's one-layer cache."""
-    emb = tparams["embed"][tokens].astype(hp["fc"].dtype)
+    emb = target.embed(tparams, tokens).astype(hp["fc"].dtype)
     x = jnp.concatenate([emb, prev_feat.astype(emb.dtype)], axis=-1)
     x = jnp.einsum("bte,ed->btd", x, hp["fc"]) + hp["fc_b"]  # e = 2D
     return llama.layer(target.config, hp["layer"], x, k_cache, v_cache, length, mask,
@@ -427,7 +425,7 @@ def parse_spec(spec: str) -> dict:
 def load_drafter(spec: str, lm, model_name: str, checkpoint_dir=None):
     """``(EagleDrafter, dparams)`` for ``lm`` from a spec (see ``parse_spec``) and an exported
     head (default: the one shipped for ``model_name``)."""
-    from specjax.train import checkpoint
+    from specjax import export
 
     opts = parse_spec(spec)
     vocab = opts.pop("vocab", None)
@@ -436,11 +434,11 @@ def load_drafter(spec: str, lm, model_name: str, checkpoint_dir=None):
         raise FileNotFoundError(f"no EAGLE head ships for {model_name!r}; train one with "
                                 f"`specjax train eagle` and pass --draft-checkpoint DIR")
     like = init_head(lm.model.config, jax.random.key(0))
-    head, meta = checkpoint.load_head(path, "eagle", like=like)
+    head, meta = export.load_head(path, "eagle", like=like)
     ids = meta.get("vocab_ids")
     n = meta.get("draft_vocab", 0) if vocab is None else vocab
     sub = None if not n or ids is None else ids[:n]
-    dtype = lm.params["embed"].dtype
+    dtype = lm.model.param_dtype(lm.params)
     head = jax.tree.map(lambda x: jnp.asarray(x, dtype), head)
     drafter = EagleDrafter(lm.model, **opts)
     dparams = draft_params(head, lm.model, lm.params, sub)

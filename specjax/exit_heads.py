@@ -89,11 +89,11 @@ def shipped_heads(model_name: str):
 def load_heads(target, path: str | Path, dtype=jnp.float32) -> tuple[dict[int, dict], dict]:
     """``({layer: adapter}, metadata)`` from an exported exit-heads directory; a clear
     ``CheckpointError`` when it is not one, is corrupt, or was made for another model."""
-    from specjax.train import checkpoint
+    from specjax import export
 
-    meta = checkpoint.read_meta(path, "exit-heads")
+    meta = export.read_meta(path, "exit-heads")
     like = init_heads(target.config, meta["layers"], jax.random.key(0), meta["rank"])
-    heads, meta = checkpoint.load_head(path, "exit-heads", like=like)
+    heads, meta = export.load_head(path, "exit-heads", like=like)
     heads = {int(l): jax.tree.map(lambda x: jnp.asarray(x, dtype), hp) for l, hp in heads.items()}
     ids = meta.get("vocab_ids")
     if ids is not None:
@@ -101,7 +101,7 @@ def load_heads(target, path: str | Path, dtype=jnp.float32) -> tuple[dict[int, d
         v = target.config.vocab_size
         if ids.ndim != 1 or not len(ids) or ids.min() < 0 or ids.max() >= v \
                 or len(np.unique(ids)) != len(ids):
-            raise checkpoint.CheckpointError(
+            raise export.CheckpointError(
                 f"{path}: vocab_ids must be distinct token ids in [0, {v})")
         heads = {l: {**hp, "vocab_ids": jnp.asarray(ids)} for l, hp in heads.items()}
     return heads, meta

@@ -34,7 +34,7 @@ from jaxtyping import Array, Bool, Int
 
 from specjax import sampling
 from specjax._compile import AotCache
-from specjax.decoding import PAD, plan_shapes, prefill
+from specjax.decoding import PAD, prefill, prepare
 from specjax.drafters import Context, NGramDrafter, target_head
 from specjax.models.kv_cache import KVCache
 from specjax.verify import Draft, verify
@@ -291,7 +291,7 @@ class _Run:
 def _decode(tparams, hparams, prompt, prompt_len, budget, sampler, key, eos_ids, *,
             target, hierarchy: Hierarchy, capacity: int, max_out: int, chunk: int) -> HSDOutput:
     b, top = prompt.shape[0], len(hierarchy.levels) - 1
-    cache = target.init_cache(b, capacity, tparams["embed"].dtype)
+    cache = target.init_cache(b, capacity, target.param_dtype(tparams))
     h_last, cache = prefill(target, tparams, prompt, prompt_len, cache, chunk)
     key, sub = jax.random.split(key)
     first = sampling.sample(sub, target.logits(tparams, h_last), sampler)
@@ -348,34 +348,17 @@ def hsd_generate(target, tparams, hierarchy: Hierarchy, prompts: Sequence[Sequen
     row stops after an EOS id (kept) or its budget. Invalid hierarchies and prompts that do
     not fit the cache raise ``ValueError`` before anything is compiled.
     """
-    if not prompts:
-        raise ValueError("no prompts given")
-    if isinstance(sampler, sampling.Sample) and key is None:
-        raise ValueError("sampling needs an explicit PRNG key (key=jax.random.key(seed))")
     hierarchy.check(target)
     top = len(hierarchy.levels) - 1
     hparams = tuple(hparams) if hparams is not None else (None,) * (top + 1)
     if len(hparams) != top + 1:
         raise ValueError(f"{len(hparams)} head parameter entries for {top + 1} levels")
-    lens = [len(p) for p in prompts]
-    budgets = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, (int, np.integer))
-               else list(max_new_tokens))
-    if len(budgets) != len(prompts):
-        raise ValueError(f"{len(budgets)} budgets for {len(prompts)} prompts")
     extra = sum(m + 1 for m in hierarchy.buffer) + 2 * top + 2  # lower levels run ahead
-    capacity, max_out = plan_shapes(lens, budgets, target.config.max_position_embeddings,
-                                    cache_size, chunk, extra=extra)
-    buf = np.zeros((len(prompts), capacity), np.int32)
-    for i, p in enumerate(prompts):
-        buf[i, : len(p)] = p
-    if buf.max() >= target.config.vocab_size or buf.min() < 0:
-        raise ValueError(f"prompt token ids must lie in [0, {target.config.vocab_size})")
-    eos = np.asarray(list(eos_ids) or [PAD], np.int32)
-    out, compile_s = _DECODE(tparams, hparams, jnp.asarray(buf), jnp.asarray(lens, jnp.int32),
-                             jnp.asarray(budgets, jnp.int32), sampler,
-                             jax.random.key(0) if key is None else key, jnp.asarray(eos),
-                             target=target, hierarchy=hierarchy, capacity=capacity,
-                             max_out=max_out, chunk=chunk)
+    x = prepare(target, prompts, max_new_tokens, sampler=sampler, key=key, eos_ids=eos_ids,
+                cache_size=cache_size, chunk=chunk, extra=extra)
+    out, compile_s = _DECODE(tparams, hparams, x.tokens, x.lengths, x.budgets, sampler, x.key,
+                             x.eos, target=target, hierarchy=hierarchy, capacity=x.capacity,
+                             max_out=x.max_out, chunk=chunk)
     return out.replace(compile_s=compile_s)
 
 

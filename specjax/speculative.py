@@ -20,7 +20,7 @@ from jaxtyping import Array, Bool, Int
 
 from specjax import sampling, tree
 from specjax._compile import AotCache
-from specjax.decoding import PAD, plan_shapes, prefill, stops
+from specjax.decoding import PAD, prefill, prepare, stops
 from specjax.drafters import Context
 from specjax.models.kv_cache import KVCache
 from specjax.verify import Draft, Rejection, Rule, VerifyResult, sanitize, verify
@@ -141,7 +141,7 @@ def _speculate(tparams, dparams, prompt, prompt_len, budget, sampler, key, eos_i
                target, drafter, rule, capacity: int, max_out: int, chunk: int,
                depth: int, widths: tuple[int, ...]) -> SpecOutput:
     b = prompt.shape[0]
-    cache = target.init_cache(b, capacity, tparams["embed"].dtype)
+    cache = target.init_cache(b, capacity, target.param_dtype(tparams))
     h_all = None
     if getattr(drafter, "needs_features", False):
         h_last, cache, h_all = prefill(target, tparams, prompt, prompt_len, cache, chunk, True)
@@ -192,36 +192,18 @@ def speculative_generate(target, tparams, drafter, dparams, prompts: Sequence[Se
     each round runs the narrowest one that holds the root and every valid node, so a round
     without a draft costs one ordinary decoding step.
     """
-    if not prompts:
-        raise ValueError("no prompts given")
-    if isinstance(sampler, sampling.Sample) and key is None:
-        raise ValueError("sampling needs an explicit PRNG key (key=jax.random.key(seed))")
     drafter.check(target)
-    lens = [len(p) for p in prompts]
-    budgets = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, (int, np.integer))
-               else list(max_new_tokens))
-    if len(budgets) != len(prompts):
-        raise ValueError(f"{len(budgets)} budgets for {len(prompts)} prompts")
     n = drafter.num_nodes
     widths = tuple(sorted(set(drafter.verify_widths if widths is None else widths)))
     if widths[0] < 1 or widths[-1] != n + 1:
         raise ValueError(f"verification widths {widths} must lie in [1, {n + 1}] and include "
                          f"{n + 1} (the root and all {n} draft nodes)")
-    capacity, max_out = plan_shapes(lens, budgets, target.config.max_position_embeddings,
-                                    cache_size, chunk, extra=n + 1)
-    buf = np.zeros((len(prompts), capacity), np.int32)
-    for i, p in enumerate(prompts):
-        buf[i, : len(p)] = p
-    vocab = target.config.vocab_size
-    if buf.max() >= vocab or buf.min() < 0:
-        raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-    eos = np.asarray(list(eos_ids) or [PAD], np.int32)
-    out, compile_s = _SPECULATE(tparams, dparams, jnp.asarray(buf), jnp.asarray(lens, jnp.int32),
-                                jnp.asarray(budgets, jnp.int32), sampler,
-                                jax.random.key(0) if key is None else key, jnp.asarray(eos),
-                                target=target, drafter=drafter, rule=rule, capacity=capacity,
-                                max_out=max_out, chunk=chunk, depth=drafter.depth,
-                                widths=widths)
+    x = prepare(target, prompts, max_new_tokens, sampler=sampler, key=key, eos_ids=eos_ids,
+                cache_size=cache_size, chunk=chunk, extra=n + 1)
+    out, compile_s = _SPECULATE(tparams, dparams, x.tokens, x.lengths, x.budgets, sampler, x.key,
+                                x.eos, target=target, drafter=drafter, rule=rule,
+                                capacity=x.capacity, max_out=x.max_out, chunk=chunk,
+                                depth=drafter.depth, widths=widths)
     return out.replace(compile_s=compile_s)
 
 

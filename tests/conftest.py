@@ -16,6 +16,20 @@ SMOLLM = "smollm2-135m"
 _SLOW_FIXTURES = {"smollm", "hf_smollm"}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_code():
+    """Drops each test module's compiled executables after it. The whole suite compiles
+    many hundreds of XLA:CPU executables in one process, and holding all of them crashed
+    XLA:CPU inside a later compilation (a segfault, twice at the same late test)."""
+    yield
+    import gc
+
+    from specjax import _compile
+
+    _compile.clear_all()
+    gc.collect()
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if _SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):

@@ -208,3 +208,22 @@ def test_gemma3_270m_greedy_equals_transformers(gemma3, hf_gemma3, gemma3_prompt
 def test_gemma3_270m_chat_without_template_is_a_clear_error(gemma3):
     with pytest.raises(ValueError, match="no chat template"):
         gemma3.encode("hi", chat=True)
+
+
+@pytest.mark.slow
+def test_gemma3_270m_every_method_equals_ar(gemma3, gemma3_prompts):
+    """n-gram, early-exit and a three-level HSD hierarchy reproduce ``generate`` on the real
+    weights, at batch 1 and at batch 4 (ragged, one prompt past the window)."""
+    from specjax import hsd
+
+    m, p = gemma3.model, gemma3.params
+    prompts = gemma3_prompts + [gemma3.encode("1, 2, 3, 4, 5, 6, 7, 8,")]
+    ar = specjax.generate(m, p, prompts, max_new_tokens=16, eos_ids=gemma3.eos_ids).to_lists()
+    kw = dict(max_new_tokens=16, eos_ids=gemma3.eos_ids)
+    one = specjax.speculative_generate(m, p, specjax.NGramDrafter(), None, prompts[3:], **kw)
+    assert one.to_lists() == ar[3:]
+    for drafter in (specjax.NGramDrafter(), specjax.EarlyExitDrafter(m, 9, depth=3)):
+        out = specjax.speculative_generate(m, p, drafter, None, prompts, **kw)
+        assert out.to_lists() == ar, type(drafter).__name__
+    h = hsd.Hierarchy((hsd.NGram(), hsd.Exit(9), hsd.Exit()), (2, 2))
+    assert hsd.hsd_generate(m, p, h, prompts, **kw).to_lists() == ar

@@ -25,7 +25,7 @@ from jax import lax
 
 from specjax import sampling
 from specjax._compile import AotCache
-from specjax.decoding import PAD, plan_shapes, prefill, stops
+from specjax.decoding import PAD, prefill, prepare, stops
 
 NGRAM = 13
 
@@ -101,7 +101,7 @@ def _answer(params, prompt, prompt_len, budget, eos_ids, *, model, capacity: int
             max_out: int, chunk: int):
     """Greedy answers and the hidden state at every prompt and answer position."""
     b = prompt.shape[0]
-    cache = model.init_cache(b, capacity, params["embed"].dtype)
+    cache = model.init_cache(b, capacity, model.param_dtype(params))
     h_last, cache, h_prompt = prefill(model, params, prompt, prompt_len, cache, chunk, True)
     first = jnp.argmax(model.logits(params, h_last), -1).astype(jnp.int32)
     one = jnp.ones((b,), jnp.int32)
@@ -132,17 +132,10 @@ _ANSWER = AotCache(_answer, ("model", "capacity", "max_out", "chunk"))
 
 def answer_batch(lm, prompts: Sequence[list[int]], max_new_tokens: int, chunk: int = 64):
     """Examples ``(tokens, prompt_len, feats[len, D] bfloat16)`` for a batch of prompts."""
-    lens = [len(p) for p in prompts]
-    capacity, max_out = plan_shapes(lens, [max_new_tokens] * len(prompts),
-                                    lm.model.config.max_position_embeddings, None, chunk)
-    buf = np.zeros((len(prompts), capacity), np.int32)
-    for i, p in enumerate(prompts):
-        buf[i, :len(p)] = p
-    eos = np.asarray(list(lm.eos_ids) or [PAD], np.int32)
-    (toks, num, hp, hg), _ = _ANSWER(lm.params, jnp.asarray(buf), jnp.asarray(lens, jnp.int32),
-                                     jnp.full((len(prompts),), max_new_tokens, jnp.int32),
-                                     jnp.asarray(eos), model=lm.model, capacity=capacity,
-                                     max_out=max_out, chunk=chunk)
+    x = prepare(lm.model, prompts, max_new_tokens, eos_ids=lm.eos_ids, chunk=chunk)
+    (toks, num, hp, hg), _ = _ANSWER(lm.params, x.tokens, x.lengths, x.budgets, x.eos,
+                                     model=lm.model, capacity=x.capacity, max_out=x.max_out,
+                                     chunk=chunk)
     toks, num, hp, hg = map(np.asarray, (toks, num, hp, hg))
     out = []
     for i, p in enumerate(prompts):

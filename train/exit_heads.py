@@ -24,7 +24,6 @@ import numpy as np
 import optax
 
 from specjax import eagle, exit_heads
-from specjax.models import llama
 from specjax.train import eagle as train_eagle
 from specjax.train import loop
 
@@ -103,7 +102,7 @@ def loss_fn(heads: dict, tparams, hid, mask, vocab_ids, *, target, cfg: ExitConf
     metrics, total = {}, 0.0
     for k, l in enumerate(cfg.layers):
         z = exit_heads.adapt(heads[str(l)], hid[:, :, k], eps)
-        z = llama.rms_norm(z, tparams["final_norm"], eps)
+        z = target.final_norm(tparams, z)
         s_logp = jax.nn.log_softmax(jnp.einsum("btd,vd->btv", z, emb), -1)
         kl = jnp.sum(jnp.exp(t_logp) * (t_logp - s_logp), -1)
         total = total + jnp.sum(kl * mask) / n
