@@ -35,6 +35,9 @@ def export_head(params: Any, out_dir: str | Path, meta: dict, dtype=jnp.bfloat16
         jnp.asarray(x).dtype, jnp.floating) else jnp.asarray(x), params)
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(out / "params", cast)
+    done = out / "params" / "commit_success.txt"
+    if done.exists():  # Orbax writes this machine's absolute path into it; keep heads portable
+        done.write_text("Checkpoint commit was successful.\n")
     shapes = jax.tree.map(lambda x: list(np.shape(x)), cast)
     (out / "head.json").write_text(json.dumps(
         {**meta, "shapes": shapes, "dtypes": {"float": jnp.dtype(dtype).name}}, indent=1))
