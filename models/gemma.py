@@ -29,8 +29,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from specjax.models import kv_cache
 from specjax.models.kv_cache import KVCache
-from specjax.models.llama import (RopeScaling, _attention, _proj, apply_rope, head_logits,
-                                  rope_inv_freq)
+from specjax.models.llama import (DecoderParts, RopeScaling, _attention, _proj, apply_rope,
+                                  head_logits, rope_inv_freq)
 
 Params = Mapping[str, Any]
 SLIDING, FULL = "sliding", "full"
@@ -98,16 +98,8 @@ def rms_norm(x: Array, gain: Array, eps: float, axis: int = -1) -> Array:
 
 def _inv_freqs(cfg: GemmaConfig) -> dict[str, Array]:
     """RoPE inverse frequencies per layer type."""
-    full = rope_inv_freq(_RopeView(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-    local = rope_inv_freq(_RopeView(cfg.head_dim, cfg.rope_local_theta, RopeScaling()))
-    return {FULL: full, SLIDING: local}
-
-
-@dataclasses.dataclass(frozen=True)
-class _RopeView:  # the fields ``rope_inv_freq`` reads
-    head_dim: int
-    rope_theta: float
-    rope_scaling: RopeScaling
+    return {FULL: rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+            SLIDING: rope_inv_freq(cfg.head_dim, cfg.rope_local_theta)}
 
 
 def _window_masks(cfg: GemmaConfig, length, mask, positions, capacity: int):
@@ -119,7 +111,7 @@ def _window_masks(cfg: GemmaConfig, length, mask, positions, capacity: int):
     return visible, mask & (positions[:, None, :] > lo[:, :, None])
 
 
-def _layer(cfg: GemmaConfig, kind: str, lp: Params, x: Float[Array, "D B T"], k_cache, v_cache,
+def _layer(cfg: GemmaConfig, lp: Params, x: Float[Array, "D B T"], k_cache, v_cache,
            length, mask, positions, inv_freq, visible=None):
     """One decoder layer over a feature-major residual stream ``x`` ([D, B, T]); returns the
     new stream and this layer's K/V cache (new entries written at slot ``length``)."""
@@ -148,16 +140,11 @@ def _layer(cfg: GemmaConfig, kind: str, lp: Params, x: Float[Array, "D B T"], k_
 
 
 @dataclasses.dataclass(frozen=True)
-class Gemma:
+class Gemma(DecoderParts):
     """A Gemma-family model bound to its configuration. Hashable, so it can be static.
-    Follows the contract of ``specjax.models.Llama`` (``init_cache``, ``forward``,
-    ``logits``)."""
+    Follows the contract ``specjax.models.Model``, like ``Llama``."""
 
     config: GemmaConfig
-
-    def init_cache(self, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
-        c = self.config
-        return KVCache.zeros(c.num_layers, batch, capacity, c.num_kv_heads, c.head_dim, dtype)
 
     def embed(self, params: Params, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
         """Token embeddings scaled by ``sqrt(hidden_size)`` (the scale rounded to the
@@ -165,17 +152,9 @@ class Gemma:
         e = params["embed"]
         return e[tokens] * jnp.asarray(math.sqrt(self.config.hidden_size), e.dtype)
 
-    def param_dtype(self, params: Params):
-        """The dtype the model computes in (its embedding's)."""
-        return params["embed"].dtype
-
     def final_norm(self, params: Params, hidden: Float[Array, "... D"]) -> Float[Array, "... D"]:
         """The final norm: what the LM head reads."""
         return rms_norm(hidden, params["final_norm"], self.config.rms_norm_eps)
-
-    def output_head(self, params: Params) -> Float[Array, "V D"]:
-        """The LM head as ``[V, D]`` rows (the embedding when tied)."""
-        return params["embed"] if self.config.tie_embeddings else params["lm_head"]
 
     def logits(self, params: Params, hidden: Float[Array, "... D"],
                head: Array | None = None) -> Float[Array, "... V"]:
@@ -194,12 +173,7 @@ class Gemma:
         local layers a query at position ``p`` also sees only keys at positions
         ``> p - sliding_window``. Returns ``(logits [B,T,V] float32 or None, hidden, cache)``."""
         cfg = self.config
-        n = cfg.num_layers if exit_layer is None else exit_layer
-        if not 1 <= n <= cfg.num_layers:
-            raise ValueError(f"exit_layer={exit_layer} outside [1, {cfg.num_layers}]")
-        bad = [l for l in return_layers if not 0 <= l <= n]
-        if bad:
-            raise ValueError(f"return_layers {bad} outside [0, {n}] (layers that run)")
+        n = self.layers_to_run(exit_layer, return_layers)
         b, t = tokens.shape
         if mask is None:
             mask = kv_cache.causal_mask(b, t)
@@ -213,7 +187,7 @@ class Gemma:
         for i in range(n):
             kind = cfg.layer_types[i]
             vis, m = (None, mask) if kind == FULL else local
-            x, ks[i], vs[i] = _layer(cfg, kind, params["layers"][i], x, ks[i], vs[i],
+            x, ks[i], vs[i] = _layer(cfg, params["layers"][i], x, ks[i], vs[i],
                                      cache.length, m, positions, inv[kind], vis)
             if i + 1 in return_layers:
                 hidden[i + 1] = x

@@ -73,11 +73,11 @@ SMOLLM2_135M = LlamaConfig(
     tie_embeddings=True, max_position_embeddings=8192)
 
 
-def rope_inv_freq(cfg: LlamaConfig) -> Float[Array, "H2"]:
-    """Inverse frequencies of the rotary embedding, after scaling."""
-    half = jnp.arange(0, cfg.head_dim, 2, dtype=jnp.float32) / cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** half)
-    s = cfg.rope_scaling
+def rope_inv_freq(head_dim: int, theta: float,
+                  s: RopeScaling = RopeScaling()) -> Float[Array, "H2"]:
+    """Inverse frequencies of the rotary embedding with base ``theta``, after scaling."""
+    half = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+    inv = 1.0 / (theta ** half)
     if s.rope_type == "linear":
         return inv / s.factor
     if s.rope_type == "llama3":
@@ -188,7 +188,7 @@ def _layer(cfg: LlamaConfig, lp: Params, x: Float[Array, "D B T"], k_cache, v_ca
     entries. Every weight is ``[out, in]`` and the left operand of its product (``project``)."""
     _, b, t = x.shape
     nq, nk, hd, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
-    inv_freq = rope_inv_freq(cfg)
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, axis=0)
     qkv = _proj(lp["qkv"], h).reshape(nq + 2 * nk, hd, b, t)
     q, k, v = jnp.split(qkv, [nq, nq + nk], axis=0)  # [N,H,B,T]
@@ -223,11 +223,9 @@ def head_logits(head: Float[Array, "V D"], h: Float[Array, "... D"]) -> Float[Ar
     return out.reshape(*lead, head.shape[0]).astype(jnp.float32)
 
 
-@dataclasses.dataclass(frozen=True)
-class Llama:
-    """A Llama-family model bound to its configuration. Hashable, so it can be static."""
-
-    config: LlamaConfig
+class DecoderParts:
+    """What every decoder port here shares: its cache, dtype, LM head rows and the check of
+    which layers a forward runs. Needs ``self.config``."""
 
     def init_cache(self, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
         c = self.config
@@ -237,6 +235,29 @@ class Llama:
         """The dtype the model computes in (its embedding's)."""
         return params["embed"].dtype
 
+    def output_head(self, params: Params) -> Float[Array, "V D"]:
+        """The LM head as ``[V, D]`` rows (the embedding when tied)."""
+        return params["embed"] if self.config.tie_embeddings else params["lm_head"]
+
+    def layers_to_run(self, exit_layer: int | None, return_layers: tuple[int, ...]) -> int:
+        """How many layers a forward runs; ``ValueError`` for an exit or a returned layer
+        outside them."""
+        total = self.config.num_layers
+        n = total if exit_layer is None else exit_layer
+        if not 1 <= n <= total:
+            raise ValueError(f"exit_layer={exit_layer} outside [1, {total}]")
+        bad = [l for l in return_layers if not 0 <= l <= n]
+        if bad:
+            raise ValueError(f"return_layers {bad} outside [0, {n}] (layers that run)")
+        return n
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama(DecoderParts):
+    """A Llama-family model bound to its configuration. Hashable, so it can be static."""
+
+    config: LlamaConfig
+
     def embed(self, params: Params, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
         """The input embeddings of ``tokens``."""
         return params["embed"][tokens]
@@ -244,10 +265,6 @@ class Llama:
     def final_norm(self, params: Params, hidden: Float[Array, "... D"]) -> Float[Array, "... D"]:
         """The final norm: what the LM head reads (EAGLE's feature)."""
         return rms_norm(hidden, params["final_norm"], self.config.rms_norm_eps)
-
-    def output_head(self, params: Params) -> Float[Array, "V D"]:
-        """The LM head as ``[V, D]`` rows (the embedding when tied)."""
-        return params["embed"] if self.config.tie_embeddings else params["lm_head"]
 
     def logits(self, params: Params, hidden: Float[Array, "... D"],
                head: Array | None = None) -> Float[Array, "... V"]:
@@ -285,12 +302,7 @@ class Llama:
         Returns ``(logits [B,T,V] float32 or None, hidden, cache)``.
         """
         cfg = self.config
-        n = cfg.num_layers if exit_layer is None else exit_layer
-        if not 1 <= n <= cfg.num_layers:
-            raise ValueError(f"exit_layer={exit_layer} outside [1, {cfg.num_layers}]")
-        bad = [l for l in return_layers if not 0 <= l <= n]
-        if bad:
-            raise ValueError(f"return_layers {bad} outside [0, {n}] (layers that run)")
+        n = self.layers_to_run(exit_layer, return_layers)
         b, t = tokens.shape
         if mask is None:
             mask = kv_cache.causal_mask(b, t)

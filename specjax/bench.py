@@ -331,9 +331,10 @@ def machine_info() -> dict:
             "jax_devices": [str(d) for d in jax.devices()]}
 
 
-def run_record(q: Question, r: Run) -> dict:
-    """One question's run as JSON: what a resumed bench restores."""
-    return {"question": q.qid, "category": q.category, **dataclasses.asdict(r)}
+def run_records(results: dict[str, list[tuple[Question, Run]]]) -> dict[str, list[dict]]:
+    """Every method's runs as JSON, one record per question: what a resumed bench restores."""
+    return {m: [{"question": q.qid, "category": q.category, **dataclasses.asdict(r)}
+                for q, r in runs] for m, runs in results.items()}
 
 
 def restore_runs(path: str | Path | None, settings: dict) -> dict[str, dict[int, Run]]:

@@ -398,8 +398,7 @@ def cmd_bench(args) -> int:
                 if results[m][-1][1].tokens != results["ar"][-1][1].tokens:
                     mismatches.append({"question": q.qid, "method": m})
         if args.out:  # what an interruption keeps
-            runs = {m: [bench.run_record(qq, r) for qq, r in rs] for m, rs in results.items()}
-            bench.write_json(args.out, {**report, "runs": runs})
+            bench.write_json(args.out, {**report, "runs": bench.run_records(results)})
     bar.close()
     summary = bench.summarize(results)
     print(bench.format_table(summary))
@@ -415,8 +414,7 @@ def cmd_bench(args) -> int:
     if mismatches:
         print(f"note: greedy outputs differ from ar: {mismatches}")
     if args.out:
-        runs = {m: [bench.run_record(q, r) for q, r in rs] for m, rs in results.items()}
-        bench.write_json(args.out, {**report, "runs": runs})
+        bench.write_json(args.out, {**report, "runs": bench.run_records(results)})
         print(f"wrote {args.out}")
     return 0
 

@@ -95,7 +95,7 @@ def _verify_width(w: int, target, rule, depth: int, tparams, draft: Draft, root,
     toks = jnp.concatenate([root, d.tokens], axis=1)
     logits, hidden, cache = target.forward(tparams, toks, tree.positions(length - 1, d.parents),
                                            cache, tree.attention_mask(d.parents, d.valid))
-    res = verify(logits, d, key, sampler, rule=rule, depth=min(depth, max(n, 1)))
+    res = verify(logits, d, key, sampler, rule=rule, depth=min(depth, max(n, 1)), sanitized=True)
     h = hidden[target.config.num_layers]
     h = jnp.pad(h, ((0, 0), (0, draft.tokens.shape[1] + 1 - w), (0, 0)))
     return _pad_result(res, depth), cache, h

@@ -177,7 +177,7 @@ def _sample_row(p_nodes, tokens, parents, valid, q, key, rule: Rule, depth: int)
 
 def verify(target_logits: Float[Array, "B N+1 V"], draft: Draft, key: Array | None,
            sampler: sampling.Sampler = sampling.Greedy(), *, rule: Rule = Rejection(),
-           depth: int | None = None) -> VerifyResult:
+           depth: int | None = None, sanitized: bool = False) -> VerifyResult:
     """Verifies ``draft`` against the target's logits at ``[root, node 0, ..., node N-1]``.
 
     ``depth`` bounds the accepted path (default ``N``; the tree's depth suffices). Lossless
@@ -185,6 +185,8 @@ def verify(target_logits: Float[Array, "B N+1 V"], draft: Draft, key: Array | No
     checked eagerly. Nodes that cannot be verified (a token outside the vocabulary, a parent
     outside ``[-1, j)``, an invalid ancestor) are treated as invalid (``sanitize``): never
     accepted, never emitted. ``tree.validate`` is the eager check that reports them.
+    ``sanitized=True`` says the caller already applied ``sanitize`` (the decode loop does,
+    before its forward), so it is not done twice.
     """
     b, n = draft.tokens.shape
     if target_logits.shape[:2] != (b, n + 1):
@@ -195,7 +197,8 @@ def verify(target_logits: Float[Array, "B N+1 V"], draft: Draft, key: Array | No
         raise ValueError(f"draft probabilities have shape {draft.probs.shape}, expected "
                          f"{(b, n, vocab)}: the draft and target vocabularies differ")
     depth = n if depth is None else depth
-    draft = sanitize(draft, vocab)
+    if not sanitized:
+        draft = sanitize(draft, vocab)
     if n == 0:  # nothing to verify: one ordinary decoding step
         if key is None and not isinstance(sampler, sampling.Greedy):
             raise ValueError("sampled verification needs an explicit PRNG key")
