@@ -11,6 +11,7 @@ from typing import Any, Callable
 import jax.numpy as jnp
 
 from specjax.models import loading
+from specjax.models.module import LanguageModel
 
 
 def _package_file(package: str, filename: str, install: str) -> Callable[[], Path]:
@@ -85,6 +86,12 @@ class LoadedModel:
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
+
+    @property
+    def module(self) -> LanguageModel:
+        """The model as a Flax NNX module over the same weights (no copy): call it, or take
+        ``nnx.split(module)`` into your own jitted code."""
+        return LanguageModel(self.model, self.params)
 
 
 def resolve(name_or_path: str) -> Path:

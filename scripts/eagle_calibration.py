@@ -22,7 +22,8 @@ import numpy as np
 from tqdm import tqdm
 
 import specjax
-from specjax import bench, eagle
+from specjax import bench
+from specjax.drafters import eagle
 from specjax.models import load
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import scipy
 
-from specjax import hierarchy as H
+from specjax.hsd import hierarchy as H
 
 ROOT = Path(__file__).resolve().parents[1]
 

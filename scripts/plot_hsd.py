@@ -4,7 +4,7 @@ that ``specjax bench`` ran (``ar`` is the target alone); writes ``OUT.png`` and 
     .venv/bin/python scripts/plot_hsd.py --calibration docs/results/hsd_calibration_cpu.json \\
         --bench docs/results/hsd_cpu.json --out docs/results/hsd_predicted_vs_measured
 
-Predictions come from ``specjax.calibrate.predicted_latency`` under the calibration JSON, with
+Predictions come from ``specjax.hsd.calibrate.predicted_latency`` under the calibration JSON, with
 both latency models: ``exact`` (buffer overshoot included; what ``tune`` uses) and ``paper``
 (the closed form).
 """

@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import specjax  # noqa: F401
-from specjax import sampling, tree
+from specjax.core import sampling, tree
 from specjax.drafters import Context, NGramDrafter
 from specjax.models import load
-from specjax.verify import Draft, verify
+from specjax.core.verify import Draft, verify
 
 
 def _median_ms(fn, *args, repeats=15):
@@ -38,7 +38,7 @@ def _median_ms(fn, *args, repeats=15):
 
 def _eagle_propose_ms(lm, spec: str, ctx: Context) -> float:
     """One EAGLE-2 ``propose`` (head pass over the pending root, then the tree's levels)."""
-    from specjax import eagle
+    from specjax.drafters import eagle
 
     drafter, dparams = eagle.load_drafter(spec, lm, "smollm2-135m")
     b, c = ctx.tokens.shape

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import specjax  # noqa: F401  (sets the project's XLA flags before the backend starts)
-from specjax import tree
+from specjax.core import tree
 from specjax.models import llama, load
 
 

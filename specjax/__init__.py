@@ -1,16 +1,24 @@
-"""specjax: lossless speculative decoding in JAX."""
+"""specjax: lossless speculative decoding in JAX.
+
+Layout: ``specjax.core`` (trees, sampling, verification, the decode loops),
+``specjax.drafters`` (one file per drafter, EAGLE-2 included), ``specjax.hsd`` (the
+hierarchy recursion, latency model, optimisers and calibration), ``specjax.models`` (the
+model contract and the ports) and ``specjax.train`` (Optax training of the draft heads).
+"""
 
 from specjax import _xla_flags  # noqa: F401  (must run before JAX picks a backend)
 
-from specjax import drafters, models, sampling, tree
-from specjax.decoding import PAD, GenerateOutput, generate
+from specjax import core, drafters, hsd, models
+from specjax.core import sampling, tree
+from specjax.core.decoding import PAD, GenerateOutput, generate
+from specjax.core.sampling import Greedy, Sample
+from specjax.core.speculative import SpecOutput, speculative_generate
+from specjax.core.verify import Draft, Rejection, Typical, VerifyResult, verify
 from specjax.drafters import EarlyExitDrafter, ModelDrafter, NGramDrafter
-from specjax.sampling import Greedy, Sample
-from specjax.speculative import SpecOutput, speculative_generate
-from specjax.verify import Draft, Rejection, Typical, VerifyResult, verify
+from specjax.hsd import Hierarchy, hsd_generate
 
 __version__ = "0.1.0"
-__all__ = ["models", "sampling", "tree", "drafters", "generate", "GenerateOutput", "PAD",
-           "Greedy", "Sample", "speculative_generate", "SpecOutput", "verify", "Draft",
-           "VerifyResult", "Rejection", "Typical", "ModelDrafter", "EarlyExitDrafter",
-           "NGramDrafter"]
+__all__ = ["core", "models", "sampling", "tree", "drafters", "hsd", "generate",
+           "GenerateOutput", "PAD", "Greedy", "Sample", "speculative_generate", "SpecOutput",
+           "verify", "Draft", "VerifyResult", "Rejection", "Typical", "ModelDrafter",
+           "EarlyExitDrafter", "NGramDrafter", "Hierarchy", "hsd_generate"]

@@ -133,7 +133,7 @@ def _timed(call):
 def _sampling_kw(sampler, seed: int = 0) -> dict:
     import jax
 
-    from specjax import sampling
+    from specjax.core import sampling
 
     sampler = sampling.Greedy() if sampler is None else sampler
     return {"sampler": sampler, "key": jax.random.key(seed)}
@@ -141,7 +141,7 @@ def _sampling_kw(sampler, seed: int = 0) -> dict:
 
 def ar_method(lm, sampler=None) -> Method:
     """specjax autoregressive decoding (one jitted while_loop); greedy by default."""
-    from specjax.decoding import generate
+    from specjax.core.decoding import generate
 
     def run(ids: list[int], n: int) -> Run:
         call = lambda: generate(lm.model, lm.params, [ids], max_new_tokens=n, eos_ids=lm.eos_ids,
@@ -155,7 +155,7 @@ def ar_method(lm, sampler=None) -> Method:
 
 def sd_method(lm, drafter, dparams=None, sampler=None) -> Method:
     """specjax speculative decoding with ``drafter``; greedy by default."""
-    from specjax.speculative import speculative_generate
+    from specjax.core.speculative import speculative_generate
 
     def run(ids: list[int], n: int) -> Run:
         kw = dict(max_new_tokens=n, eos_ids=lm.eos_ids, **_sampling_kw(sampler))

@@ -62,7 +62,7 @@ def _decoder(lm, args):
         return (lambda ids, **kw: hsd_generate(lm.model, lm.params, h, [ids], hparams=hp,
                                                **kw)), name
     if args.method == "eagle2":
-        from specjax import eagle
+        from specjax.drafters import eagle
 
         drafter, dparams = eagle.load_drafter(args.eagle, lm, args.model, args.draft_checkpoint)
         name = args.eagle
@@ -77,7 +77,7 @@ def _decoder(lm, args):
 def _exit_heads(lm, args, layers=None) -> tuple[dict, list[int], str | None]:
     """``(heads, layers, source)``: trained exit heads from ``--exit-heads`` (default: the
     ones shipped for the model), else plain early exits at ``layers`` (or ``--layers``)."""
-    from specjax import exit_heads
+    from specjax.drafters import exit_heads
 
     path = args.exit_heads or exit_heads.shipped_heads(args.model)
     if path is not None:
@@ -91,7 +91,7 @@ def _exit_heads(lm, args, layers=None) -> tuple[dict, list[int], str | None]:
 def _hsd(lm, args, spec: str):
     """``(Hierarchy, hparams, spec)`` for ``auto`` (tuned from ``--calibration``) or a spec
     such as ``ngram:4,12:3,target``."""
-    from specjax import calibrate
+    from specjax.hsd import calibrate
 
     if spec == "auto":
         if not args.calibration:
@@ -190,7 +190,8 @@ def _demo_run(lm, ids, args, cand) -> dict:
 
 
 def cmd_demo(args) -> int:
-    from specjax import bench, demo, eagle
+    from specjax import bench, demo
+    from specjax.drafters import eagle
     from specjax.models import load
 
     print(f"loading {args.model} ...", flush=True)
@@ -253,7 +254,8 @@ def cmd_calibrate(args) -> int:
     import specjax
     from tqdm import tqdm
 
-    from specjax import bench, calibrate
+    from specjax import bench
+    from specjax.hsd import calibrate
     from specjax.models import load
 
     qs = bench.load_questions(args.prompts, None, args.limit)  # checked before the model loads
@@ -294,7 +296,7 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_tune(args) -> int:
-    from specjax import calibrate
+    from specjax.hsd import calibrate
 
     calib = json.loads(Path(args.calibration).read_text())
     t = time.perf_counter()
@@ -340,7 +342,7 @@ def _bench_runners(args, lm, methods, threads, hierarchies) -> dict:
             d.check(lm.model)
             runners[m] = lambda d=d: bench.sd_method(lm, d, None, sampler)
         elif m.startswith("eagle2"):
-            from specjax import eagle
+            from specjax.drafters import eagle
 
             d, dp = eagle.load_drafter(m, lm, args.model, args.draft_checkpoint)
             d.check(lm.model)
@@ -404,7 +406,7 @@ def cmd_bench(args) -> int:
     print(bench.format_table(summary))
     report.update(methods=summary, greedy_mismatch_vs_ar=mismatches, complete=True)
     if hierarchies:
-        from specjax import exit_heads
+        from specjax.drafters import exit_heads
 
         heads = args.exit_heads or exit_heads.shipped_heads(args.model)
         report["hsd"] = {"hierarchies": hierarchies, "calibration": args.calibration,
@@ -551,7 +553,7 @@ def cmd_train(args) -> int:
     print(f"{len(corpus)} examples, {n_tok} trained tokens; {cfg}", flush=True)
     init = None
     if args.init:
-        from specjax import eagle
+        from specjax.drafters import eagle
 
         init, _ = checkpoint.load_head(args.init, "eagle",
                                        like=eagle.init_head(lm.model.config, jax.random.key(0)))

@@ -49,7 +49,7 @@ def cache_file(model: str) -> Path:
 
     import specjax
 
-    from specjax import eagle
+    from specjax.drafters import eagle
 
     dev = jax.devices()[0]
     head = eagle.shipped_head(model)  # a retrained head invalidates the record

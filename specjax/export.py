@@ -1,7 +1,7 @@
 """Exported draft heads on disk: a directory with ``head.json`` (kind, target, shapes,
 metadata) and the parameters as an Orbax checkpoint in ``params/``.
 
-The inference side (``specjax.eagle``, ``specjax.exit_heads``) loads heads from here and
+The inference side (``specjax.drafters.eagle``, ``specjax.drafters.exit_heads``) loads heads from here and
 never imports the training package; training writes them with ``export_head``.
 """
 

@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import calibrate, hierarchy, hsd, sampling
-from specjax.exit_heads import exit_head, init_heads
+from specjax.hsd import calibrate, hierarchy
+from specjax import hsd
+from specjax.core import sampling
+from specjax.drafters.exit_heads import exit_head, init_heads
 from specjax.models import Llama, LlamaConfig
 from specjax.models.llama import init_params
 
@@ -144,7 +146,7 @@ def test_cli_calibrate_tune_and_bench_hsd_auto(smollm, monkeypatch, tmp_path, ca
     from specjax import cli
 
     monkeypatch.setattr("specjax.models.load", lambda *a, **k: smollm)
-    monkeypatch.setattr("specjax.exit_heads.shipped_heads", lambda name: None)
+    monkeypatch.setattr("specjax.drafters.exit_heads.shipped_heads", lambda name: None)
     calib = tmp_path / "calib.json"
     assert cli.main(["calibrate", "--layers", "20,28", "--limit", "2", "--max-new-tokens", "12",
                      "--widths", "1,4", "--out", str(calib)]) == 0

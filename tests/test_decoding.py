@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import specjax
-from specjax import decoding, sampling
+from specjax.core import decoding, sampling
 from specjax.models.llama import Llama, LlamaConfig, init_params
 
 PROMPTS = [

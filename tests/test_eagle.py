@@ -11,9 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import specjax
-from specjax import eagle, sampling
+from specjax.drafters import eagle
+from specjax.core import sampling
 from specjax.models.llama import Llama, LlamaConfig, init_params
-from specjax.speculative import speculative_generate
+from specjax.core.speculative import speculative_generate
 
 # A bigram "draft model" over 5 tokens: the next-token distribution depends on the node's
 # own token only. Values below are path products, computed by hand in the docstring.
@@ -161,7 +162,7 @@ def test_sampled_eagle_matches_target(toy):
 def test_drafter_matches_the_teacher_forced_head(toy):
     """The drafter's cached, tree-masked head steps equal the head run over whole sequences:
     level 1 from the true features, level 2 from the predicted feature of its parent."""
-    from specjax.decoding import prefill
+    from specjax.core.decoding import prefill
     from specjax.drafters import Context
 
     model, tparams, dp = toy
@@ -218,8 +219,8 @@ def test_drafter_state_after_commit_equals_a_fresh_start(toy):
     """After a real round (propose, verify, commit), the head drafts exactly what a head
     started afresh on the whole accepted context drafts: the committed features and cache
     are those of the true context."""
-    from specjax import speculative
-    from specjax.decoding import prefill
+    from specjax.core import speculative
+    from specjax.core.decoding import prefill
     from specjax.drafters import Context
 
     model, tparams, dp = toy

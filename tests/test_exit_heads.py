@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import eagle, exit_heads
+from specjax.drafters import eagle, exit_heads
 from specjax.drafters import EarlyExitDrafter
 from specjax.models.llama import Llama, LlamaConfig, init_params
 from specjax.train import checkpoint, distill

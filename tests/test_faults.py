@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import bench, cli, sampling
+from specjax import bench, cli
+from specjax.core import sampling
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""HSD latency model and optimisers (``specjax.hierarchy``): hand-checked primitives, the
+"""HSD latency model and optimisers (``specjax.hsd.hierarchy``): hand-checked primitives, the
 three solvers against each other, the paper's tables, the model against Monte-Carlo, and
 input errors. Pure numpy/scipy; the whole file runs in a few seconds."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specjax import hierarchy as H
+from specjax.hsd import hierarchy as H
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "hsd" / "paper_tables.json"
 

@@ -6,7 +6,10 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import calibrate, exit_heads, hsd, sampling
+from specjax.hsd import calibrate
+from specjax.drafters import exit_heads
+from specjax import hsd
+from specjax.core import sampling
 from specjax.models import Llama, LlamaConfig
 from specjax.models.llama import init_params
 

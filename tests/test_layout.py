@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import tree
+from specjax.core import tree
 from specjax.models import llama
 from specjax.models.llama import Llama, LlamaConfig, init_params
 

@@ -462,3 +462,15 @@ def test_load_check_runs_before_the_weights(monkeypatch):
     with pytest.raises(ValueError, match="prompt too long"):
         specjax.models.load("smollm2-135m", check=check)
     assert seen == [(True, 49152)]
+
+
+def test_loaded_model_is_a_flax_module(smollm, prompt12, ref12):
+    """``load(name).module`` is an NNX module over the same weights: its split state feeds a
+    user's jitted function and gives the logits of the functional forward."""
+    from flax import nnx
+
+    graphdef, state = nnx.split(smollm.module)
+    fn = jax.jit(lambda st, t, c: nnx.merge(graphdef, st)(t, cache=c)[0])
+    logits = fn(state, jnp.asarray(prompt12), smollm.model.init_cache(1, CAP))
+    d = rel_diff(logits, ref12[0])
+    assert d < 1e-5, d

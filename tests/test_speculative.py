@@ -12,10 +12,10 @@ import pytest
 from scipy import stats
 
 import specjax
-from specjax import sampling, tree
+from specjax.core import sampling, tree
 from specjax.drafters import EarlyExitDrafter, ModelDrafter, NGramDrafter, bigram_table
 from specjax.models.llama import Llama, LlamaConfig, init_params
-from specjax.speculative import speculative_generate
+from specjax.core.speculative import speculative_generate
 
 PROMPTS = [
     ("Summarize: The cat sat on the mat. The cat was happy on the mat.", False),

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import eagle
+from specjax.drafters import eagle
 from specjax.models.llama import Llama, LlamaConfig, init_params
 from specjax.train import checkpoint, distill
 from specjax.train import eagle as train_eagle

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from specjax import sampling, tree
-from specjax.verify import Draft, Rejection, Typical, verify
+from specjax.core import sampling, tree
+from specjax.core.verify import Draft, Rejection, Typical, verify
 
 V, M, ROWS, ROOT = 8, 4, 120_000, 3
 CHAIN = (-1, 0, 1, 2)

@@ -23,9 +23,9 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from specjax import sampling
+from specjax.core import sampling
 from specjax._compile import AotCache
-from specjax.decoding import PAD, prefill, prepare, stops
+from specjax.core.decoding import PAD, prefill, prepare, stops
 
 NGRAM = 13
 

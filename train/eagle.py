@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from specjax import eagle
+from specjax.drafters import eagle
 from specjax.train import loop
 
 

@@ -1,4 +1,4 @@
-"""Training early-exit heads (``specjax.exit_heads``) by distillation, with Optax and Orbax.
+"""Training early-exit heads (``specjax.drafters.exit_heads``) by distillation, with Optax and Orbax.
 
 For every exit layer ``l`` the adapter is trained so that the exit's next-token
 distribution matches the final layer's: the loss is the mean over layers and token
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from specjax import eagle, exit_heads
+from specjax.drafters import eagle, exit_heads
 from specjax.train import eagle as train_eagle
 from specjax.train import loop
 

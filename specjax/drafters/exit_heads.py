@@ -12,29 +12,55 @@ protocol of ``EarlyExitDrafter`` and ``hsd.Exit`` (``head(target, tparams, hp, h
 
 from __future__ import annotations
 
+import functools
+import types
 from pathlib import Path
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jaxtyping import Array, Float
 
-from specjax.eagle import output_embedding
+from specjax.drafters.eagle import output_embedding
 from specjax.models import llama
 
 SHIPPED = {"smollm2-135m": "heads/smollm2-135m-exits"}  # registry name -> package data
 
 
+class ExitAdapter(nnx.Module):
+    """One exit layer's low-rank correction as a Flax NNX module: ``norm`` [D] (ones),
+    ``down`` [D, r] (scaled normal), ``up`` [r, D] (zeros: the untrained adapter is the
+    plain early exit). Its state is the plain pytree ``{"norm", "down", "up"}``."""
+
+    def __init__(self, target_cfg, key: Array, rank: int = 64, dtype=jnp.float32):
+        d = target_cfg.hidden_size
+        if rank < 1:
+            raise ValueError(f"adapter rank must be >= 1, got {rank}")
+        self.eps = float(target_cfg.rms_norm_eps)
+        self.norm = nnx.Param(jnp.ones((d,), dtype))
+        self.down = nnx.Param((jax.random.normal(key, (d, rank)) / d ** 0.5).astype(dtype))
+        self.up = nnx.Param(jnp.zeros((rank, d), dtype))
+
+    def __call__(self, hidden: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        """The corrected residual stream ``h + (rms_norm(h) · g) A B``."""
+        down, up = self.down[...], self.up[...]
+        z = llama.rms_norm(hidden, self.norm[...], self.eps).astype(down.dtype)
+        # ...: any leading axes, d: model width, r: adapter rank
+        low = jnp.einsum("...d,dr->...r", z, down)
+        return hidden + jnp.einsum("...r,rd->...d", low, up).astype(hidden.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _graphdef(eps: float):
+    cfg = types.SimpleNamespace(hidden_size=1, rms_norm_eps=eps)
+    return nnx.split(nnx.eval_shape(lambda: ExitAdapter(cfg, jax.random.key(0), 1)))[0]
+
+
 def init_adapter(target_cfg, key: Array, rank: int = 64, dtype=jnp.float32) -> dict:
-    """One layer's adapter: ``norm`` [D] (ones), ``down`` [D, r] (scaled normal), ``up``
-    [r, D] (zeros: the untrained head is the plain early exit)."""
-    d = target_cfg.hidden_size
-    if rank < 1:
-        raise ValueError(f"adapter rank must be >= 1, got {rank}")
-    return {"norm": jnp.ones((d,), dtype),
-            "down": (jax.random.normal(key, (d, rank)) / d ** 0.5).astype(dtype),
-            "up": jnp.zeros((rank, d), dtype)}
+    """A fresh ``ExitAdapter``'s parameters as a plain pytree."""
+    return nnx.to_pure_dict(nnx.state(ExitAdapter(target_cfg, key, rank, dtype)))
 
 
 def init_heads(target_cfg, layers: Sequence[int], key: Array, rank: int = 64) -> dict:
@@ -48,11 +74,10 @@ def init_heads(target_cfg, layers: Sequence[int], key: Array, rank: int = 64) ->
 
 
 def adapt(hp: dict, hidden: Float[Array, "... D"], eps: float) -> Float[Array, "... D"]:
-    """The corrected residual stream ``h + (rms_norm(h) · g) A B``."""
-    z = llama.rms_norm(hidden, hp["norm"], eps).astype(hp["down"].dtype)
-    # ...: any leading axes, d: model width, r: adapter rank
-    low = jnp.einsum("...d,dr->...r", z, hp["down"])
-    return hidden + jnp.einsum("...r,rd->...d", low, hp["up"]).astype(hidden.dtype)
+    """``ExitAdapter`` with parameters ``hp`` applied to ``hidden`` (``vocab_ids``, if
+    present, is not a parameter and is ignored here)."""
+    adapter = nnx.merge(_graphdef(float(eps)), {k: hp[k] for k in ("norm", "down", "up")})
+    return adapter(hidden)
 
 
 def exit_head(target, tparams, hp: dict | None, hidden: Float[Array, "... D"]
@@ -107,4 +132,4 @@ def load_heads(target, path: str | Path, dtype=jnp.float32) -> tuple[dict[int, d
     return heads, meta
 
 
-__all__ = ["init_adapter", "init_heads", "adapt", "exit_head", "load_heads", "shipped_heads"]
+__all__ = ["ExitAdapter", "init_adapter", "init_heads", "adapt", "exit_head", "load_heads", "shipped_heads"]

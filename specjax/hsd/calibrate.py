@@ -3,7 +3,7 @@ pair agrees, measured on real prompts, and the hierarchy that minimises predicte
 
 Candidates, cheapest first: ``ngram`` (prompt lookup), ``exit L`` (the target's first
 ``L`` layers and an exit head) for each exit layer, and ``target``. Model indices follow
-that order, as ``specjax.hierarchy`` expects.
+that order, as ``specjax.hsd.hierarchy`` expects.
 
 * ``alpha[i][j]`` (``i < j``) is the mean over decoded positions of ``1 - TV(p_i, p_j)``,
   with ``p`` the sampler-transformed next-token distribution (a one-hot at the argmax when
@@ -25,10 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import hierarchy as hier
-from specjax import hsd, sampling
+from specjax.hsd import hierarchy as hier
+from specjax.hsd import loop as hsd
+from specjax.core import sampling
 from specjax.drafters import Context, NGramDrafter
-from specjax.exit_heads import exit_head
+from specjax.drafters.exit_heads import exit_head
 
 
 def names(layers: Sequence[int]) -> list[str]:

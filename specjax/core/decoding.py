@@ -18,24 +18,29 @@ from flax import struct
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
-from specjax import sampling
+from specjax.core import sampling
 from specjax._compile import AotCache
 from specjax.models.kv_cache import KVCache
 
 PAD = -1  # token id written after a row's last generated token
 
 
+class Rows:
+    """What every decoding output shares: ``tokens`` ``[B, N]`` with ``lengths`` ``[B]``."""
+
+    def to_lists(self) -> list[list[int]]:
+        """Each row's generated tokens, without padding."""
+        toks, lens = np.asarray(self.tokens), np.asarray(self.lengths)
+        return [toks[b, : lens[b]].tolist() for b in range(toks.shape[0])]
+
+
 @struct.dataclass
-class GenerateOutput:
+class GenerateOutput(Rows):
     """Generated tokens ``[B, N]`` (``PAD`` after each row's end) and per-row counts."""
 
     tokens: Int[Array, "B N"]
     lengths: Int[Array, "B"]
     compile_s: float = struct.field(pytree_node=False, default=0.0)
-
-    def to_lists(self) -> list[list[int]]:
-        toks, lens = np.asarray(self.tokens), np.asarray(self.lengths)
-        return [toks[b, : lens[b]].tolist() for b in range(toks.shape[0])]
 
 
 @struct.dataclass

@@ -3,7 +3,7 @@
 A hierarchy is a static tuple of levels, cheapest first, ending with the target. Level 0
 drafts ``T[0]`` tokens by itself (prompt lookup, or autoregressively with an early exit).
 Every level ``k >= 1`` asks the level below for tokens until it holds at least ``T[k-1]``
-of them, scores them in one forward pass and verifies them with ``specjax.verify``; the
+of them, scores them in one forward pass and verifies them with ``specjax.core.verify``; the
 verified tokens, with level ``k``'s own probabilities, are what level ``k + 1`` verifies in
 turn. The hierarchy is static, so a Python recursion over levels builds the nested loops.
 
@@ -32,12 +32,12 @@ from flax import struct
 from jax import lax
 from jaxtyping import Array, Bool, Int
 
-from specjax import sampling
+from specjax.core import sampling
 from specjax._compile import AotCache
-from specjax.decoding import PAD, prefill, prepare
+from specjax.core.decoding import PAD, Rows, prefill, prepare
 from specjax.drafters import Context, NGramDrafter, target_head
 from specjax.models.kv_cache import KVCache
-from specjax.verify import Draft, verify
+from specjax.core.verify import Draft, verify
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +125,7 @@ class HSDState:
 
 
 @struct.dataclass
-class HSDOutput:
+class HSDOutput(Rows):
     """Generated tokens ``[B, M]`` (``PAD`` after each row's end) and per-level counts:
     ``forwards[k]``, ``drafted[k]`` and ``accepted[k]`` summed over rows."""
 
@@ -135,10 +135,6 @@ class HSDOutput:
     drafted: Int[Array, "L"]
     accepted: Int[Array, "L"]
     compile_s: float = struct.field(pytree_node=False, default=0.0)
-
-    def to_lists(self) -> list[list[int]]:
-        toks, lens = np.asarray(self.tokens), np.asarray(self.lengths)
-        return [toks[b, : lens[b]].tolist() for b in range(toks.shape[0])]
 
     @property
     def tau(self) -> float:

@@ -21,20 +21,21 @@ from __future__ import annotations
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 from flax import struct
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
-from specjax import sampling, tree
+from specjax.core import sampling, tree
 
 PAD = -1
 
 
 @struct.dataclass
 class Draft:
-    """A static-shape draft: ``N`` nodes below the root (see ``specjax.tree``).
+    """A static-shape draft: ``N`` nodes below the root (see ``specjax.core.tree``).
 
     ``probs[b, j]`` is the distribution node ``j`` was drawn from given its path and its
     earlier siblings; ``None`` means every node was chosen deterministically (one-hot q).
@@ -188,6 +189,9 @@ def verify(target_logits: Float[Array, "B N+1 V"], draft: Draft, key: Array | No
     ``sanitized=True`` says the caller already applied ``sanitize`` (the decode loop does,
     before its forward), so it is not done twice.
     """
+    chex.assert_rank([target_logits, draft.tokens], [3, 2])
+    chex.assert_equal_shape([draft.tokens, draft.parents, draft.valid])
+    chex.assert_type([draft.tokens, draft.parents, draft.valid], [int, int, bool])
     b, n = draft.tokens.shape
     if target_logits.shape[:2] != (b, n + 1):
         raise ValueError(f"target logits {target_logits.shape[:2]} must cover the root and "

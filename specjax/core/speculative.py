@@ -18,16 +18,16 @@ from flax import struct
 from jax import lax
 from jaxtyping import Array, Bool, Int
 
-from specjax import sampling, tree
+from specjax.core import sampling, tree
 from specjax._compile import AotCache
-from specjax.decoding import PAD, prefill, prepare, stops
-from specjax.drafters import Context
+from specjax.core.decoding import PAD, Rows, prefill, prepare, stops
+from specjax.drafters.base import Context
 from specjax.models.kv_cache import KVCache
-from specjax.verify import Draft, Rejection, Rule, VerifyResult, sanitize, verify
+from specjax.core.verify import Draft, Rejection, Rule, VerifyResult, sanitize, verify
 
 
 @struct.dataclass
-class SpecOutput:
+class SpecOutput(Rows):
     """Generated tokens ``[B, M]`` (``PAD`` after each row's end) and per-row statistics.
 
     ``target_forwards`` counts the prefill that yields the first token plus one per round;
@@ -39,10 +39,6 @@ class SpecOutput:
     target_forwards: Int[Array, "B"]
     accepted_at: Int[Array, "B D"]
     compile_s: float = struct.field(pytree_node=False, default=0.0)
-
-    def to_lists(self) -> list[list[int]]:
-        toks, lens = np.asarray(self.tokens), np.asarray(self.lengths)
-        return [toks[b, : lens[b]].tolist() for b in range(toks.shape[0])]
 
     @property
     def tau(self) -> float:

@@ -20,37 +20,73 @@ tree rejection sampling with one-hot q keeps decoding lossless at any temperatur
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
+from flax import nnx, struct
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
-from specjax import sampling, tree
+from specjax.core import sampling, tree
 from specjax.models import llama
 from specjax.models.kv_cache import KVCache
-from specjax.verify import Draft
+from specjax.core.verify import Draft
 
 
 # ----------------------------------------------------------------------------- the head
 
+class EagleHead(nnx.Module):
+    """The EAGLE draft head as a Flax NNX module: ``fc`` ([2D, D] and bias) and one
+    Llama-style decoder layer at the target's width (``llama.layer_shapes``).
+
+    Its state is the plain pytree ``{"fc", "fc_b", "layer": {...}}`` that exports,
+    checkpoints and the functional ``head_forward`` use; ``nnx.merge(head_graphdef(cfg),
+    params)`` rebuilds the module from it inside ``jit``. The layer's output projections
+    start small, so a fresh head starts near ``fc``.
+    """
+
+    def __init__(self, target_cfg, key: Array, dtype=jnp.float32):
+        d = target_cfg.hidden_size
+        self.config = target_cfg
+        k_fc, k_layer = jax.random.split(key)
+        shapes = llama.layer_shapes(target_cfg)
+        keys = jax.random.split(k_layer, len(shapes))
+        layer = {n: jax.random.normal(k, s) * 0.02 for (n, s), k in zip(shapes.items(), keys)}
+        layer["attn_norm"], layer["mlp_norm"] = jnp.ones((d,)), jnp.ones((d,))
+        layer["o"], layer["down"] = layer["o"] * 0.1, layer["down"] * 0.1
+        fc = jnp.concatenate([jax.random.normal(k_fc, (d, d)) * 0.02, jnp.eye(d)], axis=0)
+        self.fc = nnx.Param(fc.astype(dtype))
+        self.fc_b = nnx.Param(jnp.zeros((d,), dtype))
+        self.layer = nnx.data({n: nnx.Param(w.astype(dtype)) for n, w in layer.items()})
+
+    def __call__(self, emb: Float[Array, "B T D"], prev_feat: Float[Array, "B T D"],
+                 positions: Int[Array, "B T"], k_cache, v_cache, length, mask,
+                 visible=None) -> tuple[Float[Array, "B T D"], Array, Array]:
+        """Predicted features from the input embeddings and the previous positions'
+        features; K/V of the new tokens are written at slot ``length`` of the head's
+        one-layer cache."""
+        chex.assert_equal_shape([emb, prev_feat])
+        fc = self.fc[...]
+        x = jnp.concatenate([emb.astype(fc.dtype), prev_feat.astype(fc.dtype)], axis=-1)
+        x = jnp.einsum("bte,ed->btd", x, fc) + self.fc_b[...]  # b batch, t token, e = 2D, d = D
+        layer = {n: w[...] for n, w in self.layer.items()}
+        return llama.layer(self.config, layer, x, k_cache, v_cache, length, mask, positions,
+                           visible)
+
+
+@functools.lru_cache(maxsize=None)
+def head_graphdef(target_cfg):
+    """The ``EagleHead`` graph for a target configuration (shapes come from the params)."""
+    return nnx.split(nnx.eval_shape(lambda: EagleHead(target_cfg, jax.random.key(0))))[0]
+
+
 def init_head(target_cfg, key: Array, dtype=jnp.float32) -> dict:
-    """Random head parameters: ``fc`` ([2D, D], bias [D]) and one decoder layer shaped like
-    the target's. The layer's output projections start small, so the head starts near
-    ``fc``."""
-    d = target_cfg.hidden_size
-    k_fc, k_layer = jax.random.split(key)
-    shapes = llama.layer_shapes(target_cfg)
-    keys = jax.random.split(k_layer, len(shapes))
-    layer = {n: jax.random.normal(k, s) * 0.02 for (n, s), k in zip(shapes.items(), keys)}
-    layer["attn_norm"], layer["mlp_norm"] = jnp.ones((d,)), jnp.ones((d,))
-    layer["o"], layer["down"] = layer["o"] * 0.1, layer["down"] * 0.1
-    fc = jnp.concatenate([jax.random.normal(k_fc, (d, d)) * 0.02, jnp.eye(d)], axis=0)
-    params = {"fc": fc, "fc_b": jnp.zeros((d,)), "layer": layer}
-    return jax.tree.map(lambda x: x.astype(dtype), params)
+    """A fresh ``EagleHead``'s parameters as a plain pytree."""
+    return nnx.to_pure_dict(nnx.state(EagleHead(target_cfg, key, dtype)))
 
 
 def features(target, tparams, hidden: Float[Array, "... D"]) -> Float[Array, "... D"]:
@@ -66,13 +102,11 @@ def output_embedding(target, tparams) -> Float[Array, "V D"]:
 def head_forward(target, hp, tparams, tokens: Int[Array, "B T"], prev_feat: Float[Array, "B T D"],
                  positions: Int[Array, "B T"], k_cache, v_cache, length, mask,
                  visible=None) -> tuple[Float[Array, "B T D"], Array, Array]:
-    """Predicted features of ``tokens`` given the previous positions' features; K/V of the
-    new tokens are written at slot ``length`` of the head's one-layer cache."""
-    emb = target.embed(tparams, tokens).astype(hp["fc"].dtype)
-    x = jnp.concatenate([emb, prev_feat.astype(emb.dtype)], axis=-1)
-    x = jnp.einsum("bte,ed->btd", x, hp["fc"]) + hp["fc_b"]  # e = 2D
-    return llama.layer(target.config, hp["layer"], x, k_cache, v_cache, length, mask,
-                       positions, visible)
+    """The head with parameters ``hp`` (an ``EagleHead`` state) on ``tokens``, embedded by
+    the target; see ``EagleHead.__call__``."""
+    head = nnx.merge(head_graphdef(target.config), hp)
+    return head(target.embed(tparams, tokens), prev_feat, positions, k_cache, v_cache, length,
+                mask, visible)
 
 
 def training_forward(target, hp, tparams, tokens: Int[Array, "B T"],

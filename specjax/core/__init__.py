@@ -1,0 +1,4 @@
+"""The verification core: draft trees (``tree``), target-side sampling (``sampling``),
+lossless verification (``verify``) and the two decode loops, autoregressive
+(``decoding``) and draft-verify-commit (``speculative``). Nothing here knows a drafter's
+insides; drafters plug in through ``specjax.drafters.base``."""
