@@ -147,6 +147,42 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
         load_hf_dir(tmp_path)
 
 
+@pytest.mark.parametrize("how", ["missing", "misshaped"])
+def test_gemma_dir_with_a_bad_tensor_is_a_clear_error(tmp_path, how):
+    from safetensors.numpy import load_file, save_file
+
+    from specjax.models import WeightLoadError
+
+    _save_tiny(tmp_path, "gemma3")
+    (f,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(str(f))
+    name = "model.layers.1.self_attn.q_norm.weight"
+    if how == "missing":
+        del tensors[name]
+    else:
+        tensors[name] = np.zeros((tensors[name].shape[0] + 1,), tensors[name].dtype)
+    save_file(tensors, str(f))
+    with pytest.raises(WeightLoadError, match="q_norm" if how == "misshaped" else "missing"):
+        load_hf_dir(tmp_path)
+
+
+def test_a_window_larger_than_the_cache_is_full_attention(tmp_path):
+    """Windows are masks over a full cache (docs/design.md), so a window at least as long as
+    the cache is not an error: it attends like a global layer. A window < 1 is refused."""
+    _save_tiny(tmp_path, "gemma3")
+    cfg, params = load_hf_dir(tmp_path)
+    cfg = dataclasses.replace(cfg, rope_local_theta=cfg.rope_theta)
+    toks = np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 40))
+    wide = _fwd(Gemma(dataclasses.replace(cfg, sliding_window=1000)), params, toks)[0]
+    full = _fwd(Gemma(dataclasses.replace(cfg, layer_types=(FULL,) * cfg.num_layers)), params,
+                toks)[0]
+    narrow = _fwd(Gemma(cfg), params, toks)[0]
+    np.testing.assert_allclose(wide, full, rtol=1e-5, atol=1e-5)
+    assert float(jnp.max(jnp.abs(narrow - full))) > 1e-2  # the window of 8 does matter
+    with pytest.raises(ValueError, match="sliding_window must be >= 1"):
+        dataclasses.replace(cfg, sliding_window=0)
+
+
 # --------------------------------------------------------------------------- Gemma-3-270M
 
 @pytest.fixture(scope="module")
