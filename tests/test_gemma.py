@@ -13,7 +13,8 @@ import pytest
 
 import specjax
 from specjax.models import load_hf_dir
-from specjax.models.gemma import FULL, SLIDING, Gemma
+from specjax.drafters import eagle
+from specjax.models.gemma import FULL, SLIDING, Gemma, init_params
 from specjax.models.kv_cache import causal_mask
 
 WINDOW = 8  # small random models: prompts and generations run well past the window
@@ -129,9 +130,17 @@ def test_tiny_speculation_across_the_window_edge_equals_ar(tiny):
     prompts = [rng.integers(0, 96, n).tolist() for n in (5, 9, 14, 21)]
     prompts[2] = (prompts[2][:4] * 4)[:14]  # repetitive: n-gram drafts get accepted
     ar = specjax.generate(model, params, prompts, max_new_tokens=24, eos_ids=()).to_lists()
-    for drafter in (specjax.NGramDrafter(depth=5), specjax.EarlyExitDrafter(model, 2, depth=3)):
+    small = Gemma(dataclasses.replace(model.config, num_layers=2, layer_types=(SLIDING, FULL)))
+    small_params = init_params(small.config, jax.random.key(5))
+    head = eagle.draft_params(eagle.init_head(model.config, jax.random.key(6)), model, params,
+                              vocab_ids=list(range(0, 96, 2)))  # a reduced draft vocabulary
+    drafters = [(specjax.NGramDrafter(depth=5), None),
+                (specjax.EarlyExitDrafter(model, 2, depth=3), None),
+                (specjax.ModelDrafter(small, depth=3, width=2), small_params),
+                (eagle.EagleDrafter(model, depth=3, topk=2, total_tokens=5), head)]
+    for drafter, dparams in drafters:
         for rows in ([0], [0, 1, 2, 3]):
-            out = specjax.speculative_generate(model, params, drafter, None,
+            out = specjax.speculative_generate(model, params, drafter, dparams,
                                                [prompts[i] for i in rows], max_new_tokens=24,
                                                eos_ids=())
             assert out.to_lists() == [ar[i] for i in rows], type(drafter).__name__
@@ -248,8 +257,8 @@ def test_gemma3_270m_chat_without_template_is_a_clear_error(gemma3):
 
 @pytest.mark.slow
 def test_gemma3_270m_every_method_equals_ar(gemma3, gemma3_prompts):
-    """n-gram, early-exit and a three-level HSD hierarchy reproduce ``generate`` on the real
-    weights, at batch 1 and at batch 4 (ragged, one prompt past the window)."""
+    """n-gram, early-exit, model-drafter and EAGLE-2 speculation and a three-level HSD
+    hierarchy reproduce ``generate`` on the real weights, at batch 1 and at batch 4 (ragged, one prompt past the window)."""
     from specjax import hsd
 
     m, p = gemma3.model, gemma3.params
@@ -258,8 +267,18 @@ def test_gemma3_270m_every_method_equals_ar(gemma3, gemma3_prompts):
     kw = dict(max_new_tokens=16, eos_ids=gemma3.eos_ids)
     one = specjax.speculative_generate(m, p, specjax.NGramDrafter(), None, prompts[3:], **kw)
     assert one.to_lists() == ar[3:]
-    for drafter in (specjax.NGramDrafter(), specjax.EarlyExitDrafter(m, 9, depth=3)):
-        out = specjax.speculative_generate(m, p, drafter, None, prompts, **kw)
+    # a random two-layer Gemma on the 262k vocabulary as a model drafter (mostly rejected)
+    small = Gemma(dataclasses.replace(m.config, hidden_size=32, intermediate_size=64,
+                                      num_layers=2, layer_types=(SLIDING, FULL)))
+    drafters = [(specjax.NGramDrafter(), None), (specjax.EarlyExitDrafter(m, 9, depth=3), None),
+                (specjax.ModelDrafter(small, depth=3), init_params(small.config,
+                                                                   jax.random.key(1))),
+                eagle.load_drafter("eagle2", gemma3, "gemma3-270m")]  # the shipped head
+    for drafter, dparams in drafters:
+        out = specjax.speculative_generate(m, p, drafter, dparams, prompts, **kw)
         assert out.to_lists() == ar, type(drafter).__name__
+    out = specjax.speculative_generate(m, p, *drafters[-1], prompts[:1], **kw)
+    assert out.to_lists() == ar[:1]
+    assert out.tau > 1.5  # the trained head's drafts land: more than 1.5 tokens per forward
     h = hsd.Hierarchy((hsd.NGram(), hsd.Exit(9), hsd.Exit()), (2, 2))
     assert hsd.hsd_generate(m, p, h, prompts, **kw).to_lists() == ar

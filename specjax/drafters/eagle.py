@@ -416,7 +416,8 @@ class EagleDrafter:
 
 # ----------------------------------------------------------------------------- loading
 
-SHIPPED = {"smollm2-135m": "heads/smollm2-135m-eagle"}  # registry name -> package data
+SHIPPED = {"smollm2-135m": "heads/smollm2-135m-eagle",  # registry name -> package data
+           "gemma3-270m": "heads/gemma3-270m-eagle"}
 
 
 def shipped_head(model_name: str):
