@@ -110,6 +110,7 @@ class Run:
     compile_s: float = 0.0
     accepted_at: list[int] | None = None  # rounds whose accepted path reached position i
     levels: dict | None = None  # HSD: forwards, drafted and accepted per level
+    verified_tokens: int | None = None  # summed width of the verification forwards
 
 
 Method = Callable[[list[int], int], Run]
@@ -162,7 +163,8 @@ def sd_method(lm, drafter, dparams=None, sampler=None) -> Method:
         out, dt, compile_s = _timed(
             lambda: speculative_generate(lm.model, lm.params, drafter, dparams, [ids], **kw))
         return Run(out.to_lists()[0], dt, int(out.target_forwards[0]), compile_s,
-                   np.asarray(out.accepted_at[0]).tolist())
+                   np.asarray(out.accepted_at[0]).tolist(),
+                   verified_tokens=int(out.verified_tokens[0]))
 
     return run
 
@@ -281,6 +283,9 @@ def _summary(runs: list[tuple[Question, Run]]) -> dict:
     if all(a is not None for a in acc) and acc:
         rounds = sum(r.target_forwards - 1 for _, r in runs)  # the prefill is not a round
         out["acceptance_by_position"] = (np.sum(acc, axis=0) / max(rounds, 1)).tolist()
+        ver = [r.verified_tokens for _, r in runs]
+        if all(v is not None for v in ver):  # tokens in a verification forward, per round
+            out["tokens_per_forward"] = sum(ver) / max(rounds, 1)
     lv = [r.levels for _, r in runs]
     if lv and all(x is not None for x in lv):  # HSD: per-level counts and acceptance rates
         out["levels"] = {k: np.sum([x[k] for x in lv], axis=0).tolist() for k in lv[0]}
@@ -309,17 +314,22 @@ def summarize(results: dict[str, list[tuple[Question, Run]]]) -> dict:
     return out
 
 
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
 def format_table(summary: dict) -> str:
     cats = sorted({c for s in summary.values() for c in s["per_category"]})
-    head = f"{'method':<10}{'tok/s':>8}{'vs ar':>7}{'tau':>6}  " + "".join(f"{c[:12]:>13}" for c in cats)
+    head = (f"{'method':<10}{'tok/s':>8}{'vs ar':>7}{'tau':>6}{'tok/fwd':>8}  "
+            + "".join(f"{c[:12]:>13}" for c in cats))
     lines = [head, "-" * len(head)]
     for name, s in summary.items():
         per = "".join(f"{s['per_category'][c]['tokens_per_s']:>8.1f}"
                       f"{'(' + format(s['per_category'][c].get('speedup_vs_ar', 0), '.2f') + ')':>5}"
                       if c in s["per_category"] else f"{'-':>13}" for c in cats)
         lines.append(f"{name:<10}{s['tokens_per_s']:>8.1f}{s.get('speedup_vs_ar', 0):>7.2f}"
-                     f"{s['tau']:>6.2f}  {per}")
-    lines.append("per category: tok/s (speedup vs ar)")
+                     f"{s['tau']:>6.2f}{_fmt(s.get('tokens_per_forward')):>8}  {per}")
+    lines.append("per category: tok/s (speedup vs ar); tok/fwd: tokens per verification forward")
     return "\n".join(lines)
 
 

@@ -66,6 +66,12 @@ def _decoder(lm, args):
 
         drafter, dparams = eagle.load_drafter(args.eagle, lm, args.model, args.draft_checkpoint)
         name = args.eagle
+    elif args.method == "redrafter":
+        from specjax.drafters import redrafter
+
+        drafter, dparams = redrafter.load_drafter(args.redrafter, lm, args.model,
+                                                  args.redrafter_checkpoint)
+        name = args.redrafter
     else:
         drafter, dparams = drafters.from_spec(args.drafter, lm.model, args.draft_len), None
         name = args.drafter
@@ -244,7 +250,7 @@ def cmd_demo(args) -> int:
 def split_methods(spec: str) -> list[str]:
     """``"ar,eagle2:4,4,8:conf,vocab=4096,hf"`` -> ``["ar", "eagle2:4,4,8:conf,vocab=4096", "hf"]``:
     a comma starts a new method only where a method name follows."""
-    parts = re.split(r",(?=\s*(?:ar\b|hf\b|hf-pld\b|sd-|eagle2|hsd))", spec)
+    parts = re.split(r",(?=\s*(?:ar\b|hf\b|hf-pld\b|sd-|eagle2|redrafter|hsd))", spec)
     return [m.strip() for m in parts if m.strip()]
 
 
@@ -324,6 +330,8 @@ def _bench_settings(args, methods) -> dict:
             "temperature": max(args.temperature, 0.0), "top_k": args.top_k, "top_p": args.top_p,
             "max_new_tokens": args.max_new_tokens, "draft_len": args.draft_len,
             "draft_checkpoint": args.draft_checkpoint, "calibration": args.calibration,
+            **({"redrafter_checkpoint": args.redrafter_checkpoint}
+               if args.redrafter_checkpoint else {}),
             "exit_heads": args.exit_heads,
             "questions": args.questions or "specjax/data/prompts.jsonl"}
 
@@ -347,6 +355,11 @@ def _bench_runners(args, lm, methods, threads, hierarchies) -> dict:
             d, dp = eagle.load_drafter(m, lm, args.model, args.draft_checkpoint)
             d.check(lm.model)
             runners[m] = lambda d=d, dp=dp: bench.sd_method(lm, d, dp, sampler)
+        elif m.startswith("redrafter"):
+            from specjax.drafters import redrafter
+
+            d, dp = redrafter.load_drafter(m, lm, args.model, args.redrafter_checkpoint)
+            runners[m] = lambda d=d, dp=dp: bench.sd_method(lm, d, dp, sampler)
         elif m.startswith("hsd"):
             h, hp, hierarchies[m] = _hsd(lm, args, m.partition(":")[2] or "auto")
             runners[m] = lambda h=h, hp=hp: bench.hsd_method(lm, h, hp, sampler)
@@ -362,10 +375,11 @@ def cmd_bench(args) -> int:
     methods = split_methods(args.methods)
     known = {"ar", "hf", "hf-pld"}
     bad = [m for m in methods if m not in known and m != "hsd"
-           and not m.startswith(("sd-", "eagle2", "hsd:"))]
+           and not m.startswith(("sd-", "eagle2", "redrafter", "hsd:"))]
     if bad:
         raise UsageError(f"unknown methods {bad}; available: {sorted(known)}, sd-ngram, "
-                         f"sd-early-exit:L, eagle2[:depth,topk,total][:opts], hsd[:SPEC]")
+                         f"sd-early-exit:L, eagle2[:depth,topk,total][:opts], "
+                         f"redrafter[:W,L][:nodedup], hsd[:SPEC]")
     greedy = args.temperature <= 0
     if not greedy and "hf-pld" in methods:
         raise UsageError("hf-pld is greedy only; drop it when --temperature > 0")
@@ -574,6 +588,47 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_train_redrafter(args) -> int:
+    import dataclasses
+
+    from tqdm import tqdm
+
+    from specjax import export
+    from specjax.drafters import redrafter
+    from specjax.models import load
+    from specjax.train import distill
+    from specjax.train import redrafter as train_rd
+
+    cfg = train_rd.TrainConfig(steps=args.steps, batch_tokens=args.batch_tokens,
+                               max_len=args.max_len, unroll=args.unroll, blocks=args.blocks,
+                               draft_vocab=args.draft_vocab, loss=args.loss, lr=args.lr,
+                               warmup=args.warmup, seed=args.seed, save_every=args.save_every,
+                               val_examples=args.val_examples)
+    lm = load(args.model)
+    corpus = distill.load_shards(args.data)
+    d = corpus[0][2].shape[-1]
+    if d != lm.model.config.hidden_size:
+        raise ValueError(f"{args.data} holds features of width {d}, but {args.model} has hidden "
+                         f"size {lm.model.config.hidden_size}: it was built for another model")
+    print(f"{len(corpus)} examples, {sum(len(t) for t, _, _ in corpus)} tokens; {cfg}",
+          flush=True)
+    with tqdm(total=cfg.steps, desc="train redrafter", unit="step") as bar:
+        state, ids = train_rd.train(lm.model, lm.params, corpus, cfg, args.run, progress=bar,
+                                    log=_run_log(args.run),
+                                    meta={"model": args.model, "data": Path(args.data).name})
+    if args.export:
+        summary = Path(args.data, "summary.json")
+        meta = {"kind": "redrafter", "model": args.model,
+                "hidden_size": lm.model.config.hidden_size, "blocks": cfg.blocks,
+                "draft_vocab": lm.model.config.vocab_size if ids is None else len(ids),
+                "train": dataclasses.asdict(cfg), "steps_done": int(state["step"]),
+                "data": json.loads(summary.read_text()) if summary.exists() else None,
+                "vocab_ids": None if ids is None else ids.tolist()}
+        out = export.export_head(redrafter.exportable(state["params"]), args.export, meta)
+        print(f"exported the head (bfloat16) to {out}")
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error: ``specjax: error: ...``, exit code 2."""
 
@@ -591,19 +646,27 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
         s.add_argument("--max-new-tokens", type=int, default=max_new)
 
+    def redrafter_checkpoint(s):
+        s.add_argument("--redrafter-checkpoint", help="an exported ReDrafter head directory "
+                                                      "(default: the head shipped for --model)")
+
     def sampling(s):
         s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
         s.add_argument("--top-k", type=int, default=0)
         s.add_argument("--top-p", type=float, default=1.0)
         s.add_argument("--seed", type=int, default=0)
-        s.add_argument("--method", default="ar", choices=["ar", "sd", "eagle2", "hsd"],
+        s.add_argument("--method", default="ar", choices=["ar", "sd", "eagle2", "redrafter", "hsd"],
                        help="ar: one token per forward; sd: speculative decoding with "
-                            "--drafter; eagle2: the EAGLE-2 head and dynamic tree; hsd: "
+                            "--drafter; eagle2: the EAGLE-2 head and dynamic tree; redrafter: "
+                            "the recurrent head's beams as one tree (--redrafter); hsd: "
                             "a hierarchy of drafters (--hierarchy)")
         s.add_argument("--eagle", default="eagle2", help="EAGLE spec: "
                        "eagle2[:depth,topk,total][:conf,norerank,fullvocab,vocab=N]")
         s.add_argument("--draft-checkpoint", help="an exported EAGLE head directory (default: "
                                                   "the head shipped for --model)")
+        s.add_argument("--redrafter", default="redrafter",
+                       help="ReDrafter spec: redrafter[:W,L][:nodedup] (W beams of L tokens)")
+        redrafter_checkpoint(s)
         s.add_argument("--drafter", default="ngram", help="for sd: ngram[:depth] | early-exit:L")
         s.add_argument("--draft-len", type=int, help="draft tokens per round (default: the "
                                                       "drafter's own)")
@@ -644,10 +707,12 @@ def build_parser() -> argparse.ArgumentParser:
     common(b)
     b.add_argument("--methods", default="ar,hf",
                    help="comma-separated: ar, hf, hf-pld, sd-ngram, sd-early-exit:L, "
-                        "eagle2[:depth,topk,total][:conf,norerank,fullvocab,vocab=N]")
+                        "eagle2[:depth,topk,total][:conf,norerank,fullvocab,vocab=N], "
+                        "redrafter[:W,L][:nodedup]")
     b.add_argument("--draft-len", type=int, help="draft tokens per round for sd-* methods")
     b.add_argument("--draft-checkpoint", help="exported EAGLE head for eagle2 methods "
                                               "(default: the shipped one)")
+    redrafter_checkpoint(b)
     b.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (outputs checked against ar); > 0 samples (seed 0)")
     b.add_argument("--top-k", type=int, default=0)
@@ -736,6 +801,28 @@ def build_parser() -> argparse.ArgumentParser:
                     help="default draft vocabulary size of the exported head (0: full)")
     te.add_argument("--export", help="write the trained head (bfloat16) here")
     te.set_defaults(fn=cmd_train)
+    tr = tsub.add_parser("redrafter", help="the ReDrafter head, on a corpus from "
+                                           "`specjax features`")
+    tr.add_argument("--model", default="smollm2-135m")
+    tr.add_argument("--data", required=True)
+    tr.add_argument("--run", required=True, help="run directory: checkpoints; resumes")
+    tr.add_argument("--steps", type=int, default=600)
+    tr.add_argument("--batch-tokens", type=int, default=1024)
+    tr.add_argument("--max-len", type=int, default=512)
+    tr.add_argument("--unroll", type=int, default=3, help="recurrent steps trained per position")
+    tr.add_argument("--blocks", type=int, default=2, help="residual blocks of the head")
+    tr.add_argument("--draft-vocab", type=int, default=8192,
+                    help="the corpus's most frequent tokens (0: the whole vocabulary)")
+    tr.add_argument("--loss", choices=["kd", "ce"], default="kd",
+                    help="kd: the target's distribution (the paper); ce: dataset tokens")
+    tr.add_argument("--lr", type=float, default=1e-3)
+    tr.add_argument("--warmup", type=int, default=50)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--save-every", type=int, default=100)
+    tr.add_argument("--val-examples", type=int, default=0,
+                    help="examples held out and scored at every checkpoint")
+    tr.add_argument("--export", help="write the trained head (bfloat16) here")
+    tr.set_defaults(fn=cmd_train_redrafter)
     tx = tsub.add_parser("exit-heads", help="early-exit adapters distilled from the final "
                                             "layer, on a corpus from `specjax distill`")
     tx.add_argument("--model", default="smollm2-135m")

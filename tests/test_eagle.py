@@ -245,7 +245,8 @@ def test_drafter_state_after_commit_equals_a_fresh_start(toy):
         s = speculative.SpecState(
             tokens=ctx.tokens, length=ctx.length, num=jnp.asarray([1]),
             done=jnp.asarray([False]), cache=ctx.cache, dstate=dstate, key=jax.random.key(0),
-            rounds=jnp.asarray([0]), accepted_at=jnp.zeros((1, drafter.depth), jnp.int32))
+            rounds=jnp.asarray([0]), accepted_at=jnp.zeros((1, drafter.depth), jnp.int32),
+            verified=jnp.asarray([0]))
         for _ in range(2):  # two rounds: the second drafts from a committed state
             s = speculative._round(s, target=model, tparams=tparams, drafter=drafter,
                                    dparams=dp, prompt_len=jnp.asarray([len(prompt)]),

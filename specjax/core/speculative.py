@@ -31,13 +31,16 @@ class SpecOutput(Rows):
     """Generated tokens ``[B, M]`` (``PAD`` after each row's end) and per-row statistics.
 
     ``target_forwards`` counts the prefill that yields the first token plus one per round;
-    ``accepted_at[b, i]`` counts rounds whose accepted path reached draft position ``i``.
+    ``accepted_at[b, i]`` counts rounds whose accepted path reached draft position ``i``;
+    ``verified_tokens`` sums the width (root and draft slots) of every round's verification
+    forward, the narrowest compiled width that held the round's valid nodes.
     """
 
     tokens: Int[Array, "B M"]
     lengths: Int[Array, "B"]
     target_forwards: Int[Array, "B"]
     accepted_at: Int[Array, "B D"]
+    verified_tokens: Int[Array, "B"]
     compile_s: float = struct.field(pytree_node=False, default=0.0)
 
     @property
@@ -62,6 +65,7 @@ class SpecState:
     key: Array
     rounds: Int[Array, "B"]
     accepted_at: Int[Array, "B D"]
+    verified: Int[Array, "B"]
 
 
 def _keep_count(emitted, n_emit, num, budget, eos_ids, active):
@@ -111,8 +115,9 @@ def _round(s: SpecState, *, target, tparams, drafter, dparams, prompt_len, budge
     need = 1 + jnp.max(jnp.where(live, jnp.arange(draft.tokens.shape[1])[None] + 1, 0))
     branch = jnp.sum(jnp.asarray(widths)[None, :] < need)
     fns = [functools.partial(_verify_width, w, target, rule, depth) for w in widths]
-    res, cache, hidden = lax.switch(jnp.minimum(branch, len(widths) - 1), fns, tparams, draft, root,
-                            s.length, cache, k_verify, sampler)
+    branch = jnp.minimum(branch, len(widths) - 1)
+    res, cache, hidden = lax.switch(branch, fns, tparams, draft, root, s.length, cache, k_verify,
+                                    sampler)
 
     active = ~s.done
     keep = _keep_count(res.tokens, res.accepted + 1, s.num, budget, eos_ids, active)
@@ -130,7 +135,8 @@ def _round(s: SpecState, *, target, tparams, drafter, dparams, prompt_len, budge
     reached = jnp.arange(depth)[None] < res.accepted[:, None]
     return SpecState(tokens=tokens, length=s.length + keep, num=num, done=done, cache=cache,
                      dstate=dstate, key=key, rounds=s.rounds + active,
-                     accepted_at=s.accepted_at + (reached & active[:, None]))
+                     accepted_at=s.accepted_at + (reached & active[:, None]),
+                     verified=s.verified + jnp.asarray(widths)[branch] * active)
 
 
 def _speculate(tparams, dparams, prompt, prompt_len, budget, sampler, key, eos_ids, *,
@@ -154,7 +160,8 @@ def _speculate(tparams, dparams, prompt, prompt_len, budget, sampler, key, eos_i
                       done=stops(first, one, budget, eos_ids), cache=cache,
                       dstate=drafter.init(dparams, ctx, chunk), key=key,
                       rounds=jnp.zeros((b,), jnp.int32),
-                      accepted_at=jnp.zeros((b, depth), jnp.int32))
+                      accepted_at=jnp.zeros((b, depth), jnp.int32),
+                      verified=jnp.zeros((b,), jnp.int32))
     body = lambda s: _round(s, target=target, tparams=tparams, drafter=drafter,
                             dparams=dparams, prompt_len=prompt_len, budget=budget,
                             sampler=sampler, eos_ids=eos_ids, rule=rule, depth=depth,
@@ -164,7 +171,7 @@ def _speculate(tparams, dparams, prompt, prompt_len, budget, sampler, key, eos_i
     out = jnp.take_along_axis(state.tokens, jnp.minimum(idx, capacity - 1), axis=1)
     out = jnp.where(jnp.arange(max_out)[None] < state.num[:, None], out, PAD)
     return SpecOutput(tokens=out, lengths=state.num, target_forwards=state.rounds + 1,
-                      accepted_at=state.accepted_at)
+                      accepted_at=state.accepted_at, verified_tokens=state.verified)
 
 
 _SPECULATE = AotCache(_speculate, ("target", "drafter", "rule", "capacity", "max_out", "chunk",

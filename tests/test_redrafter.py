@@ -1,0 +1,306 @@
+"""ReDrafter: the head's recurrence against its teacher-forced form, the drafter's
+losslessness (greedy and sampled) on toy models and on the real SmolLM2, its state after a
+commit, and bad heads refused clearly."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax.core import sampling
+from specjax.core.speculative import speculative_generate
+from specjax.drafters import redrafter
+from specjax.models.llama import Llama, LlamaConfig, init_params
+
+V = 12
+TOY = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=3,
+                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+PROMPT = [1, 5, 2, 7, 5]
+REDUCED = [3, 1, 4, 0, 9, 2]
+
+
+@pytest.fixture(scope="module")
+def toy():
+    model = Llama(TOY)
+    tparams = jax.tree.map(lambda x: x * 3.0, init_params(TOY, jax.random.key(1)))
+    head = redrafter.init_head(TOY.hidden_size, V, jax.random.key(3))
+    # non-zero blocks, so the residual path is exercised too
+    head["blocks"] = {k: {"w": jax.random.normal(jax.random.key(10 + k), b["w"].shape) * 0.1,
+                          "b": b["b"] + 0.01} for k, b in head["blocks"].items()}
+    return model, tparams, redrafter.draft_params(head)
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+@pytest.mark.parametrize("reduced", [False, True])
+def test_greedy_redrafter_equals_ar_on_toy(toy, dedup, reduced):
+    model, tparams, dp = toy
+    if reduced:
+        head = redrafter.init_head(TOY.hidden_size, len(REDUCED), jax.random.key(5))
+        dp = redrafter.draft_params(head, REDUCED)
+    drafter = redrafter.RedrafterDrafter(model, width=3, length=3, dedup=dedup)
+    drafter.check_params(dp)
+    prompts = [PROMPT, [3, 3, 1], PROMPT * 4, [7]]
+    budgets = [20, 7, 33, 12]
+    ar = specjax.generate(model, tparams, prompts, max_new_tokens=budgets).to_lists()
+    out = speculative_generate(model, tparams, drafter, dp, prompts, max_new_tokens=budgets)
+    assert out.to_lists() == ar
+    assert out.to_lists()[:1] == speculative_generate(
+        model, tparams, drafter, dp, prompts[:1], max_new_tokens=budgets[0]).to_lists()
+
+
+def _informed(model, tparams, dp):
+    """A head whose h-part is the target's own LM head: it drafts near the target's
+    distribution, so drafts are often accepted and the accept path is tested too."""
+    head = jax.tree.map(jnp.zeros_like, dp["head"])
+    head["out"] = head["out"].at[:TOY.hidden_size].set(model.output_head(tparams).T)
+    head["rnn_u"], head["rnn_w"] = dp["head"]["rnn_u"], dp["head"]["rnn_w"]
+    return redrafter.draft_params(head)
+
+
+def test_sampled_redrafter_matches_target(toy):
+    from test_speculative import _exact_pair, _pvalue
+
+    model, tparams, dp = toy
+    dp = _informed(model, tparams, dp)
+    drafter = redrafter.RedrafterDrafter(model, width=4, length=2)
+    sampler = sampling.Sample(1.0)
+    counts, acc = np.zeros((V, V)), []
+    for i in range(40):
+        out = speculative_generate(model, tparams, drafter, dp, [PROMPT] * 256,
+                                   max_new_tokens=2, sampler=sampler, key=jax.random.key(i))
+        y = np.asarray(out.tokens)[:, :2]
+        np.add.at(counts, (y[:, 0], y[:, 1]), 1)
+        acc.append(np.asarray(out.accepted_at)[:, 0])
+    p = _pvalue(counts, _exact_pair(model, tparams, sampler))
+    assert p > 1e-4, f"redrafter at temperature 1: (y0, y1) differs from the target (p={p:.2e})"
+    assert np.mean(acc) > 0.1, "drafts were almost never accepted: the test would be vacuous"
+
+
+def _start(model, tparams, prompt, cap=128, chunk=16):
+    from specjax.core.decoding import prefill
+    from specjax.drafters import Context
+
+    p = len(prompt)
+    buf = jnp.zeros((1, cap), jnp.int32).at[0, :p].set(jnp.asarray(prompt))
+    h_last, cache, h_all = prefill(model, tparams, buf, jnp.asarray([p]),
+                                   model.init_cache(1, cap), chunk, True)
+    first = jnp.argmax(model.logits(tparams, h_last), -1)
+    toks = buf.at[0, p].set(first[0])
+    return Context(tokens=toks, length=jnp.asarray([p + 1]), prompt_len=jnp.asarray([p]),
+                   cache=cache, params=tparams, hidden=h_all)
+
+
+def test_beam_scores_equal_the_teacher_forced_head(toy):
+    """Every beam's score is the sum of the teacher-forced head's log-probabilities along
+    the beam (``unroll``, the training path), and the best beam starts with the head's
+    argmax: inference and training compute the same head."""
+    model, tparams, dp = toy
+    drafter = redrafter.RedrafterDrafter(model, width=3, length=3)
+    ctx = _start(model, tparams, PROMPT)
+    state = drafter.init(dp, ctx, 16)
+    draft, _, _ = drafter.propose(dp, state, ctx, jax.random.key(0), sampling.Greedy())
+    # rebuild the beams from the packed tree: follow parents from every leaf
+    tok, par, valid = (np.asarray(x[0]) for x in (draft.tokens, draft.parents, draft.valid))
+    depth = {}
+    for j in range(len(tok)):
+        depth[j] = 1 if par[j] < 0 else depth[par[j]] + 1
+    leaves = [j for j in range(len(tok)) if valid[j] and depth[j] == 3]
+    assert leaves, "no full-length beam in the tree"
+    root = int(ctx.tokens[0, len(PROMPT)])
+    h = state.h[0]
+    for leaf in leaves:
+        path, j = [], leaf
+        while j >= 0:
+            path.append(int(tok[j]))
+            j = int(par[j])
+        path = path[::-1]
+        emb = model.embed(tparams, jnp.asarray([[root] + path[:-1]]))[0]
+        logq = jax.nn.log_softmax(redrafter.unroll(dp["head"], h, emb), -1)  # [L, V]
+        score = float(sum(logq[i, t] for i, t in enumerate(path)))
+        assert np.isfinite(score)
+        if leaf == leaves[0]:
+            assert path[0] == int(jnp.argmax(logq[0])), "best beam does not start at the argmax"
+            best = score
+        assert score <= best + 1e-5, "a later beam scores higher than the first"
+
+
+def test_commit_keeps_the_feature_of_the_last_accepted_token(toy):
+    """After real rounds, the drafter's feature is the target's feature at the token before
+    the root, exactly what a fresh start on the whole context computes."""
+    from specjax.core import speculative
+
+    model, tparams, dp = toy
+    dp = _informed(model, tparams, dp)
+    drafter = redrafter.RedrafterDrafter(model, width=3, length=3)
+    accepted = 0
+    for prompt in (PROMPT, PROMPT * 3, [3, 3, 1, 4]):
+        ctx = _start(model, tparams, prompt)
+        s = speculative.SpecState(
+            tokens=ctx.tokens, length=ctx.length, num=jnp.asarray([1]),
+            done=jnp.asarray([False]), cache=ctx.cache, dstate=drafter.init(dp, ctx, 16),
+            key=jax.random.key(0), rounds=jnp.asarray([0]),
+            accepted_at=jnp.zeros((1, drafter.depth), jnp.int32), verified=jnp.asarray([0]))
+        for _ in range(2):
+            s = speculative._round(s, target=model, tparams=tparams, drafter=drafter,
+                                   dparams=dp, prompt_len=jnp.asarray([len(prompt)]),
+                                   budget=jnp.asarray([64]), sampler=sampling.Greedy(),
+                                   eos_ids=jnp.asarray([-1]), rule=specjax.Rejection(),
+                                   depth=drafter.depth, widths=drafter.verify_widths)
+        accepted += int(s.accepted_at[0, 0])
+        n = int(s.length[0])
+        fresh = drafter.init(dp, _start(model, tparams, np.asarray(s.tokens[0, :n - 1]).tolist()),
+                             16)
+        np.testing.assert_allclose(np.asarray(s.dstate.h), np.asarray(fresh.h), atol=2e-4,
+                                   rtol=2e-4)
+    assert accepted > 0, "no round accepted a draft token: the commit path went untested"
+
+
+def test_bad_heads_and_sizes_are_refused(toy):
+    model, tparams, dp = toy
+    drafter = redrafter.RedrafterDrafter(model, width=3, length=3)
+    wide = redrafter.draft_params(redrafter.init_head(64, V, jax.random.key(0)))
+    with pytest.raises(ValueError, match="hidden size is 32"):
+        drafter.check_params(wide)
+    other_vocab = redrafter.draft_params(redrafter.init_head(32, V + 4, jax.random.key(0)))
+    with pytest.raises(ValueError, match="drafts over 16 tokens"):
+        drafter.check_params(other_vocab)
+    with pytest.raises(ValueError, match="width"):
+        redrafter.RedrafterDrafter(model, width=0, length=3).check(model)
+    with pytest.raises(ValueError, match="length"):
+        redrafter.RedrafterDrafter(model, width=2, length=0).check(model)
+    small = redrafter.draft_params(redrafter.init_head(32, 2, jax.random.key(0)), [1, 2])
+    with pytest.raises(ValueError, match="width"):
+        drafter.check_params(small)  # 3 beams over a 2-token draft vocabulary
+    with pytest.raises(ValueError, match="ReDrafter sizes"):
+        redrafter.parse_spec("redrafter:3")
+    assert redrafter.parse_spec("redrafter:2,5:nodedup") == {"width": 2, "length": 5,
+                                                             "dedup": False}
+
+
+def _real_drafter(lm):
+    """The shipped head when there is one (long accepted paths), else a random head."""
+    if redrafter.shipped_head("smollm2-135m") is not None:
+        return redrafter.load_drafter("redrafter:3,4", lm, "smollm2-135m")
+    head = redrafter.init_head(lm.model.config.hidden_size, 4096, jax.random.key(0))
+    return (redrafter.RedrafterDrafter(lm.model, width=3, length=4),
+            redrafter.draft_params(head, np.arange(4096)))
+
+
+def test_greedy_redrafter_equals_ar_on_real_model(smollm):
+    from test_speculative import PROMPTS
+
+    drafter, dp = _real_drafter(smollm)
+    ids = [smollm.encode(p, chat=c) for p, c in PROMPTS]
+    budgets = [24, 9, 17, 30]
+    ar = specjax.generate(smollm.model, smollm.params, ids, max_new_tokens=budgets,
+                          eos_ids=smollm.eos_ids).to_lists()
+    out = speculative_generate(smollm.model, smollm.params, drafter, dp, ids,
+                               max_new_tokens=budgets, eos_ids=smollm.eos_ids)
+    assert out.to_lists() == ar, "redrafter: batch of 4 differs from ar"
+    one = speculative_generate(smollm.model, smollm.params, drafter, dp, ids[:1],
+                               max_new_tokens=budgets[0], eos_ids=smollm.eos_ids)
+    assert one.to_lists() == ar[:1], "redrafter: batch of 1 differs from ar"
+
+
+# --- training -----------------------------------------------------------------------------
+
+TRAIN_V = 16
+TRAIN_TOY = LlamaConfig(vocab_size=TRAIN_V, hidden_size=32, intermediate_size=64, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    @dataclasses.dataclass
+    class ToyLM:
+        model: Llama
+        params: dict
+        eos_ids: tuple = (0,)
+
+    return ToyLM(Llama(TRAIN_TOY), jax.tree.map(lambda x: x * 3.0,
+                                                init_params(TRAIN_TOY, jax.random.key(4))))
+
+
+@pytest.fixture(scope="module")
+def corpus(lm):
+    from specjax.train import distill
+
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(1, TRAIN_V, size=n)) for n in rng.integers(3, 20, size=24)]
+    return distill.answer_batch(lm, prompts, max_new_tokens=24)
+
+
+def _cfg(**kw):
+    from specjax.train import redrafter as train_rd
+
+    base = dict(steps=30, batch_tokens=256, max_len=64, lr=1e-2, warmup=3, save_every=5,
+                seed=1, draft_vocab=12, unroll=3)
+    return train_rd.TrainConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("loss", ["kd", "ce"])
+def test_loss_decreases(lm, corpus, tmp_path, loss):
+    from specjax.train import redrafter as train_rd
+
+    logs = []
+    _, ids = train_rd.train(lm.model, lm.params, corpus, _cfg(loss=loss), tmp_path / "run",
+                            log=logs.append)
+    assert ids is not None and len(ids) == 12
+    first = np.mean([r["loss"] for r in logs[:5]])
+    last = np.mean([r["loss"] for r in logs[-5:]])
+    assert last < 0.8 * first, f"{loss}: loss {first:.3f} -> {last:.3f}"
+    assert np.mean([r["acc1"] for r in logs[-5:]]) > np.mean([r["acc1"] for r in logs[:5]])
+
+
+def test_resume_after_kill_gives_the_same_parameters(lm, corpus, tmp_path):
+    import shutil
+
+    from specjax.train import redrafter as train_rd
+
+    cfg = _cfg(steps=12, save_every=4)
+    whole, _ = train_rd.train(lm.model, lm.params, corpus, cfg, tmp_path / "a")
+    train_rd.train(lm.model, lm.params, corpus, cfg, tmp_path / "b", stop_after=6)
+    shutil.rmtree(tmp_path / "b" / "ckpt" / "6")  # killed after step 6, before saving it
+    resumed, _ = train_rd.train(lm.model, lm.params, corpus, cfg, tmp_path / "b")
+    assert int(resumed["step"]) == 12
+    for a, b in zip(jax.tree.leaves(whole["params"]), jax.tree.leaves(resumed["params"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_cli_train_redrafter_exports_a_head_that_decodes(lm, corpus, tmp_path, monkeypatch):
+    """``specjax train redrafter`` end to end: log, export, and the exported head loads and
+    decodes losslessly; a head for another width is refused with a clear message."""
+    import json
+
+    from specjax import cli, export
+    from specjax.train import distill
+
+    monkeypatch.setattr("specjax.models.load", lambda *a, **k: lm)
+    monkeypatch.setattr(distill, "load_shards", lambda d: corpus)
+    run, out = tmp_path / "run", tmp_path / "head"
+    argv = ["train", "redrafter", "--data", str(tmp_path), "--run", str(run), "--batch-tokens",
+            "256", "--max-len", "64", "--save-every", "3", "--steps", "6", "--draft-vocab", "12",
+            "--export", str(out)]
+    assert cli.main(argv) == 0
+    steps = [json.loads(r)["step"] for r in (run / "log.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6], steps
+    meta = json.loads((out / "head.json").read_text())
+    assert meta["kind"] == "redrafter" and meta["draft_vocab"] == 12 == len(meta["vocab_ids"])
+    assert "/work" not in (out / "head.json").read_text()
+    drafter, dp = redrafter.load_drafter("redrafter:2,3", lm, "toy", out)
+    assert dp["head"]["out"].dtype == jnp.float32  # cast to the target's dtype
+    prompts, budgets = [[3, 4, 5], [7, 1]], [10, 6]
+    ar = specjax.generate(lm.model, lm.params, prompts, max_new_tokens=budgets).to_lists()
+    got = speculative_generate(lm.model, lm.params, drafter, dp, prompts, max_new_tokens=budgets)
+    assert got.to_lists() == ar
+    wide = dataclasses.replace(TRAIN_TOY, hidden_size=48, head_dim=12)
+    other = type(lm)(Llama(wide), init_params(wide, jax.random.key(0)))
+    with pytest.raises(ValueError, match="hidden size 32, but"):
+        redrafter.load_drafter("redrafter", other, "toy", out)
+    with pytest.raises(export.CheckpointError, match="not an exported head"):
+        redrafter.load_drafter("redrafter", lm, "toy", tmp_path)
