@@ -1,7 +1,8 @@
 """Drafters: one protocol for every source of draft tokens (see ``base``), one file per
 drafter: ``ngram`` (prompt lookup), ``early_exit`` (the target's first layers),
-``model`` (another specjax model), ``eagle`` (EAGLE-2's head and dynamic tree) and
-``exit_heads`` (trained early-exit adapters)."""
+``model`` (another specjax model), ``eagle`` (EAGLE-2's head and dynamic tree),
+``redrafter`` (ReDrafter's recurrent head and beams) and ``exit_heads`` (trained early-exit
+adapters)."""
 
 from __future__ import annotations
 
