@@ -191,13 +191,14 @@ def cmd_generate(args) -> int:
 
 def _demo_run(lm, ids, args, cand) -> dict:
     args.method, args.drafter, args.eagle = cand.method, cand.drafter, cand.eagle
+    args.redrafter = cand.redrafter
     print(f"[{cand.name}] compiling and decoding {args.max_new_tokens} tokens ...", flush=True)
     return _generate_once(lm, ids, args)
 
 
 def cmd_demo(args) -> int:
     from specjax import bench, demo
-    from specjax.drafters import eagle
+    from specjax.drafters import eagle, redrafter
     from specjax.models import load
 
     print(f"loading {args.model} ...", flush=True)
@@ -206,13 +207,14 @@ def cmd_demo(args) -> int:
     lm = load(args.model, _dtype(args.dtype), check=_fits_context(args, prompt, None))
     ids = lm.encode(prompt, chat=lm.has_chat_template)
     print(f"prompt ({len(ids)} tokens): {prompt[:200]}{'...' if len(prompt) > 200 else ''}")
+    heads = {"eagle2": eagle.shipped_head, "redrafter": redrafter.shipped_head}
     cands = [c for c in demo.CANDIDATES
-             if c.method != "eagle2" or eagle.shipped_head(args.model) is not None]
+             if c.method not in heads or heads[c.method](args.model) is not None]
     greedy = args.temperature <= 0
     choice = None if (args.remeasure or not greedy) else demo.read_choice(args.model, cands)
     if args.method != "auto":  # an explicit method: run it, record nothing
         drafter = args.drafter + (f":{args.draft_len}" if args.draft_len else "")
-        choice = demo.Candidate(args.method, drafter, args.eagle)
+        choice = demo.Candidate(args.method, drafter, args.eagle, args.redrafter)
     if args.method != "auto":
         pass
     elif choice is not None:

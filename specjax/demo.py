@@ -24,12 +24,13 @@ class Candidate:
     method: str
     drafter: str = "ngram"
     eagle: str = "eagle2"
+    redrafter: str = "redrafter"
 
     @property
     def name(self) -> str:
         if self.method == "sd":
             return f"sd-{self.drafter}"
-        return self.eagle if self.method == "eagle2" else self.method
+        return {"eagle2": self.eagle, "redrafter": self.redrafter}.get(self.method, self.method)
 
 
 # Verification widths 4 and 8 (root included): the cheapest wide forwards on XLA:CPU
@@ -49,11 +50,13 @@ def cache_file(model: str) -> Path:
 
     import specjax
 
-    from specjax.drafters import eagle
+    from specjax.drafters import eagle, redrafter
 
     dev = jax.devices()[0]
-    head = eagle.shipped_head(model)  # a retrained head invalidates the record
-    digest = hashlib.sha1(head.joinpath("head.json").read_bytes()).hexdigest()[:8] if head else "none"
+    sha = hashlib.sha1()  # a retrained head invalidates the record
+    for head in (eagle.shipped_head(model), redrafter.shipped_head(model)):
+        sha.update(head.joinpath("head.json").read_bytes() if head else b"none")
+    digest = sha.hexdigest()[:8]
     key = "_".join([model, dev.platform, dev.device_kind, f"{os.cpu_count()}cpu",
                     specjax.__version__, digest])
     key = "".join(c if c.isalnum() or c in "._-" else "-" for c in key)

@@ -42,7 +42,8 @@ def test_no_module_outside_models_reads_parameters_by_name():
 
 
 def test_inference_never_imports_the_training_package():
-    code = ("import sys, specjax, specjax.drafters.eagle, specjax.drafters.exit_heads, specjax.hsd, "
+    code = ("import sys, specjax, specjax.drafters.eagle, specjax.drafters.exit_heads, "
+            "specjax.drafters.redrafter, specjax.core.beams, specjax.hsd, "
             "specjax.core.speculative, specjax.hsd.calibrate, specjax.demo, specjax.bench; "
             "print(sorted(m for m in sys.modules if m.startswith('specjax.train')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
