@@ -1,6 +1,9 @@
 """Training curve of a ``specjax train`` run: loss and top-1 agreement per step.
 
     .venv/bin/python scripts/plot_train.py runs/eagle/log.jsonl docs/results/eagle_train.png
+
+ReDrafter runs (logs with ``acc1``..``accL``) may be compared: pass several logs, then the
+output; each run's loss and held-out agreement by draft step are drawn side by side.
 """
 
 from __future__ import annotations
@@ -20,11 +23,20 @@ def smooth(x: np.ndarray, w: int = 25) -> np.ndarray:
     return np.convolve(x, np.ones(w) / w, mode="valid")
 
 
-def main(log: str, out: str) -> None:
+def read(log: str) -> tuple[dict, dict]:
+    """(training rows, held-out rows) by step; a resumed run repeats steps: keep the last."""
     rows, val = {}, {}
     for line in open(log):
         r = json.loads(line)
-        (val if "val_acc" in r else rows)[r["step"]] = r  # a resumed run repeats: keep the last
+        (val if any(k.startswith("val_") for k in r) else rows)[r["step"]] = r
+    return rows, val
+
+
+def main(*args: str) -> None:
+    *logs, out = args
+    rows, val = read(logs[0])
+    if "acc1" in next(iter(rows.values())):
+        return plot_redrafter(logs, out)
     steps = np.asarray(sorted(rows))
     if "ce" not in rows[steps[-1]]:  # exit heads: KL and top-1 agreement per exit layer
         return plot_exits(rows, steps, out)
@@ -71,5 +83,32 @@ def plot_exits(rows: dict, steps: np.ndarray, out: str) -> None:
           + ", ".join(f"exit {l} {rows[steps[-1]][f'acc_{l}']:.3f}" for l in layers))
 
 
+def plot_redrafter(logs: list[str], out: str) -> None:
+    """Training loss and held-out agreement with the target's argmax at each draft step."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for log in logs:
+        rows, val = read(log)
+        steps = np.asarray(sorted(rows))
+        name = str(rows[steps[-1]].get("loss_kind") or log.split("/")[-2])
+        y = smooth(np.asarray([rows[s]["loss"] for s in steps]))
+        axes[0].plot(steps[len(steps) - len(y):], y, lw=1.5, label=name)
+        vs = sorted(val)
+        depth = sorted(int(k[7:]) for k in val[vs[-1]] if k.startswith("val_acc") and k[7:])
+        for d, style in zip(depth, ("o-", "s--", "^:", "d-.")):
+            axes[1].plot(vs, [val[s][f"val_acc{d}"] for s in vs], style, ms=4, lw=1.3,
+                         label=f"{name}, draft step {d}")
+        print(f"{log}: step {steps[-1]}; held out at step {vs[-1]}: "
+              + " / ".join(f"{val[vs[-1]][f'val_acc{d}']:.3f}" for d in depth))
+    axes[0].set_title("training loss (smoothed; KD and CE are on different scales)")
+    axes[1].set_title("held-out agreement with the target's argmax")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:])

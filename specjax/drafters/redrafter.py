@@ -296,7 +296,7 @@ def load_drafter(spec: str, lm, model_name: str, checkpoint_dir=None):
     path = checkpoint_dir or shipped_head(model_name)
     if path is None:
         raise FileNotFoundError(f"no ReDrafter head ships for {model_name!r}; train one with "
-                                f"`specjax train redrafter` and pass --draft-checkpoint DIR")
+                                f"`specjax train redrafter` and pass --redrafter-checkpoint DIR")
     meta = export.read_meta(path, "redrafter")
     cfg = lm.model.config
     if meta.get("hidden_size") != cfg.hidden_size:
