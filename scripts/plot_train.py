@@ -89,7 +89,7 @@ def plot_redrafter(logs: list[str], out: str) -> None:
     for log in logs:
         rows, val = read(log)
         steps = np.asarray(sorted(rows))
-        name = str(rows[steps[-1]].get("loss_kind") or log.split("/")[-2])
+        name = log.split("/")[-1].removesuffix(".jsonl").removesuffix("_train_log")
         y = smooth(np.asarray([rows[s]["loss"] for s in steps]))
         axes[0].plot(steps[len(steps) - len(y):], y, lw=1.5, label=name)
         vs = sorted(val)

@@ -246,7 +246,7 @@ def chains(tokens: Int[Array, "B W L"]) -> Draft:
 
 # ----------------------------------------------------------------------------- loading
 
-SHIPPED: dict[str, str] = {}  # registry name -> package data directory
+SHIPPED = {"smollm2-135m": "heads/smollm2-135m-redrafter"}  # registry name -> package data
 
 
 def shipped_head(model_name: str):
