@@ -1,17 +1,21 @@
 """Markdown tables from a ``specjax bench`` JSON: overall, and per category.
 
     .venv/bin/python scripts/bench_table.py docs/results/sd_cpu.json
+
+An interrupted bench (``"complete": false``) is summarized over the questions every method
+finished, and says so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
 
 def main(path: str) -> None:
     rep = json.load(open(path))
-    ms = rep["methods"]
+    ms = rep["methods"] if rep.get("complete") else partial(rep)
     cats = sorted({c for s in ms.values() for c in s["per_category"]})
     print("| method | tok/s | vs ar | τ | questions |\n|---|---:|---:|---:|---:|")
     for name, s in ms.items():
@@ -34,6 +38,20 @@ def main(path: str) -> None:
         print(f"\n{a} / {b}: {ms[a]['tokens_per_s'] / ms[b]['tokens_per_s']:.2f}× tokens/s")
     if rep.get("greedy_mismatch_vs_ar"):
         print(f"\ngreedy mismatches vs ar: {rep['greedy_mismatch_vs_ar']}")
+
+
+def partial(rep: dict) -> dict:
+    """Summaries over the questions that every method of an interrupted bench finished."""
+    from specjax import bench
+
+    done = set.intersection(*({r["question"] for r in rs} for rs in rep["runs"].values()))
+    fields = {f.name for f in dataclasses.fields(bench.Run)}
+    results = {m: [(bench.Question(r["question"], r["category"], ""),
+                    bench.Run(**{k: v for k, v in r.items() if k in fields}))
+                   for r in rs if r["question"] in done] for m, rs in rep["runs"].items()}
+    print(f"interrupted bench: {len(done)} of {rep['n_questions']} questions done by every "
+          f"method\n")
+    return bench.summarize(results)
 
 
 if __name__ == "__main__":
