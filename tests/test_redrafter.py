@@ -203,7 +203,7 @@ def test_greedy_redrafter_equals_ar_on_real_model(smollm):
                                max_new_tokens=budgets, eos_ids=smollm.eos_ids)
     assert out.to_lists() == ar, "redrafter: batch of 4 differs from ar"
     if redrafter.shipped_head("smollm2-135m") is not None:  # a trained head drafts usefully
-        assert out.tau > 1.3, f"the shipped head's tau is {out.tau:.2f}"
+        assert out.tau > 1.1, f"the shipped head's tau is {out.tau:.2f}"
     one = speculative_generate(smollm.model, smollm.params, drafter, dp, ids[:1],
                                max_new_tokens=budgets[0], eos_ids=smollm.eos_ids)
     assert one.to_lists() == ar[:1], "redrafter: batch of 1 differs from ar"

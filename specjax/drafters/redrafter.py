@@ -150,8 +150,9 @@ class RedrafterDrafter:
     one tree with shared prefixes merged (``dedup``; False verifies every beam's nodes as
     its own chain, the reference's layout, for comparison).
 
-    ``verify_widths`` compiles one verification width per multiple of ``length``, so a round
-    whose beams share prefixes runs a narrower target forward.
+    ``verify_widths`` compiles one verification width per node count from ``length + 1``
+    (one beam) to ``width·length + 1`` (no shared prefix), so every node that dedup saves
+    narrows the round's target forward.
     """
 
     target: Any
@@ -174,7 +175,7 @@ class RedrafterDrafter:
     def verify_widths(self) -> tuple[int, ...]:
         if not self.dedup:
             return (self.num_nodes + 1,)
-        return tuple(k * self.length + 1 for k in range(1, self.width + 1))
+        return tuple(range(self.length + 1, self.num_nodes + 2))
 
     def check(self, target) -> None:
         if target != self.target:
