@@ -215,8 +215,6 @@ def cmd_demo(args) -> int:
     if args.method != "auto":  # an explicit method: run it, record nothing
         drafter = args.drafter + (f":{args.draft_len}" if args.draft_len else "")
         choice = demo.Candidate(args.method, drafter, args.eagle, args.redrafter)
-    if args.method != "auto":
-        pass
     elif choice is not None:
         print(f"fastest lossless method measured here before: {choice.name} "
               f"(record: {demo.cache_file(args.model)}; --remeasure to measure again)")

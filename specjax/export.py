@@ -22,6 +22,17 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used: corrupt, or made for something else."""
 
 
+def shipped_dir(rel: str | None):
+    """The package-data directory ``rel`` of a shipped head when it holds ``head.json``,
+    else None."""
+    from importlib import resources
+
+    if rel is None:
+        return None
+    p = resources.files("specjax").joinpath(rel)
+    return p if p.joinpath("head.json").is_file() else None
+
+
 def export_head(params: Any, out_dir: str | Path, meta: dict, dtype=jnp.bfloat16) -> Path:
     """Writes a head for inference: parameters cast to ``dtype`` and ``head.json``."""
     out = Path(out_dir).absolute()

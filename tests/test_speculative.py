@@ -91,6 +91,21 @@ def _pvalue(counts, probs):
     return stats.chisquare(obs, e * obs.sum() / e.sum()).pvalue
 
 
+def sampled_pairs(model, tparams, drafter, dp, calls: int = 40, batch: int = 256):
+    """Two tokens sampled at temperature 1 by ``calls`` speculative runs of ``batch`` rows:
+    the chi-square p-value of their joint counts against the target's exact pair
+    distribution, and the fraction of rounds whose first draft token was accepted."""
+    sampler = sampling.Sample(1.0)
+    counts, acc = np.zeros((V, V)), []
+    for i in range(calls):
+        out = speculative_generate(model, tparams, drafter, dp, [PROMPT] * batch,
+                                   max_new_tokens=2, sampler=sampler, key=jax.random.key(i))
+        y = np.asarray(out.tokens)[:, :2]
+        np.add.at(counts, (y[:, 0], y[:, 1]), 1)
+        acc.append(np.asarray(out.accepted_at)[:, 0])
+    return _pvalue(counts, _exact_pair(model, tparams, sampler)), float(np.mean(acc))
+
+
 @pytest.mark.parametrize("kind", ["model-chain", "model-tree-wor", "early-exit", "ngram"])
 def test_sampled_loop_matches_target(toys, kind):
     model, tparams, dparams = toys
@@ -99,19 +114,9 @@ def test_sampled_loop_matches_target(toys, kind):
                "early-exit": EarlyExitDrafter(model, 1, depth=3),
                "ngram": NGramDrafter(depth=3, min_ngram=1)}[kind]
     dp = dparams if kind.startswith("model") else None
-    sampler = sampling.Sample(1.0)
-    batch, calls = 256, 40
-    counts = np.zeros((V, V))
-    acc = []
-    for i in range(calls):
-        out = speculative_generate(model, tparams, drafter, dp, [PROMPT] * batch,
-                                   max_new_tokens=2, sampler=sampler, key=jax.random.key(i))
-        y = np.asarray(out.tokens)[:, :2]
-        np.add.at(counts, (y[:, 0], y[:, 1]), 1)
-        acc.append(np.asarray(out.accepted_at)[:, 0])
-    p = _pvalue(counts, _exact_pair(model, tparams, sampler))
+    p, acc = sampled_pairs(model, tparams, drafter, dp)
     assert p > 1e-4, f"{kind}: (y0, y1) differs from the target (p={p:.2e})"
-    assert np.mean(acc) > 0.0, "no draft was ever accepted: the test would be vacuous"
+    assert acc > 0.0, "no draft was ever accepted: the test would be vacuous"
 
 
 def test_kv_commit_equals_running_accepted_tokens(toys):

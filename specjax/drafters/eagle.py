@@ -422,13 +422,9 @@ SHIPPED = {"smollm2-135m": "heads/smollm2-135m-eagle",  # registry name -> packa
 
 def shipped_head(model_name: str):
     """The directory of the head that ships for ``model_name``, or None."""
-    from importlib import resources
+    from specjax import export
 
-    rel = SHIPPED.get(model_name)
-    if rel is None:
-        return None
-    p = resources.files("specjax").joinpath(rel)
-    return p if p.joinpath("head.json").is_file() else None
+    return export.shipped_dir(SHIPPED.get(model_name))
 
 
 def parse_spec(spec: str) -> dict:

@@ -102,13 +102,9 @@ def exit_head(target, tparams, hp: dict | None, hidden: Float[Array, "... D"]
 
 def shipped_heads(model_name: str):
     """The directory of the exit heads that ship for ``model_name``, or None."""
-    from importlib import resources
+    from specjax import export
 
-    rel = SHIPPED.get(model_name)
-    if rel is None:
-        return None
-    p = resources.files("specjax").joinpath(rel)
-    return p if p.joinpath("head.json").is_file() else None
+    return export.shipped_dir(SHIPPED.get(model_name))
 
 
 def load_heads(target, path: str | Path, dtype=jnp.float32) -> tuple[dict[int, dict], dict]:
