@@ -591,6 +591,8 @@ def cmd_train(args) -> int:
 def cmd_train_redrafter(args) -> int:
     import dataclasses
 
+    import jax
+    import numpy as np
     from tqdm import tqdm
 
     from specjax import export
@@ -612,10 +614,19 @@ def cmd_train_redrafter(args) -> int:
                          f"size {lm.model.config.hidden_size}: it was built for another model")
     print(f"{len(corpus)} examples, {sum(len(t) for t, _, _ in corpus)} tokens; {cfg}",
           flush=True)
+    init = None
+    if args.init:  # fine-tune an exported head: its parameters and its draft vocabulary
+        meta = export.read_meta(args.init, "redrafter")
+        like = redrafter.exportable(redrafter.init_head(
+            meta["hidden_size"], meta["draft_vocab"], jax.random.key(0), meta["blocks"]))
+        head, meta = export.load_head(args.init, "redrafter", like=like)
+        ids = meta.get("vocab_ids")
+        init = (head, None if ids is None else np.asarray(ids, np.int32))
     with tqdm(total=cfg.steps, desc="train redrafter", unit="step") as bar:
         state, ids = train_rd.train(lm.model, lm.params, corpus, cfg, args.run, progress=bar,
-                                    log=_run_log(args.run),
-                                    meta={"model": args.model, "data": Path(args.data).name})
+                                    log=_run_log(args.run), init=init,
+                                    meta={"model": args.model, "data": Path(args.data).name,
+                                          "init": args.init and Path(args.init).name})
     if args.export:
         summary = Path(args.data, "summary.json")
         meta = {"kind": "redrafter", "model": args.model,
@@ -822,6 +833,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--val-examples", type=int, default=0,
                     help="examples held out and scored at every checkpoint")
     tr.add_argument("--export", help="write the trained head (bfloat16) here")
+    tr.add_argument("--init", help="an exported ReDrafter head to fine-tune (keeps its draft "
+                                   "vocabulary and blocks)")
     tr.set_defaults(fn=cmd_train_redrafter)
     tx = tsub.add_parser("exit-heads", help="early-exit adapters distilled from the final "
                                             "layer, on a corpus from `specjax distill`")

@@ -266,6 +266,26 @@ def test_resume_after_kill_gives_the_same_parameters(lm, corpus, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_fine_tuning_starts_from_the_head_and_keeps_its_vocabulary(lm, corpus, tmp_path):
+    from specjax.train import redrafter as train_rd
+
+    trained, ids = train_rd.train(lm.model, lm.params, corpus, _cfg(), tmp_path / "a")
+    head = redrafter.exportable(jax.tree.map(lambda x: x.astype(jnp.bfloat16),
+                                             trained["params"]))  # as exported
+    fresh, tuned = [], []
+    train_rd.train(lm.model, lm.params, corpus, _cfg(steps=1), tmp_path / "b", log=fresh.append)
+    _, ids2 = train_rd.train(lm.model, lm.params, corpus, _cfg(steps=1, draft_vocab=6),
+                             tmp_path / "c", log=tuned.append, init=(head, ids))
+    np.testing.assert_array_equal(ids2, ids)
+    assert tuned[0]["loss"] < 0.8 * fresh[0]["loss"], (tuned[0], fresh[0])
+    with pytest.raises(ValueError, match="residual blocks"):
+        train_rd.train(lm.model, lm.params, corpus, _cfg(blocks=1), tmp_path / "d",
+                       init=(head, ids))
+    with pytest.raises(ValueError, match="draft vocabulary 12"):
+        train_rd.train(lm.model, lm.params, corpus, _cfg(), tmp_path / "e",
+                       init=(head, ids[:6]))
+
+
 def test_cli_train_redrafter_exports_a_head_that_decodes(lm, corpus, tmp_path, monkeypatch):
     """``specjax train redrafter`` end to end: log, export, and the exported head loads and
     decodes losslessly; a head for another width is refused with a clear message."""

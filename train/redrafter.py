@@ -136,15 +136,26 @@ def validate(evaluate, params, val: Sequence, cfg: TrainConfig) -> dict:
 
 def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Path, *,
           meta: dict | None = None, stop_after: int | None = None, progress=None,
-          log=None) -> tuple[dict, np.ndarray | None]:
+          log=None, init: tuple[dict, np.ndarray | None] | None = None
+          ) -> tuple[dict, np.ndarray | None]:
     """Trains (or resumes) the head in ``run_dir`` up to ``cfg.steps``; returns the state
-    and the draft vocabulary ids (None: the whole vocabulary)."""
+    and the draft vocabulary ids (None: the whole vocabulary).
+
+    ``init = (head, vocab_ids)`` fine-tunes an existing head: training starts from its
+    parameters (in float32) and keeps its draft vocabulary, whatever ``cfg.draft_vocab``."""
     train_set, val = train_eagle.split(corpus, _split_cfg(cfg))
-    ids, index_of = draft_vocabulary(train_set, target.config.vocab_size, cfg.draft_vocab)
-    v = target.config.vocab_size if ids is None else len(ids)
+    if init is None:
+        ids, index_of = draft_vocabulary(train_set, target.config.vocab_size, cfg.draft_vocab)
+        v = target.config.vocab_size if ids is None else len(ids)
+        params = redrafter.init_head(target.config.hidden_size, v, jax.random.key(cfg.seed),
+                                     cfg.blocks)
+    else:
+        params, ids = _from_head(init, target.config, cfg)
+        index_of = np.arange(target.config.vocab_size, dtype=np.int32)
+        if ids is not None:
+            index_of = np.full(target.config.vocab_size, -1, np.int32)
+            index_of[ids] = np.arange(len(ids), dtype=np.int32)
     opt = optimizer(cfg)
-    params = redrafter.init_head(target.config.hidden_size, v, jax.random.key(cfg.seed),
-                                 cfg.blocks)
     fresh = {"params": params, "opt_state": opt.init(params), "step": jnp.asarray(0, jnp.int32)}
     state, mngr = loop.resume(run_dir, {"kind": "redrafter", **(meta or {}),
                                         **dataclasses.asdict(cfg)}, fresh)
@@ -170,6 +181,21 @@ def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Pa
     state = loop.run_steps(state, step, mngr, steps=cfg.steps, save_every=cfg.save_every,
                            stop_after=stop_after, progress=progress, log=log, on_save=on_save)
     return state, ids
+
+
+def _from_head(init, tcfg, cfg: TrainConfig) -> tuple[dict, np.ndarray | None]:
+    """The float32 parameters and vocabulary of a head to fine-tune; a clear error when it
+    was built for another target or another number of blocks."""
+    head, ids = init
+    params = redrafter._as_state(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), head))
+    d, v, blocks = redrafter.head_sizes(params)
+    want_v = tcfg.vocab_size if ids is None else len(ids)
+    if d != tcfg.hidden_size or v != want_v:
+        raise ValueError(f"the initial head has hidden size {d} and draft vocabulary {v}; this "
+                         f"target needs hidden size {tcfg.hidden_size} and {want_v}")
+    if blocks != cfg.blocks:
+        raise ValueError(f"the initial head has {blocks} residual blocks, not {cfg.blocks}")
+    return params, None if ids is None else np.asarray(ids, np.int32)
 
 
 def _split_cfg(cfg: TrainConfig) -> train_eagle.TrainConfig:
