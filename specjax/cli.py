@@ -605,7 +605,8 @@ def cmd_train_redrafter(args) -> int:
                                max_len=args.max_len, unroll=args.unroll, blocks=args.blocks,
                                draft_vocab=args.draft_vocab, loss=args.loss, lr=args.lr,
                                warmup=args.warmup, seed=args.seed, save_every=args.save_every,
-                               val_examples=args.val_examples)
+                               val_examples=args.val_examples,
+                               all_positions=not args.answers_only)
     lm = load(args.model)
     corpus = distill.load_shards(args.data)
     d = corpus[0][2].shape[-1]
@@ -813,7 +814,7 @@ def build_parser() -> argparse.ArgumentParser:
     te.add_argument("--export", help="write the trained head (bfloat16) here")
     te.set_defaults(fn=cmd_train)
     tr = tsub.add_parser("redrafter", help="the ReDrafter head, on a corpus from "
-                                           "`specjax features`")
+                                           "`specjax features` or `specjax distill`")
     tr.add_argument("--model", default="smollm2-135m")
     tr.add_argument("--data", required=True)
     tr.add_argument("--run", required=True, help="run directory: checkpoints; resumes")
@@ -835,6 +836,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--export", help="write the trained head (bfloat16) here")
     tr.add_argument("--init", help="an exported ReDrafter head to fine-tune (keeps its draft "
                                    "vocabulary and blocks)")
+    tr.add_argument("--answers-only", action="store_true",
+                    help="train on answer positions only (a corpus from `specjax distill`); "
+                         "default: every position")
     tr.set_defaults(fn=cmd_train_redrafter)
     tx = tsub.add_parser("exit-heads", help="early-exit adapters distilled from the final "
                                             "layer, on a corpus from `specjax distill`")
