@@ -38,6 +38,7 @@ class Candidate:
 CANDIDATES = (
     Candidate("sd", "ngram:3"),
     Candidate("sd", "ngram:7"),
+    Candidate("redrafter", redrafter="redrafter:1,3"),
     Candidate("eagle2", eagle="eagle2:2,2,3"),
     Candidate("eagle2", eagle="eagle2:3,4,7"),
     Candidate("eagle2", eagle="eagle2:4,4,7"),
