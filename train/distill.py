@@ -216,6 +216,6 @@ def _summarize(out: Path, lm, too_long: int, max_new_tokens: int, before: float,
                "tokens": int(sum(len(e[0]) for e in corpus)),
                "answer_tokens": int(sum(len(e[0]) - e[1] for e in corpus)),
                "seconds_this_run": seconds, "seconds_total": round(before + seconds, 1),
-               "max_new_tokens": max_new_tokens, "model": str(lm.source)}
+               "max_new_tokens": max_new_tokens, "model": Path(str(lm.source)).name}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
