@@ -635,6 +635,7 @@ def cmd_train_redrafter(args) -> int:
                 "draft_vocab": lm.model.config.vocab_size if ids is None else len(ids),
                 "train": dataclasses.asdict(cfg), "steps_done": int(state["step"]),
                 "data": json.loads(summary.read_text()) if summary.exists() else None,
+                "init": args.init and Path(args.init).name,
                 "vocab_ids": None if ids is None else ids.tolist()}
         out = export.export_head(redrafter.exportable(state["params"]), args.export, meta)
         print(f"exported the head (bfloat16) to {out}")
