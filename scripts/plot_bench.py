@@ -18,6 +18,11 @@ import numpy as np  # noqa: E402
 
 def main(path: str, stem: str) -> None:
     rep = json.load(open(path))
+    if not rep.get("complete", True):  # interrupted: the questions every method finished
+        from bench_table import partial
+
+        rep["methods"] = partial(rep)
+        rep["n_questions"] = next(iter(rep["methods"].values()))["n"]
     methods = {k: v for k, v in rep["methods"].items() if k != "ar"}
     cats = sorted({c for s in rep["methods"].values() for c in s["per_category"]})
     fig, ax = plt.subplots(figsize=(9, 4))
