@@ -142,14 +142,16 @@ def rms_norm(x: Array, weight: Array, eps: float, axis: int = -1) -> Array:
 
 
 def _attention(q, k_new, v_new, k_cache, v_cache, length, mask, visible=None, *,
-               scale: float | None = None, softcap: float | None = None):
+               scale: float | None = None, softcap: float | None = None, bias=None):
     """Grouped-query attention of new tokens over the committed cache and each other.
 
     q: [B,K,G,T,H]; k_new, v_new: [B,K,T,H]; k_cache: [B,K,H,S]; v_cache: [B,K,S,H]; length: [B];
     mask: [B,T,T]. Query ``i`` sees cache slots ``< length`` (or, if given, the slots ``s``
     with ``visible[b, i, s]``, [B,1,S] or [B,T,S]) and new keys ``j`` with ``mask[b, i, j]``.
     Scores are scaled by ``scale`` (default ``H ** -0.5``) and, with ``softcap``, squashed
-    to ``softcap * tanh(score / softcap)`` before masking (Gemma 2). Returns [B,K,G,T,H].
+    to ``softcap * tanh(score / softcap)`` before masking (Gemma 2). ``bias`` is an optional
+    pair of additive score biases ``(over cache slots, over new keys)``, broadcastable to
+    [B,K,G,T,S] and [B,K,G,T,T] (T5's relative positions). Returns [B,K,G,T,H].
     The cache is only read here, and written after, so XLA can update it in place inside a
     decode loop.
     """
@@ -162,6 +164,8 @@ def _attention(q, k_new, v_new, k_cache, v_cache, length, mask, visible=None, *,
     new = jnp.einsum("bkqh,bknh->bkqn", qf, k_new).astype(jnp.float32).reshape(b, nk, g, t, t)
     if softcap is not None:
         old, new = (softcap * jnp.tanh(x / softcap) for x in (old, new))
+    if bias is not None:
+        old, new = old + bias[0], new + bias[1]
     if visible is None:
         visible = (jnp.arange(s)[None, :] < length[:, None])[:, None, :]  # [B,1,S]
     neg = jnp.finfo(jnp.float32).min

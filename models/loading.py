@@ -23,15 +23,18 @@ Config = LlamaConfig | GemmaConfig
 
 
 def family(cfg: Config) -> str:
+    if type(cfg).__name__ == "T5Config":
+        return "T5"
     return "Gemma" if isinstance(cfg, GemmaConfig) else "Llama"
 
 
 def model_for(cfg: Config):
-    """The model class instance for a config: ``Llama`` or ``Gemma``."""
+    """The model class instance for a config: ``Llama``, ``Gemma`` or ``T5``."""
     from specjax.models.gemma import Gemma
     from specjax.models.llama import Llama
+    from specjax.models.t5 import T5
 
-    return Gemma(cfg) if isinstance(cfg, GemmaConfig) else Llama(cfg)
+    return {"T5": T5, "Gemma": Gemma, "Llama": Llama}[family(cfg)](cfg)
 
 
 class WeightLoadError(ValueError):
@@ -348,7 +351,8 @@ def hf_gemma_config(d: dict) -> GemmaConfig:
         max_position_embeddings=d.get("max_position_embeddings", 8192))
 
 
-_HF_FAMILIES = {"llama": hf_config, "gemma2": hf_gemma_config, "gemma3_text": hf_gemma_config}
+_HF_FAMILIES = {"llama": hf_config, "gemma2": hf_gemma_config, "gemma3_text": hf_gemma_config,
+                "t5": lambda d: hf_t5_config(d)}
 
 
 def hf_dir_config(path: str | Path) -> Config:
@@ -380,6 +384,8 @@ def load_hf_dir(path: str | Path, dtype=jnp.float32) -> tuple[Config, dict]:
         except Exception as e:
             raise WeightLoadError(f"{f}: not a readable safetensors file ({e})") from e
         tensors.update({k: np.asarray(v.astype(jnp.float32)) for k, v in loaded.items()})
+    if family(cfg) == "T5":
+        return _t5_tied(cfg, tensors, path, dtype)
     ignore = ()
     if cfg.tie_embeddings and "lm_head.weight" in tensors:
         emb = tensors.get("model.embed_tokens.weight")
@@ -389,3 +395,160 @@ def load_hf_dir(path: str | Path, dtype=jnp.float32) -> tuple[Config, dict]:
         ignore = ("lm_head.weight",)  # a saved copy of the tied embedding
     keys = HF_GEMMA_KEYS if isinstance(cfg, GemmaConfig) else HF_KEYS
     return cfg, assemble(cfg, tensors, keys, str(path), dtype, ignore=ignore)
+
+
+# --------------------------------------------------------------------------- T5 (HF directory)
+
+def hf_t5_config(d: dict):
+    """A T5Config from an HF ``config.json`` (``model_type`` ``t5``).
+
+    The LM head scaling follows transformers: ``scale_decoder_outputs`` when the file has it
+    (transformers >= 5 writes it), else ``tie_word_embeddings`` (default true)."""
+    from specjax.models.t5 import T5Config
+
+    proj = d.get("feed_forward_proj", "relu")
+    parts = proj.split("-")
+    if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
+        raise WeightLoadError(f"feed_forward_proj {proj!r} is not supported "
+                              "(relu, gated-gelu, gelu_new, gated-gelu_new)")
+    act = "gelu_new" if parts[-1] in ("gelu", "gelu_new") else parts[-1]
+    if act not in ("relu", "gelu_new"):
+        raise WeightLoadError(f"feed_forward_proj {proj!r}: activation {parts[-1]!r} is not "
+                              "supported (relu, gelu_new)")
+    if d.get("decoder_start_token_id") is None:
+        raise WeightLoadError("config.json has no decoder_start_token_id: the decoder cannot "
+                              "start (T5 checkpoints use the pad id, usually 0)")
+    tie = d.get("tie_word_embeddings", True)
+    eos = d.get("eos_token_id", 1)
+    return T5Config(
+        vocab_size=d["vocab_size"], hidden_size=d["d_model"], intermediate_size=d["d_ff"],
+        num_layers=d.get("num_decoder_layers") or d["num_layers"],
+        num_encoder_layers=d["num_layers"], num_heads=d["num_heads"], head_dim=d["d_kv"],
+        num_buckets=d.get("relative_attention_num_buckets", 32),
+        max_distance=d.get("relative_attention_max_distance", 128),
+        gated=len(parts) == 2, activation=act, tie_embeddings=tie,
+        scale_output=d.get("scale_decoder_outputs", tie is not False),
+        rms_norm_eps=d.get("layer_norm_epsilon", 1e-6),
+        decoder_start_token_id=int(d["decoder_start_token_id"]),
+        eos_token_id=int(eos[0] if isinstance(eos, list) else eos),
+        pad_token_id=int(d.get("pad_token_id") or 0),
+        max_position_embeddings=int(d.get("n_positions") or 2048),
+        max_source_positions=int(d.get("n_positions") or 2048))
+
+
+def _t5_name(name: str) -> tuple[str, int | None, str] | None:
+    """(stack, layer, our name) of an HF T5 tensor name; None if it is not one."""
+    m = re.match(r"^(encoder|decoder)\.block\.(\d+)\.layer\.(\d)\.(.+)\.weight$", name)
+    if m is None:
+        return None
+    stack, i, sub, rest = m.group(1), int(m.group(2)), int(m.group(3)), m.group(4)
+    ffn = 1 if stack == "encoder" else 2
+    table = {(0, "SelfAttention.q"): "q", (0, "SelfAttention.k"): "k",
+             (0, "SelfAttention.v"): "v", (0, "SelfAttention.o"): "o",
+             (0, "SelfAttention.relative_attention_bias"): "rel_bias",
+             (0, "layer_norm"): "attn_norm",
+             (ffn, "DenseReluDense.wi"): "wi", (ffn, "DenseReluDense.wi_0"): "wi_0",
+             (ffn, "DenseReluDense.wi_1"): "wi_1", (ffn, "DenseReluDense.wo"): "wo",
+             (ffn, "layer_norm"): "mlp_norm"}
+    if stack == "decoder":
+        table.update({(1, "EncDecAttention.q"): "cross_q", (1, "EncDecAttention.k"): "cross_k",
+                      (1, "EncDecAttention.v"): "cross_v", (1, "EncDecAttention.o"): "cross_o",
+                      (1, "layer_norm"): "cross_norm"})
+    ours = table.get((sub, rest))
+    return None if ours is None else (stack, i, ours)
+
+
+def t5_params(cfg, tensors: dict[str, np.ndarray], source: str, dtype=jnp.float32) -> dict:
+    """Maps HF T5 tensors to the T5 params pytree, checking every name and shape."""
+    from specjax.models.t5 import layer_shapes
+
+    n_layers = {"encoder": cfg.num_encoder_layers, "decoder": cfg.num_layers}
+    raw = {"encoder": [dict() for _ in range(cfg.num_encoder_layers)],
+           "decoder": [dict() for _ in range(cfg.num_layers)]}
+    top, rel = {}, {}
+    tops = {"shared.weight": "embed", "lm_head.weight": "lm_head",
+            "encoder.final_layer_norm.weight": "enc_norm",
+            "decoder.final_layer_norm.weight": "final_norm"}
+    for name, w in tensors.items():
+        if name in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
+            continue  # copies of shared.weight (checked below)
+        hit = _t5_name(name)
+        if name in tops:
+            top[tops[name]] = w
+        elif hit is None or hit[1] >= n_layers[hit[0]]:
+            raise WeightLoadError(f"{source}: unexpected tensor {name!r} (shape {w.shape}) for a "
+                                  f"T5 with {cfg.num_encoder_layers}+{cfg.num_layers} layers")
+        elif hit[2] == "rel_bias":
+            if hit[1] == 0:
+                rel[hit[0]] = w
+        else:
+            raw[hit[0]][hit[1]][hit[2]] = w
+    if "embed" not in top:
+        top["embed"] = tensors.get("encoder.embed_tokens.weight")
+    d, v = cfg.hidden_size, cfg.vocab_size
+    want_top = {"embed": (v, d), "enc_norm": (d,), "final_norm": (d,)}
+    if not cfg.tie_embeddings or "lm_head" in top:
+        want_top["lm_head"] = (v, d)
+    missing = [k for k in want_top if top.get(k) is None] + [
+        f"{s}.rel_bias" for s in ("encoder", "decoder") if s not in rel]
+    params = {}
+    for k, shape in want_top.items():
+        if k in top and top[k] is not None and tuple(top[k].shape) != shape:
+            raise WeightLoadError(f"{source}: {k} has shape {top[k].shape}; expected {shape}")
+    for s, r in rel.items():
+        if r.shape != (cfg.num_buckets, cfg.num_heads):
+            raise WeightLoadError(f"{source}: {s} relative_attention_bias has shape {r.shape}; "
+                                  f"expected {(cfg.num_buckets, cfg.num_heads)}")
+
+    def pack(w: dict, stack: str, i: int) -> dict:
+        w = dict(w)
+        fused = {"qkv": ("q", "k", "v"), "cross_kv": ("cross_k", "cross_v"),
+                 "wi": ("wi_0", "wi_1") if cfg.gated else ("wi",)}
+        if stack == "encoder":
+            del fused["cross_kv"]
+        for ours, parts in fused.items():
+            if all(p in w for p in parts):
+                w[ours] = np.concatenate([w.pop(p) for p in parts], axis=0)
+        shapes = layer_shapes(cfg, stack == "decoder")
+        gone = [k for k in shapes if k not in w]
+        if gone:
+            missing.extend(f"{stack}.block.{i}:{k}" for k in gone)
+            return {}
+        extra = [k for k in w if k not in shapes]
+        if extra:
+            raise WeightLoadError(f"{source}: {stack}.block.{i} has tensors {extra} that a "
+                                  f"{'gated' if cfg.gated else 'plain'} feed-forward T5 "
+                                  "does not use")
+        for k, shape in shapes.items():
+            if tuple(w[k].shape) != shape:
+                raise WeightLoadError(f"{source}: {stack}.block.{i} {k} has shape "
+                                      f"{w[k].shape}; expected {shape}")
+        return {k: jnp.asarray(w[k], dtype) for k in shapes}
+
+    enc = [pack(w, "encoder", i) for i, w in enumerate(raw["encoder"])]
+    dec = [pack(w, "decoder", i) for i, w in enumerate(raw["decoder"])]
+    if missing:
+        raise WeightLoadError(f"{source}: missing tensors {missing[:8]}"
+                              f"{' and %d more' % (len(missing) - 8) if len(missing) > 8 else ''}")
+    arr = lambda x: jnp.asarray(x, dtype)
+    params = {"embed": arr(top["embed"]),
+              "encoder": {"rel_bias": arr(rel["encoder"]), "layers": enc,
+                          "final_norm": arr(top["enc_norm"])},
+              "rel_bias": arr(rel["decoder"]), "layers": dec, "final_norm": arr(top["final_norm"])}
+    if "lm_head" in want_top:
+        params["lm_head"] = arr(top["lm_head"])
+    return params
+
+
+def _t5_tied(cfg, tensors: dict[str, np.ndarray], path: Path, dtype) -> tuple:
+    """T5 params from a directory's tensors. A saved ``lm_head.weight`` equal to the shared
+    embedding is a tied copy; a different one is the head (as transformers loads it)."""
+    import dataclasses
+
+    head = tensors.get("lm_head.weight")
+    shared = tensors.get("shared.weight", tensors.get("encoder.embed_tokens.weight"))
+    if head is not None and shared is not None and np.array_equal(head, shared):
+        tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+        head = None
+    cfg = dataclasses.replace(cfg, tie_embeddings=head is None and cfg.tie_embeddings)
+    return cfg, t5_params(cfg, tensors, str(path), dtype)

@@ -18,7 +18,7 @@ from flax import struct
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
-from specjax.core import sampling
+from specjax.core import encdec, sampling
 from specjax._compile import AotCache
 from specjax.models.kv_cache import KVCache
 
@@ -209,14 +209,20 @@ def prepare(model, prompts: Sequence[Sequence[int]], max_new_tokens: int | Seque
 def generate(model, params, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int | Sequence[int], sampler: sampling.Sampler = sampling.Greedy(),
              key: Array | None = None, eos_ids: Sequence[int] = (),
-             cache_size: int | None = None, chunk: int = 64) -> GenerateOutput:
+             cache_size: int | None = None, chunk: int = 64,
+             source_size: int | None = None) -> GenerateOutput:
     """Decodes a batch of prompts of any lengths, one token per target forward.
+
+    For an encoder-decoder ``model`` (T5) the prompts are the sources: the encoder runs
+    once, and the decoder starts from its ``decoder_start_token_id`` (``source_size`` fixes
+    the encoder's buffer; see ``specjax.core.encdec``).
 
     Each row stops after an id in ``eos_ids`` (which is kept) or after its budget. Greedy
     rows are exactly the argmax rollout of ``model``; ``Sample`` needs an explicit ``key``.
     Calls with the same batch size, cache capacity and output bucket reuse one compilation;
     ``compile_s`` of the result says how long this call spent compiling.
     """
+    params, prompts = encdec.bind_sources(model, params, prompts, source_size)
     x = prepare(model, prompts, max_new_tokens, sampler=sampler, key=key, eos_ids=eos_ids,
                 cache_size=cache_size, chunk=chunk)
     out, compile_s = _DECODE(params, x.tokens, x.lengths, x.budgets, sampler, x.key, x.eos,

@@ -18,7 +18,7 @@ from flax import struct
 from jax import lax
 from jaxtyping import Array, Bool, Int
 
-from specjax.core import sampling, tree
+from specjax.core import encdec, sampling, tree
 from specjax._compile import AotCache
 from specjax.core.decoding import PAD, Rows, prefill, prepare, stops
 from specjax.drafters.base import Context
@@ -183,7 +183,8 @@ def speculative_generate(target, tparams, drafter, dparams, prompts: Sequence[Se
                          sampler: sampling.Sampler = sampling.Greedy(),
                          key: Array | None = None, eos_ids: Sequence[int] = (),
                          rule: Rule = Rejection(), cache_size: int | None = None,
-                         chunk: int = 64, widths: Sequence[int] | None = None) -> SpecOutput:
+                         chunk: int = 64, widths: Sequence[int] | None = None,
+                         source_size: int | None = None) -> SpecOutput:
     """Decodes a batch of prompts with ``drafter`` proposing and ``target`` verifying.
 
     Lossless: with ``Greedy`` the tokens equal ``generate``'s argmax rollout; with ``Sample``
@@ -194,8 +195,13 @@ def speculative_generate(target, tparams, drafter, dparams, prompts: Sequence[Se
     ``widths`` are the verification widths compiled (default ``drafter.verify_widths``):
     each round runs the narrowest one that holds the root and every valid node, so a round
     without a draft costs one ordinary decoding step.
+
+    For an encoder-decoder ``target`` (T5) the prompts are the sources, encoded once by the
+    target and, for a draft encoder-decoder model, by the draft (``specjax.core.encdec``).
     """
+    dparams = encdec.bind_drafter(drafter, dparams, target, prompts, source_size)
     drafter.check(target)
+    tparams, prompts = encdec.bind_sources(target, tparams, prompts, source_size)
     n = drafter.num_nodes
     widths = tuple(sorted(set(drafter.verify_widths if widths is None else widths)))
     if widths[0] < 1 or widths[-1] != n + 1:

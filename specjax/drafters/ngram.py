@@ -4,6 +4,7 @@ static shapes."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -23,12 +24,17 @@ class NGramDrafter:
     runs into the suffix. Without a match, ``dparams`` (a ``[V]`` next-token table, -1 for
     none, see ``bigram_table``) continues from the root; ``None`` proposes nothing.
     Deterministic, so ``Draft.probs`` is None; no state, no training.
+
+    For an encoder-decoder target (parameters bound to an ``EncodedSource``) the lookup
+    searches the source before the decoded tokens, so a summary copies from its article
+    (``over_source=False`` turns this off); proposals stop at the source's end.
     """
 
     depth: int = 7  # verification width 8: padded widths cost the same (docs/design.md)
     max_ngram: int = 4
     min_ngram: int = 2
     per_match_token: int = 0  # > 0: propose at most this many tokens per matched token
+    over_source: bool = True
 
     @property
     def num_nodes(self) -> int:
@@ -71,8 +77,14 @@ class NGramDrafter:
         return hist[idx], jnp.any(ok), count
 
     def propose(self, table, state, ctx: Context, key, sampler):
-        toks, found, count = jax.vmap(self._lookup)(ctx.tokens, ctx.length)
+        hist, length = ctx.tokens, ctx.length
+        src = ctx.params.get("source") if isinstance(ctx.params, Mapping) else None
+        if self.over_source and src is not None:  # source ids, -1 (never matched) past its end
+            hist = jnp.concatenate([src.tokens, hist], axis=1)
+            length = length + src.tokens.shape[1]
+        toks, found, count = jax.vmap(self._lookup)(hist, length)
         valid = found[:, None] & (jnp.arange(self.depth)[None] < count[:, None])
+        valid = valid & (jnp.cumprod(toks >= 0, axis=1) > 0)
         if table is not None:
             def nxt(t, _):
                 n = table[jnp.maximum(t, 0)]
@@ -85,7 +97,7 @@ class NGramDrafter:
             valid = jnp.where(found[:, None], valid, jnp.cumprod(chain >= 0, axis=1) > 0)
         b = toks.shape[0]
         parents = jnp.broadcast_to(jnp.arange(self.depth, dtype=jnp.int32) - 1, (b, self.depth))
-        return Draft(tokens=toks.astype(jnp.int32), parents=parents, valid=valid), state, ctx.cache
+        return Draft(tokens=jnp.maximum(toks, 0).astype(jnp.int32), parents=parents, valid=valid), state, ctx.cache
 
     def commit(self, table, state, ctx, result):
         return state

@@ -32,7 +32,7 @@ from flax import struct
 from jax import lax
 from jaxtyping import Array, Bool, Int
 
-from specjax.core import sampling
+from specjax.core import encdec, sampling
 from specjax._compile import AotCache
 from specjax.core.decoding import PAD, Rows, prefill, prepare
 from specjax.drafters import Context, NGramDrafter, target_head
@@ -337,14 +337,16 @@ def hsd_generate(target, tparams, hierarchy: Hierarchy, prompts: Sequence[Sequen
                  max_new_tokens: int | Sequence[int], hparams: Sequence | None = None,
                  sampler: sampling.Sampler = sampling.Greedy(), key: Array | None = None,
                  eos_ids: Sequence[int] = (), cache_size: int | None = None,
-                 chunk: int = 64) -> HSDOutput:
+                 chunk: int = 64, source_size: int | None = None) -> HSDOutput:
     """Decodes a batch of prompts with ``hierarchy``; lossless like ``speculative_generate``.
+    For an encoder-decoder ``target`` (T5) the prompts are the sources (encoded once).
 
     ``hparams[k]`` are level ``k``'s head parameters (``None`` for the default head). Each
     row stops after an EOS id (kept) or its budget. Invalid hierarchies and prompts that do
     not fit the cache raise ``ValueError`` before anything is compiled.
     """
     hierarchy.check(target)
+    tparams, prompts = encdec.bind_sources(target, tparams, prompts, source_size)
     top = len(hierarchy.levels) - 1
     hparams = tuple(hparams) if hparams is not None else (None,) * (top + 1)
     if len(hparams) != top + 1:
