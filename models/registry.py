@@ -6,7 +6,7 @@ import dataclasses
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
 
@@ -81,11 +81,23 @@ class LoadedModel:
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         """Token ids of ``text``, wrapped in the chat template when ``chat``."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.name} has no tokenizer files: give prompts as token ids")
         return encode(self.tokenizer, text, chat)
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return bool(getattr(self.model, "is_encoder_decoder", False))
 
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def decode(self, ids: Sequence[int]) -> str | None:
+        """The text of ``ids``; None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     @property
     def module(self) -> LanguageModel:
@@ -151,7 +163,7 @@ def load(name_or_path: str, dtype=jnp.float32, tokenizer: bool = True,
     path = resolve(name_or_path)
     if path.is_dir():
         cfg = loading.hf_dir_config(path)
-        tok = AutoTokenizer.from_pretrained(str(path)) if tokenizer else None
+        tok = _dir_tokenizer(path) if tokenizer else None
         if check is not None:
             check(tok, cfg)
         cfg, params = loading.load_hf_dir(path, dtype)
@@ -161,8 +173,25 @@ def load(name_or_path: str, dtype=jnp.float32, tokenizer: bool = True,
         if check is not None:
             check(tok, cfg)
         cfg, params = loading.load_gguf(path, dtype)
+    eos = stop_ids(tok)
+    if not eos and getattr(cfg, "eos_token_id", None) is not None:  # T5 without a tokenizer
+        eos = (int(cfg.eos_token_id),)
     return LoadedModel(name=name_or_path, model=loading.model_for(cfg), params=params,
-                       tokenizer=tok, eos_ids=stop_ids(tok), source=path)
+                       tokenizer=tok, eos_ids=eos, source=path)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model",
+                    "tokenizer.model")
+
+
+def _dir_tokenizer(path: Path):
+    """The tokenizer of an HF directory, or None when it has no tokenizer files (a
+    random-weight directory: prompts are then given as token ids)."""
+    from transformers import AutoTokenizer
+
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 def stop_ids(tokenizer) -> tuple[int, ...]:

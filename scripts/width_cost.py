@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import specjax  # noqa: F401  (sets the project's XLA flags before the backend starts)
-from specjax.core import tree
+from specjax.core import encdec, tree
 from specjax.models import llama, load
 
 
@@ -94,13 +94,21 @@ def main() -> None:
     p.add_argument("--widths", default=",".join(map(str, range(1, 33))))
     p.add_argument("--breakdown", default="1,2,4,8,16")
     p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--source-len", type=int, default=512,
+                   help="encoder-decoder models: tokens of the (random) source the decoder reads")
     p.add_argument("--out")
     p.add_argument("--plot")
     args = p.parse_args()
     lm = load(args.model, tokenizer=False)
+    params = lm.params
+    if lm.is_encoder_decoder:  # the decoder reads a source of --source-len tokens
+        ids = np.random.default_rng(0).integers(2, lm.model.config.vocab_size, args.source_len)
+        params = encdec.encode(lm.model, params, [ids.tolist()])
     cache = lm.model.init_cache(1, args.capacity).replace(length=jnp.asarray([args.filled]))
     widths = [int(w) for w in args.widths.split(",")]
-    res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "model": args.model,
+    res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+           "model": lm.source.name if lm.source.is_dir() else args.model,
+           "source_len": args.source_len if lm.is_encoder_decoder else None,
            "capacity": args.capacity, "filled": args.filled, "padded_ms": {},
            "unpadded_ms": {}, "fast_width": {}, "breakdown_ms": {}}
     shipped = llama.fast_width
@@ -109,14 +117,14 @@ def main() -> None:
         fwd = jax.jit(_forward_fn(lm.model))  # a fresh trace per variant
         for w in widths:
             toks = jnp.ones((1, w), jnp.int32)
-            res[variant][w] = _median_ms(fwd, lm.params, toks, cache, repeats=args.repeats)
+            res[variant][w] = _median_ms(fwd, params, toks, cache, repeats=args.repeats)
             res["fast_width"][w] = shipped(w)
             print(f"{variant[:-3]:>8} width {w:>2}: {res[variant][w]:6.1f} ms "
                   f"({res[variant][w] / res[variant][widths[0]]:.2f}x)", flush=True)
         if variant == "padded_ms":
             for w in [int(x) for x in args.breakdown.split(",") if x]:
                 toks = jnp.ones((1, w), jnp.int32)
-                res["breakdown_ms"][w] = _breakdown(fwd, (lm.params, toks, cache),
+                res["breakdown_ms"][w] = _breakdown(fwd, (params, toks, cache),
                                                     lm.model.config, args.capacity)
                 print(f"breakdown width {w}: {res['breakdown_ms'][w]}", flush=True)
     llama.fast_width = shipped

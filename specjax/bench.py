@@ -30,6 +30,15 @@ class Question:
     qid: int
     category: str
     text: str
+    ids: tuple[int, ...] | None = None  # given token ids (a model without a tokenizer)
+
+
+def random_questions(n: int, length: int, vocab_size: int, seed: int = 0) -> list[Question]:
+    """``n`` prompts of ``length`` seeded random token ids in ``[2, vocab_size)``: the input
+    of a random-weight model with no tokenizer, where only speed is meaningful."""
+    rng = np.random.default_rng(seed)
+    return [Question(i, "random", "", tuple(int(t) for t in rng.integers(2, vocab_size, length)))
+            for i in range(n)]
 
 
 def load_questions(path: str | Path | None = None, categories: Sequence[str] | None = None,
@@ -186,11 +195,25 @@ def hsd_method(lm, hierarchy, hparams=None, sampler=None) -> Method:
 
 
 def load_hf(lm):
+    """transformers' model of the same weights: the GGUF file, or the HF directory."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
+    if lm.source.is_dir():
+        cls = AutoModelForSeq2SeqLM if lm.is_encoder_decoder else AutoModelForCausalLM
+        return cls.from_pretrained(str(lm.source), dtype=torch.float32).eval()
     return AutoModelForCausalLM.from_pretrained(
         str(lm.source.parent), gguf_file=lm.source.name, dtype=torch.float32).eval()
+
+
+def _hf_new_tokens(lm, ids: list[int], y) -> list[int]:
+    """The generated ids of ``generate``'s output: after the prompt for a decoder-only
+    model, after the decoder start token for an encoder-decoder one."""
+    return y[0, 1 if lm.is_encoder_decoder else len(ids):].tolist()
+
+
+def _warm_up_ids(lm) -> list[int]:
+    return lm.encode("warm up") if lm.tokenizer is not None else [5, 6, 7]
 
 
 def hf_pld_method(lm, threads: int, hf=None, num_tokens: int = 10) -> Method:
@@ -213,10 +236,10 @@ def hf_pld_method(lm, threads: int, hf=None, num_tokens: int = 10) -> Method:
                             do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
                             prompt_lookup_num_tokens=num_tokens)
             dt = time.perf_counter() - t
-        toks = y[0, len(ids):].tolist()
+        toks = _hf_new_tokens(lm, ids, y)
         return Run(toks, dt, calls[0])
 
-    run(lm.encode("warm up"), 4)
+    run(_warm_up_ids(lm), 4)
     return run
 
 
@@ -238,10 +261,10 @@ def hf_method(lm, threads: int, hf=None, temperature: float = 0.0) -> Method:
             y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
                             eos_token_id=eos, pad_token_id=eos[0], **samp)
             dt = time.perf_counter() - t
-        toks = y[0, len(ids):].tolist()
+        toks = _hf_new_tokens(lm, ids, y)
         return Run(toks, dt, len(toks))
 
-    run(lm.encode("warm up"), 4)
+    run(_warm_up_ids(lm), 4)
     return run
 
 

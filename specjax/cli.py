@@ -26,7 +26,7 @@ def _check_args(args) -> None:
         raise UsageError(f"--top-p must be in (0, 1] (1: no limit), got {args.top_p}")
     for name in ("max_new_tokens", "limit", "draft_len", "steps", "batch_tokens", "max_len",
                  "tokens", "num_prompts", "batch", "save_every", "threads", "t_max",
-                 "max_levels", "rank"):
+                 "max_levels", "rank", "random_prompts", "prompt_len"):
         v = getattr(args, name, None)
         if v is not None and v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
@@ -141,7 +141,7 @@ def _generate_once(lm, ids, args) -> dict:
     dt = time.perf_counter() - t
     toks = out.to_lists()[0]
     res = {"method": args.method, "drafter": drafter, "model": args.model, "dtype": args.dtype,
-           "text": lm.tokenizer.decode(toks, skip_special_tokens=True), "token_ids": toks,
+           "text": lm.decode(toks), "token_ids": toks,
            "prompt_tokens": len(ids), "new_tokens": len(toks), "seconds": dt,
            "tokens_per_s": len(toks) / dt, "compile_s": compile_s, "tau": 1.0,
            "target_forwards": len(toks), "acceptance_by_position": None}
@@ -161,11 +161,19 @@ def _fits_context(args, prompt: str, chat: bool | None):
     def check(tokenizer, cfg):
         from specjax.models.registry import encode
 
+        if tokenizer is None:
+            raise UsageError(f"{args.model} has no tokenizer files: give the prompt as "
+                             "--prompt-ids 37,8,15")
         wrap = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
         try:
             n = len(encode(tokenizer, prompt, wrap))
         except ValueError as e:  # --chat on a model without a chat template
             raise UsageError(str(e)) from None
+        if getattr(cfg, "max_source_positions", None) is not None:  # encoder-decoder
+            if n > cfg.max_source_positions:
+                raise UsageError(f"a source of {n} tokens exceeds the encoder's "
+                                 f"{cfg.max_source_positions} positions")
+            n = 1  # the decoder starts from its start token
         if n + args.max_new_tokens > cfg.max_position_embeddings:
             raise UsageError(f"a prompt of {n} tokens + --max-new-tokens {args.max_new_tokens} "
                              f"exceeds {args.model}'s context of {cfg.max_position_embeddings} "
@@ -173,16 +181,53 @@ def _fits_context(args, prompt: str, chat: bool | None):
     return check
 
 
+def _prompt_ids(spec: str) -> list[int]:
+    try:
+        ids = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--prompt-ids must be comma-separated integers, got {spec!r}") from None
+    if not ids or min(ids) < 0:
+        raise UsageError(f"--prompt-ids needs at least one id, all >= 0; got {spec!r}")
+    return ids
+
+
+def _check_ids(lm, ids: list[int], args) -> None:
+    """Prompt ids against the loaded model: vocabulary, context (decoder or encoder)."""
+    cfg = lm.model.config
+    if max(ids) >= cfg.vocab_size:
+        raise UsageError(f"--prompt-ids has id {max(ids)}, outside the vocabulary of "
+                         f"{cfg.vocab_size}")
+    if lm.is_encoder_decoder:
+        if len(ids) > cfg.max_source_positions:
+            raise UsageError(f"a source of {len(ids)} tokens exceeds the encoder's "
+                             f"{cfg.max_source_positions} positions")
+        need, what = 1 + args.max_new_tokens, "the decoder start token"
+    else:
+        need, what = len(ids) + args.max_new_tokens, f"a prompt of {len(ids)} tokens"
+    if need > cfg.max_position_embeddings:
+        raise UsageError(f"{what} + --max-new-tokens {args.max_new_tokens} exceeds "
+                         f"{args.model}'s context of {cfg.max_position_embeddings} positions")
+
+
 def cmd_generate(args) -> int:
     from specjax.models import load
 
-    lm = load(args.model, _dtype(args.dtype), check=_fits_context(args, args.prompt, args.chat))
-    ids = lm.encode(args.prompt, chat=args.chat)
+    if args.prompt_ids is not None:
+        ids = _prompt_ids(args.prompt_ids)
+        lm = load(args.model, _dtype(args.dtype))
+        _check_ids(lm, ids, args)
+    else:
+        lm = load(args.model, _dtype(args.dtype),
+                  check=_fits_context(args, args.prompt, args.chat))
+        if lm.tokenizer is None:
+            raise UsageError(f"{args.model} has no tokenizer files: give the prompt as "
+                             "--prompt-ids 37,8,15")
+        ids = lm.encode(args.prompt, chat=args.chat)
     res = _generate_once(lm, ids, args)
     if args.json:
         print(json.dumps(res))
     else:
-        print(res["text"])
+        print(res["text"] if res["text"] is not None else " ".join(map(str, res["token_ids"])))
         print(f"\n[{res['method']}] {res['new_tokens']} tokens in {res['seconds']:.2f} s = "
               f"{res['tokens_per_s']:.1f} tok/s (compile {res['compile_s']:.1f} s, excluded)",
               file=sys.stderr)
@@ -333,7 +378,9 @@ def _bench_settings(args, methods) -> dict:
             **({"redrafter_checkpoint": args.redrafter_checkpoint}
                if args.redrafter_checkpoint else {}),
             "exit_heads": args.exit_heads,
-            "questions": args.questions or "specjax/data/prompts.jsonl"}
+            "questions": (f"random:{args.random_prompts}x{args.prompt_len}"
+                          if args.random_prompts else
+                          args.questions or "specjax/data/prompts.jsonl")}
 
 
 def _bench_runners(args, lm, methods, threads, hierarchies) -> dict:
@@ -383,10 +430,19 @@ def cmd_bench(args) -> int:
     greedy = args.temperature <= 0
     if not greedy and "hf-pld" in methods:
         raise UsageError("hf-pld is greedy only; drop it when --temperature > 0")
-    questions = bench.load_questions(args.questions, args.categories, args.limit)
+    if args.random_prompts and args.questions:
+        raise UsageError("give --questions or --random-prompts, not both")
+    lm = load(args.model, _dtype(args.dtype), tokenizer=not args.random_prompts)
+    if args.random_prompts:
+        questions = bench.random_questions(args.random_prompts, args.prompt_len,
+                                           lm.model.config.vocab_size)
+    elif lm.tokenizer is None:
+        raise UsageError(f"{args.model} has no tokenizer files: bench it on token ids with "
+                         "--random-prompts N [--prompt-len L]")
+    else:
+        questions = bench.load_questions(args.questions, args.categories, args.limit)
     settings = _bench_settings(args, methods)
     done = bench.restore_runs(args.out, settings)  # an interrupted bench resumes here
-    lm = load(args.model, _dtype(args.dtype))
     threads = args.threads or os.cpu_count() or 1
     hierarchies = {}  # hsd method -> the hierarchy it runs, as a spec
     run = _bench_runners(args, lm, methods, threads, hierarchies)
@@ -404,7 +460,8 @@ def cmd_bench(args) -> int:
     bar = tqdm(total=len(questions) * len(methods), desc="bench", unit="run")
     for q in questions:
         old = [done.get(m, {}).get(q.qid) for m in methods]
-        ids = None if all(old) else lm.encode(q.text, chat=lm.has_chat_template)
+        ids = list(q.ids) if q.ids is not None else (
+            None if all(old) else lm.encode(q.text, chat=lm.has_chat_template))
         for m, r in zip(methods, old):
             bar.set_postfix_str(f"{q.category} {m}")
             results[m].append((q, r if all(old) else run[m](ids, args.max_new_tokens)))
@@ -702,7 +759,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="decode one prompt")
     common(g)
     sampling(g)
-    g.add_argument("--prompt", required=True)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-ids", help="the prompt as token ids, e.g. 37,8,15 (the "
+                     "encoder input of an encoder-decoder model; for models without a tokenizer)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(fn=cmd_generate)
@@ -734,6 +794,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--categories", nargs="*", help="e.g. mt_bench translation summarization qa "
                                                    "math_reasoning rag")
     b.add_argument("--limit", type=int, help="questions in total, spread over categories")
+    b.add_argument("--random-prompts", type=int, help="N prompts of seeded random token ids "
+                   "instead of questions (random-weight models without a tokenizer: speed only)")
+    b.add_argument("--prompt-len", type=int, default=128, help="tokens per random prompt")
     b.add_argument("--threads", type=int, help="torch threads for hf (default: all cores)")
     b.add_argument("--out", help="write the JSON report here")
     hsd_options(b)
