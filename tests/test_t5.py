@@ -276,3 +276,53 @@ def test_bad_input_fails_clearly(toy, tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(loading.WeightLoadError, match="no decoder_start_token_id"):
         loading.load_hf_dir(path)
+
+
+# --- HSD with per-level draft temperatures ---------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportsTargetQ(Exit):
+    """Wrong: draws at its own temperature but reports q at the target's."""
+
+    def reports(self, target_sampler):
+        return target_sampler
+
+
+def _hsd_pair_pvalue(h, tp, sampler, calls=30):
+    model, counts, acc = T5(TINY), np.zeros((V, V)), []
+    for i in range(calls):
+        out = hsd_generate(model, tp, h, [SRC] * 256, max_new_tokens=2, sampler=sampler,
+                           key=jax.random.key(100 + i))
+        y = np.asarray(out.tokens)[:, :2]
+        np.add.at(counts, (y[:, 0], y[:, 1]), 1)
+        acc.append(out.acceptance)
+    assert np.all(np.mean(acc, 0) > 0.05), "drafts were almost never accepted: vacuous"
+    return _pvalue(counts, _exact_pair(model, tp))
+
+
+@pytest.mark.parametrize("levels,lossless", [
+    ((Exit(1, temperature=0.5), Exit()), True),
+    ((NGram(NGramDrafter(depth=2, min_ngram=1)), Exit(1, temperature=0.5), Exit()), True),
+    ((ReportsTargetQ(1, temperature=0.3), Exit()), False),
+])
+def test_hsd_with_draft_temperatures_follows_the_target(levels, lossless):
+    tp = _sharp(init_params(TINY, jax.random.key(2)), 2.0)
+    h = Hierarchy(levels, (2,) * (len(levels) - 1))
+    p = _hsd_pair_pvalue(h, tp, sampling.Sample(1.0))
+    if lossless:
+        assert p > 1e-4, f"(y0, y1) differs from the target's distribution (p={p:.2e})"
+    else:
+        assert p < 1e-6, f"the wrong q was not caught (p={p:.2e})"
+
+
+def test_greedy_hsd_with_sampling_draft_levels_equals_ar(toy):
+    model, params, _ = toy
+    ar = specjax.generate(model, params, SOURCES, max_new_tokens=12).to_lists()
+    h = Hierarchy((NGram(NGramDrafter(depth=3, min_ngram=1)), Exit(1, temperature=0.7),
+                   Exit(2, temperature=0.0), Exit()), (2, 2, 3))
+    out = hsd_generate(model, params, h, SOURCES, max_new_tokens=12, key=jax.random.key(0))
+    assert out.to_lists() == ar
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        hsd_generate(model, params, Hierarchy((Exit(1, temperature=-1.0), Exit()), (2,)),
+                     SOURCES, max_new_tokens=4)

@@ -43,10 +43,31 @@ from specjax.core.verify import Draft, verify
 @dataclasses.dataclass(frozen=True)
 class Exit:
     """A level that scores with the target's first ``layer`` layers and ``head``
-    (``head(target, tparams, hparams, hidden) -> logits``); ``layer=None`` is the target."""
+    (``head(target, tparams, hparams, hidden) -> logits``); ``layer=None`` is the target.
+
+    ``temperature`` (draft levels only) makes the level draw, and verify the level below,
+    at its own temperature (0: greedy) instead of the target's; the level above verifies
+    against the distribution it actually drew from, so the output stays the target's.
+    """
 
     layer: int | None = None
     head: Callable = target_head
+    temperature: float | None = None
+
+    def draws(self, target_sampler: sampling.Sampler) -> sampling.Sampler:
+        """The sampler this level draws and verifies with."""
+        if self.temperature is None:
+            return target_sampler
+        if self.temperature == 0:
+            return sampling.Greedy()
+        if isinstance(target_sampler, sampling.Sample):
+            return target_sampler.replace(temperature=float(self.temperature))
+        return sampling.Sample(temperature=float(self.temperature))
+
+    def reports(self, target_sampler: sampling.Sampler) -> sampling.Sampler:
+        """The sampler whose probabilities are reported as this level's q (the one it
+        draws with: anything else breaks losslessness)."""
+        return self.draws(target_sampler)
 
     def score(self, target, tparams, hparams, tokens, positions, cache):
         if self.layer is None:
@@ -85,7 +106,8 @@ class Hierarchy:
         if any(int(t) < 1 for t in self.T):
             raise ValueError(f"every T must be >= 1, got {self.T}")
         if self.levels[-1] != Exit():
-            raise ValueError("the last level must be the target, Exit()")
+            raise ValueError("the last level must be the target, Exit() (it samples at the "
+                             "target's own temperature)")
         for k, lvl in enumerate(self.levels[:-1]):
             if isinstance(lvl, NGram):
                 if k != 0:
@@ -98,6 +120,9 @@ class Hierarchy:
             elif not 1 <= lvl.layer < target.config.num_layers:
                 raise ValueError(f"exit layer {lvl.layer} outside [1, "
                                  f"{target.config.num_layers - 1}]")
+            elif lvl.temperature is not None and lvl.temperature < 0:
+                raise ValueError(f"level {k}: temperature must be >= 0 (0: greedy), got "
+                                 f"{lvl.temperature}")
         layers = [l.layer for l in self.levels[:-1] if isinstance(l, Exit)]
         if layers != sorted(set(layers)):
             raise ValueError(f"exit layers must increase up the hierarchy, got {layers}")
@@ -185,6 +210,13 @@ class _Run:
     def top(self) -> int:
         return len(self.h.levels) - 1
 
+    def draws(self, k: int) -> sampling.Sampler:
+        """Level ``k``'s sampler: the target's at the top, else the level's own."""
+        return self.sampler if k == self.top else self.h.levels[k].draws(self.sampler)
+
+    def reports(self, k: int) -> sampling.Sampler:
+        return self.sampler if k == self.top else self.h.levels[k].reports(self.sampler)
+
     def score(self, k: int, s: HSDState, start, width: int):
         """Level ``k``'s logits ``[B, width, V]`` for positions ``start - 1 + i`` and its
         cache with those tokens written (length unchanged). A cache that lags behind
@@ -203,7 +235,7 @@ class _Run:
         lvl, t0, start = self.h.levels[0], self.h.T[0], s.n[1]
         if isinstance(lvl, NGram):
             ctx = Context(tokens=s.tokens, length=start, prompt_len=self.prompt_len,
-                          cache=None, params=None)
+                          cache=None, params=self.tparams)  # the source, for T5
             d, _, _ = lvl.drafter.propose(None, (), ctx, None, sampling.Greedy())
             valid = d.valid[:, :t0] & active[:, None]
             tokens = _write(s.tokens, start[:, None] + jnp.arange(t0)[None], d.tokens[:, :t0],
@@ -217,9 +249,9 @@ class _Run:
         def body(i, c):
             tokens, cache, q, key, logits = c
             key, sub = jax.random.split(key)
-            x = sampling.sample(sub, logits, self.sampler)
+            x = sampling.sample(sub, logits, self.draws(0))
             if q is not None:
-                q = q.at[:, i].set(sampling.probs(logits, self.sampler))
+                q = q.at[:, i].set(sampling.probs(logits, self.reports(0)))
             pos = (start + i)[:, None]
             tokens = _write(tokens, pos, x[:, None], active[:, None])
             lg, cache = self.h.levels[0].score(self.target, self.tparams, self.hparams[0],
@@ -258,14 +290,14 @@ class _Run:
         draft = Draft(tokens=_take(s.tokens, pos), parents=chain,
                       valid=jnp.arange(m)[None] < d[:, None], probs=s.q[k])
         key, sub = jax.random.split(s.key)
-        res = verify(logits, draft, sub, self.sampler)
+        res = verify(logits, draft, sub, self.draws(k))
         new_n = start + res.accepted + 1
         tokens = _write(s.tokens, (start + res.accepted)[:, None], res.next_token[:, None],
                         active[:, None])
         q = list(s.q)
         if k < self.top and q[k + 1] is not None:  # this level's p, for the level above
             v = logits.shape[-1]
-            p = sampling.probs(logits.reshape(-1, v), self.sampler).reshape(b, m + 1, v)
+            p = sampling.probs(logits.reshape(-1, v), self.reports(k)).reshape(b, m + 1, v)
             off = start - s.n[k + 1]
             put = jax.vmap(lambda qq, pp, o: lax.dynamic_update_slice_in_dim(qq, pp, o, 0))
             q[k + 1] = _sel(active, put(q[k + 1], p, off), q[k + 1])
@@ -292,11 +324,13 @@ def _decode(tparams, hparams, prompt, prompt_len, budget, sampler, key, eos_ids,
     key, sub = jax.random.split(key)
     first = sampling.sample(sub, target.logits(tparams, h_last), sampler)
     tokens = prompt.at[jnp.arange(b), prompt_len].set(first)
-    sampled = isinstance(sampler, sampling.Sample)
     vocab = target.config.vocab_size
+    # q[k]: level k - 1's probabilities, kept where level k verifies by sampling
+    samples = lambda k: isinstance(sampler if k == top else hierarchy.levels[k].draws(sampler),
+                                   sampling.Sample)
     q = (None,) + tuple(
         jnp.zeros((b, hierarchy.buffer[k], vocab), jnp.float32)
-        if sampled and isinstance(hierarchy.levels[k - 1], Exit) else None
+        if samples(k) and isinstance(hierarchy.levels[k - 1], Exit) else None
         for k in range(1, top + 1))
     zeros = jnp.zeros((top + 1, b), jnp.int32)
     s = HSDState(tokens=tokens, n=jnp.broadcast_to(prompt_len + 1, (top + 1, b)),
