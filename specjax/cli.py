@@ -120,10 +120,15 @@ def _hsd(lm, args, spec: str):
                   file=sys.stderr)
     else:
         heads, layers, _ = _exit_heads(lm, args)
-        sigma, T = calibrate.parse_hierarchy(spec, layers)
-    h, hp = calibrate.hierarchy_from(sigma, T, layers, heads)
+        try:
+            sigma, T = calibrate.parse_hierarchy(spec, layers)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    temps = calibrate.level_temperatures(spec) if spec != "auto" else _draft_temps(calib,
+                                                                                   len(sigma))
+    h, hp = calibrate.hierarchy_from(sigma, T, layers, heads, temps)
     h.check(lm.model)
-    return h, hp, calibrate.format_hierarchy(sigma, T, layers)
+    return h, hp, calibrate.format_hierarchy(sigma, T, layers, temps)
 
 
 def _generate_once(lm, ids, args) -> dict:
@@ -305,10 +310,12 @@ def cmd_calibrate(args) -> int:
     import specjax
     from tqdm import tqdm
 
-    from specjax import bench
+    from specjax import bench, hsd
     from specjax.hsd import calibrate
     from specjax.models import load
 
+    if args.draft_temperature is not None and args.draft_temperature < 0:
+        raise UsageError(f"--draft-temperature must be >= 0, got {args.draft_temperature}")
     qs = bench.load_questions(args.prompts, None, args.limit)  # checked before the model loads
     lm = load(args.model, _dtype(args.dtype))
     heads, layers, source = _exit_heads(lm, args)
@@ -321,15 +328,17 @@ def cmd_calibrate(args) -> int:
         seqs.append(ids + out.to_lists()[0])
         pls.append(len(ids))
     with tqdm(total=len(seqs), desc="agreement", unit="prompt") as bar:
+        draft = None if args.draft_temperature is None else hsd.Exit(
+            1, temperature=args.draft_temperature).draws(sampler)
         alpha, n = calibrate.agreement(lm.model, lm.params, heads, layers, seqs, pls, sampler,
-                                       progress=bar)
+                                       progress=bar, draft_sampler=draft)
     widths = [int(w) for w in args.widths.split(",")]
     with tqdm(total=len(widths) * (len(layers) + 1), desc="costs", unit="forward") as bar:
         cost = calibrate.forward_costs(lm.model, lm.params, heads, layers, widths, progress=bar)
     res = {"model": args.model, "dtype": args.dtype, "layers": layers, "exit_heads": source,
            "candidates": calibrate.names(layers), "alpha": alpha.tolist(), "positions": n,
            "prompts": len(seqs), "temperature": max(args.temperature, 0.0),
-           "top_k": args.top_k, "top_p": args.top_p,
+           "draft_temperature": args.draft_temperature, "top_k": args.top_k, "top_p": args.top_p,
            "cost_ms": cost, "machine": {"platform": platform.platform(),
                                         "cpu_count": os.cpu_count()}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -346,6 +355,15 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def _draft_temps(calib: dict, n_levels: int) -> tuple | None:
+    """The draft levels' own temperature a calibration was measured at (None: the
+    target's); ``hierarchy_from`` and ``format_hierarchy`` apply it to exit levels only."""
+    t = calib.get("draft_temperature")
+    if t is None:
+        return None
+    return tuple([t] * (n_levels - 1) + [None])
+
+
 def cmd_tune(args) -> int:
     from specjax.hsd import calibrate
 
@@ -356,14 +374,15 @@ def cmd_tune(args) -> int:
     layers = calib["layers"]
     ar = calibrate.predicted_latency(calib, (len(layers) + 1,), ())
     table.sort(key=lambda r: r["latency_ms"])
+    spec = lambda sg, tt: calibrate.format_hierarchy(sg, tt, layers,
+                                                     _draft_temps(calib, len(sg)))
     for r in table[:10]:
-        print(f"{r['latency_ms']:8.2f} ms/token  {calibrate.format_hierarchy(r['sigma'], r['T'], layers)}")
-    best = calibrate.format_hierarchy(sigma, T, layers)
+        print(f"{r['latency_ms']:8.2f} ms/token  {spec(r['sigma'], r['T'])}")
+    best = spec(sigma, T)
     print(f"best: {best}: {lat:.2f} ms/token predicted vs {ar:.2f} for the target alone "
           f"({ar / lat:.2f}x); {len(table)} hierarchies searched in {dt:.2f} s")
     if args.out:
-        rows = [{**r, "spec": calibrate.format_hierarchy(r["sigma"], r["T"], layers)}
-                for r in table]
+        rows = [{**r, "spec": spec(r["sigma"], r["T"])} for r in table]
         Path(args.out).write_text(json.dumps({"best": best, "latency_ms": lat,
                                               "target_alone_ms": ar, "ranking": rows}, indent=1))
     return 0
@@ -814,6 +833,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--top-p", type=float, default=1.0)
     c.add_argument("--widths", default="1,2,3,4,5,6,8,10,12,16,20,25",
                    help="forward widths to time (tokens)")
+    c.add_argument("--draft-temperature", type=float, help="the draft levels' own "
+                   "temperature (default: the target's); `tune` then picks hierarchies whose "
+                   "exit levels draft at it")
     c.add_argument("--out", required=True)
     c.set_defaults(fn=cmd_calibrate)
 

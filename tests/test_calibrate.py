@@ -129,6 +129,15 @@ def test_hierarchy_specs_parse_strictly_and_run(toy):
     model, tp, heads, seqs, pls = toy
     assert calibrate.parse_hierarchy("ngram:4,2:3,target", LAYERS) == ((0, 2, 3), (4, 3))
     assert calibrate.format_hierarchy((0, 2, 3), (4, 3), LAYERS) == "ngram:4,2:3,target"
+    spec = "ngram:4,2@0.5:3,target"  # level 1 drafts at its own temperature
+    assert calibrate.parse_hierarchy(spec, LAYERS) == ((0, 2, 3), (4, 3))
+    assert calibrate.level_temperatures(spec) == (None, 0.5, None)
+    assert calibrate.format_hierarchy((0, 2, 3), (4, 3), LAYERS, (None, 0.5)) == spec
+    h, _ = calibrate.hierarchy_from((0, 2, 3), (4, 3), LAYERS, heads, (None, 0.5))
+    assert h.levels[1].temperature == 0.5 and h.levels[2].temperature is None
+    for bad in ("ngram@0.5:4,target", "2@x:3,target", "2@-1:3,target"):
+        with pytest.raises(ValueError, match="temperature|level"):
+            calibrate.parse_hierarchy(bad, LAYERS)
     for bad in ("ngram:4,2:3", "3:2,target", "ngram:0,target", "ngram,target", "target"):
         with pytest.raises(ValueError, match="hierarchy|level"):
             calibrate.parse_hierarchy(bad, LAYERS)

@@ -49,10 +49,13 @@ def _layer_logits(target, tparams, heads: dict, toks: np.ndarray, layers: Sequen
 
 def agreement(target, tparams, heads: dict, layers: Sequence[int], seqs, prompt_lens,
               sampler=sampling.Greedy(), ngram: NGramDrafter = NGramDrafter(),
-              progress=None) -> tuple[np.ndarray, int]:
+              progress=None, draft_sampler=None) -> tuple[np.ndarray, int]:
     """``(alpha, positions)``: the ``(K+1) x (K+1)`` agreement matrix of the candidates
     (upper triangle filled) over every decoded position of ``seqs`` (token lists whose
-    first ``prompt_lens[b]`` tokens are the prompt)."""
+    first ``prompt_lens[b]`` tokens are the prompt). Exit candidates draw with
+    ``draft_sampler`` (default: ``sampler``, the target's), as HSD levels with their own
+    temperature do."""
+    draft_sampler = sampler if draft_sampler is None else draft_sampler
     n = len(layers) + 2
     pairs = list(zip(*np.triu_indices(n, 1)))
 
@@ -61,7 +64,7 @@ def agreement(target, tparams, heads: dict, layers: Sequence[int], seqs, prompt_
         """Sums over positions ``lo <= t < hi`` of ``sum_v min(p_i, p_j)`` for each pair."""
         exits, final = _layer_logits(target, tp, hp, toks, layers)
         ps = [_ngram_probs(ngram, toks, lo, final.shape[-1])]
-        ps += [sampling.probs(exits[l], sampler) for l in layers]
+        ps += [sampling.probs(exits[l], draft_sampler) for l in layers]
         ps.append(sampling.probs(final, sampler))
         c = toks.shape[0]
         keep = ((jnp.arange(c) >= lo - 1) & (jnp.arange(c) < hi - 1))[:, None]
@@ -206,10 +209,13 @@ def tune(calib: dict, t_max: int = 8, max_levels: int = 4, model: hier.Model = "
 
 
 def hierarchy_from(sigma: Sequence[int], T: Sequence[int], layers: Sequence[int],
-                   heads: dict) -> tuple[hsd.Hierarchy, tuple]:
-    """``(Hierarchy, hparams)`` that ``hsd_generate`` runs for candidate indices ``sigma``."""
+                   heads: dict, temperatures: Sequence[float | None] | None = None
+                   ) -> tuple[hsd.Hierarchy, tuple]:
+    """``(Hierarchy, hparams)`` that ``hsd_generate`` runs for candidate indices ``sigma``;
+    ``temperatures[k]`` is exit level ``k``'s own draft temperature (None: the target's)."""
     cand, levels, hp = names(layers), [], []
-    for i in sigma:
+    temps = list(temperatures or [None] * len(sigma)) + [None] * len(sigma)
+    for k, i in enumerate(sigma):
         if cand[i] == "ngram":
             levels.append(hsd.NGram())
             hp.append(None)
@@ -218,15 +224,37 @@ def hierarchy_from(sigma: Sequence[int], T: Sequence[int], layers: Sequence[int]
             hp.append(None)
         else:
             layer = int(cand[i].split()[1])
-            levels.append(hsd.Exit(layer, exit_head))
+            levels.append(hsd.Exit(layer, exit_head, temps[k]))
             hp.append(heads.get(layer))
     return hsd.Hierarchy(tuple(levels), tuple(int(t) for t in T)), tuple(hp)
 
 
+def level_temperatures(spec: str) -> tuple[float | None, ...]:
+    """Each level's own draft temperature in a spec, ``L@t:T`` (None where not given):
+    ``"ngram:4,12@0.5:3,target"`` -> ``(None, 0.5, None)``."""
+    out = []
+    for p in (p.strip() for p in spec.split(",") if p.strip()):
+        name = p.partition(":")[0]
+        t = name.partition("@")[2]
+        try:
+            out.append(float(t) if t else None)
+        except ValueError:
+            raise ValueError(f"bad temperature in level {p!r} of {spec!r}: use L@t:T, e.g. "
+                             "12@0.5:3") from None
+        if t and (name.startswith("ngram") or name == "target" or out[-1] < 0):
+            raise ValueError(f"bad level {p!r} in {spec!r}: only exit levels take a "
+                             "temperature, and it must be >= 0")
+    return tuple(out)
+
+
 def parse_hierarchy(spec: str, layers: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``"ngram:4,12:3,target"`` -> candidate indices and T values: every level but the
-    last is ``ngram:T`` or ``L:T`` (an exit layer among ``layers``); the last is ``target``."""
+    last is ``ngram:T`` or ``L:T`` (an exit layer among ``layers``, optionally ``L@t:T``
+    with its own draft temperature, see ``level_temperatures``); the last is ``target``."""
+    level_temperatures(spec)
     parts = [p.strip() for p in spec.split(",") if p.strip()]
+    parts = [p.split("@")[0] + (":" + p.split(":", 1)[1] if "@" in p and ":" in p else "")
+             for p in parts]
     if len(parts) < 2 or parts[-1] != "target":
         raise ValueError(f"bad hierarchy {spec!r}: want e.g. 'ngram:4,12:3,target'")
     cand, sigma, T = names(layers), [], []
@@ -241,13 +269,17 @@ def parse_hierarchy(spec: str, layers: Sequence[int]) -> tuple[tuple[int, ...], 
     return tuple(sigma) + (len(cand) - 1,), tuple(T)
 
 
-def format_hierarchy(sigma: Sequence[int], T: Sequence[int], layers: Sequence[int]) -> str:
-    """The spec ``parse_hierarchy`` reads back, e.g. ``"ngram:4,12:3,target"``."""
+def format_hierarchy(sigma: Sequence[int], T: Sequence[int], layers: Sequence[int],
+                     temperatures: Sequence[float | None] | None = None) -> str:
+    """The spec ``parse_hierarchy`` reads back, e.g. ``"ngram:4,12@0.5:3,target"``."""
     cand = names(layers)
-    parts = [("ngram" if cand[i] == "ngram" else cand[i].split()[1]) + f":{t}"
-             for i, t in zip(sigma, T)]
+    temps = list(temperatures or []) + [None] * len(sigma)
+    parts = [("ngram" if cand[i] == "ngram" else cand[i].split()[1])
+             + (f"@{temps[k]:g}" if temps[k] is not None and cand[i] != "ngram" else "")
+             + f":{t}"
+             for k, (i, t) in enumerate(zip(sigma, T))]
     return ",".join(parts + ["target"])
 
 
 __all__ = ["names", "agreement", "forward_costs", "level_costs", "predicted_latency", "tune",
-           "hierarchy_from", "parse_hierarchy", "format_hierarchy"]
+           "hierarchy_from", "parse_hierarchy", "format_hierarchy", "level_temperatures"]
