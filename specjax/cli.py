@@ -126,9 +126,10 @@ def _hsd(lm, args, spec: str):
             raise UsageError(str(e)) from None
     temps = calibrate.level_temperatures(spec) if spec != "auto" else _draft_temps(calib,
                                                                                    len(sigma))
-    h, hp = calibrate.hierarchy_from(sigma, T, layers, heads, temps)
+    horizontal = calibrate.horizontal_of(spec)[1]
+    h, hp = calibrate.hierarchy_from(sigma, T, layers, heads, temps, horizontal)
     h.check(lm.model)
-    return h, hp, calibrate.format_hierarchy(sigma, T, layers, temps)
+    return h, hp, calibrate.format_hierarchy(sigma, T, layers, temps, horizontal)
 
 
 def _generate_once(lm, ids, args) -> dict:

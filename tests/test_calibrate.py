@@ -135,8 +135,13 @@ def test_hierarchy_specs_parse_strictly_and_run(toy):
     assert calibrate.format_hierarchy((0, 2, 3), (4, 3), LAYERS, (None, 0.5)) == spec
     h, _ = calibrate.hierarchy_from((0, 2, 3), (4, 3), LAYERS, heads, (None, 0.5))
     assert h.levels[1].temperature == 0.5 and h.levels[2].temperature is None
-    for bad in ("ngram@0.5:4,target", "2@x:3,target", "2@-1:3,target"):
-        with pytest.raises(ValueError, match="temperature|level"):
+    spec = "ngram:4,2@0.5:3,target+h10"  # and the horizontal heuristic
+    assert calibrate.parse_hierarchy(spec, LAYERS) == ((0, 2, 3), (4, 3))
+    assert calibrate.horizontal_of(spec) == ("ngram:4,2@0.5:3,target", 10)
+    assert calibrate.format_hierarchy((0, 2, 3), (4, 3), LAYERS, (None, 0.5), 10) == spec
+    assert calibrate.hierarchy_from((0, 2, 3), (4, 3), LAYERS, heads, None, 10)[0].horizontal == 10
+    for bad in ("ngram@0.5:4,target", "2@x:3,target", "2@-1:3,target", "2:3,target+hx"):
+        with pytest.raises(ValueError, match="temperature|level|horizontal"):
             calibrate.parse_hierarchy(bad, LAYERS)
     for bad in ("ngram:4,2:3", "3:2,target", "ngram:0,target", "ngram,target", "target"):
         with pytest.raises(ValueError, match="hierarchy|level"):

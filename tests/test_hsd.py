@@ -24,6 +24,8 @@ HIERARCHIES = {
     "exit-exit-target": ((hsd.Exit(1), hsd.Exit(2), hsd.Exit()), (2, 3)),
     "ngram-exit-target": ((NG, hsd.Exit(1), hsd.Exit()), (3, 2)),
     "4-levels": ((NG, hsd.Exit(1), hsd.Exit(2), hsd.Exit()), (2, 2, 2)),
+    "exit-exit-target+h3": ((hsd.Exit(1), hsd.Exit(2), hsd.Exit()), (2, 3), 3),
+    "4-levels+h2": ((NG, hsd.Exit(1), hsd.Exit(2), hsd.Exit()), (2, 2, 2), 2),
 }
 
 
@@ -44,6 +46,8 @@ def test_greedy_hsd_equals_ar_on_toy(toy, name):
     assert np.all(out.drafted[1:] > 0), "some level never verified anything: vacuous"
     assert np.all(out.accepted[1:] > 0), "no draft was ever accepted: vacuous"
     assert out.forwards[-1] < sum(budgets), "the target ran once per token: no speculation"
+    if h.horizontal and not isinstance(h.levels[0], hsd.NGram):  # level 0 adds h every time
+        assert out.drafted[-1] >= (out.forwards[-1] - len(prompts)) * (h.T[-1] + h.horizontal)
 
 
 def _exact_second_and_third(model, tp, sampler):
@@ -60,13 +64,14 @@ def _exact_second_and_third(model, tp, sampler):
     return np.einsum("a,ab,abc->bc", p0, p1, p2)  # a, b, c: y0, y1, y2 in [0, V)
 
 
-@pytest.mark.parametrize("name", ["exit-exit-target", "ngram-exit-target"])
+@pytest.mark.parametrize("name", ["exit-exit-target", "ngram-exit-target",
+                                  "exit-exit-target+h3", "4-levels+h2"])
 def test_sampled_three_level_hsd_matches_target(toy, name):
     from test_speculative import _pvalue
 
     model, tp = toy
-    levels, T = HIERARCHIES[name]
-    h = hsd.Hierarchy(levels, (2, 2) if name == "exit-exit-target" else T)
+    levels, T, *h = HIERARCHIES[name]
+    h = hsd.Hierarchy(levels, (2, 2) if name == "exit-exit-target" else T, *h)
     sampler = sampling.Sample(1.0)
     counts, acc = np.zeros((V, V)), []
     for i in range(20):

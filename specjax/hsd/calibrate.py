@@ -209,8 +209,8 @@ def tune(calib: dict, t_max: int = 8, max_levels: int = 4, model: hier.Model = "
 
 
 def hierarchy_from(sigma: Sequence[int], T: Sequence[int], layers: Sequence[int],
-                   heads: dict, temperatures: Sequence[float | None] | None = None
-                   ) -> tuple[hsd.Hierarchy, tuple]:
+                   heads: dict, temperatures: Sequence[float | None] | None = None,
+                   horizontal: int = 0) -> tuple[hsd.Hierarchy, tuple]:
     """``(Hierarchy, hparams)`` that ``hsd_generate`` runs for candidate indices ``sigma``;
     ``temperatures[k]`` is exit level ``k``'s own draft temperature (None: the target's)."""
     cand, levels, hp = names(layers), [], []
@@ -226,14 +226,25 @@ def hierarchy_from(sigma: Sequence[int], T: Sequence[int], layers: Sequence[int]
             layer = int(cand[i].split()[1])
             levels.append(hsd.Exit(layer, exit_head, temps[k]))
             hp.append(heads.get(layer))
-    return hsd.Hierarchy(tuple(levels), tuple(int(t) for t in T)), tuple(hp)
+    return hsd.Hierarchy(tuple(levels), tuple(int(t) for t in T), horizontal), tuple(hp)
+
+
+def horizontal_of(spec: str) -> tuple[str, int]:
+    """``(spec without it, h)`` for a spec ending ``+hN`` (the horizontal heuristic,
+    ``Hierarchy.horizontal``): ``"12:3,target+h10"`` -> ``("12:3,target", 10)``."""
+    base, plus, h = spec.strip().rpartition("+h")
+    if not plus:
+        return spec, 0
+    if not h.isdigit():
+        raise ValueError(f"bad horizontal suffix in {spec!r}: use e.g. '...,target+h10'")
+    return base, int(h)
 
 
 def level_temperatures(spec: str) -> tuple[float | None, ...]:
     """Each level's own draft temperature in a spec, ``L@t:T`` (None where not given):
     ``"ngram:4,12@0.5:3,target"`` -> ``(None, 0.5, None)``."""
     out = []
-    for p in (p.strip() for p in spec.split(",") if p.strip()):
+    for p in (p.strip() for p in horizontal_of(spec)[0].split(",") if p.strip()):
         name = p.partition(":")[0]
         t = name.partition("@")[2]
         try:
@@ -252,6 +263,7 @@ def parse_hierarchy(spec: str, layers: Sequence[int]) -> tuple[tuple[int, ...], 
     last is ``ngram:T`` or ``L:T`` (an exit layer among ``layers``, optionally ``L@t:T``
     with its own draft temperature, see ``level_temperatures``); the last is ``target``."""
     level_temperatures(spec)
+    spec = horizontal_of(spec)[0]
     parts = [p.strip() for p in spec.split(",") if p.strip()]
     parts = [p.split("@")[0] + (":" + p.split(":", 1)[1] if "@" in p and ":" in p else "")
              for p in parts]
@@ -270,7 +282,8 @@ def parse_hierarchy(spec: str, layers: Sequence[int]) -> tuple[tuple[int, ...], 
 
 
 def format_hierarchy(sigma: Sequence[int], T: Sequence[int], layers: Sequence[int],
-                     temperatures: Sequence[float | None] | None = None) -> str:
+                     temperatures: Sequence[float | None] | None = None,
+                     horizontal: int = 0) -> str:
     """The spec ``parse_hierarchy`` reads back, e.g. ``"ngram:4,12@0.5:3,target"``."""
     cand = names(layers)
     temps = list(temperatures or []) + [None] * len(sigma)
@@ -278,8 +291,9 @@ def format_hierarchy(sigma: Sequence[int], T: Sequence[int], layers: Sequence[in
              + (f"@{temps[k]:g}" if temps[k] is not None and cand[i] != "ngram" else "")
              + f":{t}"
              for k, (i, t) in enumerate(zip(sigma, T))]
-    return ",".join(parts + ["target"])
+    return ",".join(parts + ["target"]) + (f"+h{horizontal}" if horizontal else "")
 
 
 __all__ = ["names", "agreement", "forward_costs", "level_costs", "predicted_latency", "tune",
-           "hierarchy_from", "parse_hierarchy", "format_hierarchy", "level_temperatures"]
+           "hierarchy_from", "parse_hierarchy", "format_hierarchy", "level_temperatures",
+           "horizontal_of"]

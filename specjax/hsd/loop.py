@@ -91,10 +91,16 @@ Level = Exit | NGram
 @dataclasses.dataclass(frozen=True)
 class Hierarchy:
     """``levels`` cheapest first, the last being ``Exit()`` (the target); ``T[k]`` is how
-    many tokens level ``k + 1`` collects from level ``k`` before it verifies them."""
+    many tokens level ``k + 1`` collects from level ``k`` before it verifies them.
+
+    ``horizontal = h > 0`` is the paper's horizontal heuristic: every level ``k >= 2``
+    verifies, after the tokens collected from level ``k - 1``, ``h`` more tokens that level
+    0 drafts straight on (each with the q it was drawn from, so it stays lossless).
+    """
 
     levels: tuple[Level, ...]
     T: tuple[int, ...]
+    horizontal: int = 0  # level 0 appends this many tokens to every verification above level 1
 
     def check(self, target) -> None:
         """Raises ``ValueError`` for a hierarchy that cannot run on ``target``."""
@@ -105,6 +111,12 @@ class Hierarchy:
                              f"got {len(self.T)}")
         if any(int(t) < 1 for t in self.T):
             raise ValueError(f"every T must be >= 1, got {self.T}")
+        if self.horizontal < 0:
+            raise ValueError(f"horizontal must be >= 0, got {self.horizontal}")
+        if self.horizontal and isinstance(self.levels[0], NGram) \
+                and self.levels[0].drafter.depth < self.horizontal:
+            raise ValueError(f"the n-gram drafter proposes {self.levels[0].drafter.depth} "
+                             f"tokens, fewer than horizontal={self.horizontal}")
         if self.levels[-1] != Exit():
             raise ValueError("the last level must be the target, Exit() (it samples at the "
                              "target's own temperature)")
@@ -129,10 +141,11 @@ class Hierarchy:
 
     @property
     def buffer(self) -> tuple[int, ...]:
-        """``M[k]``: the most drafts level ``k`` verifies at once (``M[0] = 0``)."""
+        """``M[k]``: the most drafts level ``k`` verifies at once (``M[0] = 0``): level
+        ``k - 1``'s overshoot past ``T[k-1]`` and, above level 1, the horizontal tokens."""
         m = [0, self.T[0]]
         for k in range(2, len(self.levels)):
-            m.append(self.T[k - 1] + m[k - 1])
+            m.append(self.T[k - 1] + m[k - 1] + self.horizontal)
         return tuple(m)
 
 
@@ -242,31 +255,65 @@ class _Run:
                             valid)
             return s.replace(tokens=tokens, n=_set_row(s.n, 0, active, start + jnp.sum(valid, 1)),
                              forwards=s.forwards.at[0].add(active))
+        tokens, cache, q, key = self._sample0(s, active, start, t0, s.q[1], jnp.zeros_like(start))
+        qs = s.q if q is None else (s.q[0], _sel(active, q, s.q[1])) + s.q[2:]
+        caches = (cache,) + s.caches[1:]
+        return s.replace(tokens=tokens, n=_set_row(s.n, 0, active, start + t0), caches=caches,
+                         q=qs, key=key, forwards=s.forwards.at[0].add(active * t0))
+
+    def _sample0(self, s: HSDState, active, start, count: int, q, q_off):
+        """Level 0 (an exit) draws ``count`` tokens after position ``start``; their q go to
+        slots ``q_off + i`` of ``q`` (when not None). Returns tokens, level 0's cache (length
+        ``start + count`` on active rows), q and the key."""
         logits, cache = self.score(0, s, start, 1)
         cache = cache.replace(length=start)
-        q = s.q[1]
+        rows = jnp.arange(start.shape[0])
 
         def body(i, c):
             tokens, cache, q, key, logits = c
             key, sub = jax.random.split(key)
             x = sampling.sample(sub, logits, self.draws(0))
             if q is not None:
-                q = q.at[:, i].set(sampling.probs(logits, self.reports(0)))
+                q = q.at[rows, q_off + i].set(sampling.probs(logits, self.reports(0)),
+                                              mode="drop")
             pos = (start + i)[:, None]
             tokens = _write(tokens, pos, x[:, None], active[:, None])
             lg, cache = self.h.levels[0].score(self.target, self.tparams, self.hparams[0],
                                                x[:, None], pos, cache)
             return tokens, cache.advance(1), q, key, lg[:, 0]
 
-        tokens, cache, q, key, logits = lax.fori_loop(
-            0, t0, body, (s.tokens, cache, q, s.key, logits[:, 0]))
+        tokens, cache, q, key, _ = lax.fori_loop(
+            0, count, body, (s.tokens, cache, q, s.key, logits[:, 0]))
         # the last forward (of the last draft) is one step ahead of what is needed; its
         # slot stays below the cache length, so it is kept
-        qs = s.q if q is None else (s.q[0], _sel(active, q, s.q[1])) + s.q[2:]
-        cache = cache.replace(length=jnp.where(active, start + t0, s.caches[0].length))
-        caches = (cache,) + s.caches[1:]
-        return s.replace(tokens=tokens, n=_set_row(s.n, 0, active, start + t0), caches=caches,
-                         q=qs, key=key, forwards=s.forwards.at[0].add(active * t0))
+        cache = cache.replace(length=jnp.where(active, start + count, s.caches[0].length))
+        return tokens, cache, q, key
+
+    def extend(self, k: int, s: HSDState, active) -> tuple[HSDState, Array]:
+        """The horizontal heuristic: level 0 drafts ``h`` tokens after level ``k - 1``'s,
+        for level ``k`` to verify with them. Returns the state and each row's count."""
+        h, lvl, at = self.h.horizontal, self.h.levels[0], s.n[k - 1]
+        q_off = at - s.n[k]
+        if isinstance(lvl, NGram):
+            ctx = Context(tokens=s.tokens, length=at, prompt_len=self.prompt_len, cache=None,
+                          params=self.tparams)
+            d, _, _ = lvl.drafter.propose(None, (), ctx, None, sampling.Greedy())
+            valid = (jnp.cumprod(d.valid[:, :h], axis=1) > 0) & active[:, None]
+            tokens = _write(s.tokens, at[:, None] + jnp.arange(h)[None], d.tokens[:, :h], valid)
+            q = list(s.q)
+            if q[k] is not None:  # deterministic drafts: one-hot q
+                oh = jax.nn.one_hot(d.tokens[:, :h], q[k].shape[-1], dtype=q[k].dtype)
+                rows = jnp.arange(at.shape[0])[:, None]
+                q[k] = q[k].at[rows, q_off[:, None] + jnp.arange(h)[None]].set(oh, mode="drop")
+            return (s.replace(tokens=tokens, q=tuple(q), forwards=s.forwards.at[0].add(active)),
+                    jnp.sum(valid, 1))
+        tokens, cache, q, key = self._sample0(s, active, at, h, s.q[k], q_off)
+        qs = list(s.q)
+        if q is not None:
+            qs[k] = _sel(active, q, s.q[k])
+        return (s.replace(tokens=tokens, caches=(cache,) + s.caches[1:], q=tuple(qs), key=key,
+                          forwards=s.forwards.at[0].add(active * h)),
+                jnp.where(active, h, 0))
 
     def fill(self, k: int, s: HSDState, active) -> HSDState:
         """Level ``k - 1`` produces until level ``k`` holds ``T[k-1]`` drafts per row."""
@@ -284,6 +331,9 @@ class _Run:
         s = self.fill(k, s, active)
         m, b = self.h.buffer[k], start.shape[0]
         d = s.n[k - 1] - start
+        if self.h.horizontal and k >= 2:
+            s, extra = self.extend(k, s, active)
+            d = d + extra
         logits, cache = self.score(k, s, start, m + 1)
         pos = start[:, None] + jnp.arange(m)[None]
         chain = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32) - 1, (b, m))
