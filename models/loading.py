@@ -403,7 +403,8 @@ def hf_t5_config(d: dict):
     """A T5Config from an HF ``config.json`` (``model_type`` ``t5``).
 
     The LM head scaling follows transformers: ``scale_decoder_outputs`` when the file has it
-    (transformers >= 5 writes it), else ``tie_word_embeddings`` (default true)."""
+    (transformers >= 5 writes it), else ``tie_word_embeddings`` (default true). Whether the
+    head is tied is settled when the weights load: by a saved ``lm_head.weight``."""
     from specjax.models.t5 import T5Config
 
     proj = d.get("feed_forward_proj", "relu")

@@ -98,9 +98,9 @@ def test_logits_equal_transformers_in_public_shapes(hf_dirs, name):
     assert (np.asarray(logits).argmax(-1) == ref_logits.argmax(-1)).all()
 
 
-def test_greedy_generate_equals_transformers(hf_dirs):
-    """A whole rollout in the t5-small shape (the logits test covers v1.1's)."""
-    path = hf_dirs["t5-small"]
+@pytest.mark.parametrize("name", ["t5-small", "t5-v1_1-small"])
+def test_greedy_generate_equals_transformers(hf_dirs, name):
+    path = hf_dirs[name]
     cfg, params = loading.load_hf_dir(path)
     ref = T5ForConditionalGeneration.from_pretrained(str(path)).eval()
     rng = np.random.default_rng(3)
@@ -111,6 +111,23 @@ def test_greedy_generate_equals_transformers(hf_dirs):
             hf = ref.generate(torch.tensor([src]), max_new_tokens=16, do_sample=False,
                               eos_token_id=None, min_length=0)
         assert row == hf[0, 1:].tolist()
+
+
+def test_flan_t5_base_config_reads_as_its_shape(tmp_path):
+    """The third public shape, from the config transformers writes (its weights are 1 GB:
+    scripts/t5_bench.sh builds and runs them)."""
+    from transformers import T5Config as HFConfig
+
+    from specjax.models import FLAN_T5_BASE
+    from specjax.models.t5_random import HF_SHAPES
+
+    fields = dict(HF_SHAPES["flan-t5-base"])
+    HFConfig(decoder_start_token_id=0, **fields).save_pretrained(str(tmp_path))
+    cfg = loading.hf_dir_config(tmp_path)
+    assert not cfg.scale_output  # v1.1 / Flan: no d_model ** -0.5 before the head
+    # whether the head is tied is settled by the weights (a saved lm_head.weight or not)
+    assert dataclasses.replace(cfg, max_position_embeddings=2048, max_source_positions=2048,
+                               tie_embeddings=False) == FLAN_T5_BASE
 
 
 # --- the decoder's cache and tree bias ----------------------------------------------------
