@@ -143,7 +143,9 @@ def _plot(res: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    split = bool(res["breakdown_ms"])  # the second panel only when there is a breakdown
+    fig, axes = plt.subplots(1, 2 if split else 1, figsize=(11 if split else 6, 4))
+    a, b = (axes if split else (axes, None))
     one = res["padded_ms"][min(res["padded_ms"])]
     for key, label in (("padded_ms", "shipped (weights left, padded widths)"),
                        ("unpadded_ms", "weights left, no padding")):
@@ -154,6 +156,11 @@ def _plot(res: dict, path: str) -> None:
     a.set_ylabel("cost / 1-token forward")
     a.set_title(f"{res['model']}, {res['filled']} tokens cached, {res['device']}")
     a.legend(fontsize=8)
+    if b is None:
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        print(f"wrote {path}")
+        return
     ws = sorted(res["breakdown_ms"], key=int)
     kinds = ["weight_matmuls", "attention", "other"]
     bottom = np.zeros(len(ws))
