@@ -452,6 +452,10 @@ def cmd_bench(args) -> int:
         raise UsageError("hf-pld is greedy only; drop it when --temperature > 0")
     if args.random_prompts and args.questions:
         raise UsageError("give --questions or --random-prompts, not both")
+    questions = (None if args.random_prompts else  # checked before the model loads
+                 bench.load_questions(args.questions, args.categories, args.limit))
+    settings = _bench_settings(args, methods)
+    done = bench.restore_runs(args.out, settings)  # an interrupted bench resumes here
     lm = load(args.model, _dtype(args.dtype), tokenizer=not args.random_prompts)
     if args.random_prompts:
         questions = bench.random_questions(args.random_prompts, args.prompt_len,
@@ -459,10 +463,6 @@ def cmd_bench(args) -> int:
     elif lm.tokenizer is None:
         raise UsageError(f"{args.model} has no tokenizer files: bench it on token ids with "
                          "--random-prompts N [--prompt-len L]")
-    else:
-        questions = bench.load_questions(args.questions, args.categories, args.limit)
-    settings = _bench_settings(args, methods)
-    done = bench.restore_runs(args.out, settings)  # an interrupted bench resumes here
     threads = args.threads or os.cpu_count() or 1
     hierarchies = {}  # hsd method -> the hierarchy it runs, as a spec
     run = _bench_runners(args, lm, methods, threads, hierarchies)
