@@ -161,22 +161,25 @@ def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Pa
                                         **dataclasses.asdict(cfg)}, fresh)
     vid = None if ids is None else jnp.asarray(ids)
     idx = jnp.asarray(index_of)
-    lf = lambda p, *b: loss_fn(p, tparams, *b, vid, idx, target=target, cfg=cfg)
+    # the target's weights are arguments, not constants captured by the trace: embedded in
+    # the program they cost a large model seconds per step on XLA:CPU
+    lf = lambda p, tp, *b: loss_fn(p, tp, *b, vid, idx, target=target, cfg=cfg)
 
     @jax.jit
-    def step_fn(st, toks, hidden, mask):
-        grads, m = jax.grad(lf, has_aux=True)(st["params"], toks, hidden, mask)
+    def step_fn(st, tp, toks, hidden, mask):
+        grads, m = jax.grad(lf, has_aux=True)(st["params"], tp, toks, hidden, mask)
         updates, opt_state = opt.update(grads, st["opt_state"], st["params"])
         return {"params": optax.apply_updates(st["params"], updates), "opt_state": opt_state,
                 "step": st["step"] + 1}, m
 
     @jax.jit
-    def evaluate(p, toks, hidden, mask):
-        _, m = lf(p, toks, hidden, mask)
+    def evaluate_tp(p, tp, toks, hidden, mask):
+        _, m = lf(p, tp, toks, hidden, mask)
         return m, jnp.sum(mask)
 
+    evaluate = lambda p, *b: evaluate_tp(p, tparams, *b)
     plan = train_eagle.batch_plan(train_set, _eagle_cfg(cfg))
-    step = lambda st, s: step_fn(st, *_batch(train_set, plan, s, cfg))
+    step = lambda st, s: step_fn(st, tparams, *_batch(train_set, plan, s, cfg))
     on_save = None if not val else lambda st: validate(evaluate, st["params"], val, cfg)
     state = loop.run_steps(state, step, mngr, steps=cfg.steps, save_every=cfg.save_every,
                            stop_after=stop_after, progress=progress, log=log, on_save=on_save)

@@ -247,7 +247,8 @@ def chains(tokens: Int[Array, "B W L"]) -> Draft:
 
 # ----------------------------------------------------------------------------- loading
 
-SHIPPED = {"smollm2-135m": "heads/smollm2-135m-redrafter"}  # registry name -> package data
+SHIPPED = {"smollm2-135m": "heads/smollm2-135m-redrafter",  # registry name -> package data
+           "gemma3-270m": "heads/gemma3-270m-redrafter"}
 
 
 def shipped_head(model_name: str):
