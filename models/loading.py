@@ -492,7 +492,6 @@ def t5_params(cfg, tensors: dict[str, np.ndarray], source: str, dtype=jnp.float3
         want_top["lm_head"] = (v, d)
     missing = [k for k in want_top if top.get(k) is None] + [
         f"{s}.rel_bias" for s in ("encoder", "decoder") if s not in rel]
-    params = {}
     for k, shape in want_top.items():
         if k in top and top[k] is not None and tuple(top[k].shape) != shape:
             raise WeightLoadError(f"{source}: {k} has shape {top[k].shape}; expected {shape}")

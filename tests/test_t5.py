@@ -160,7 +160,7 @@ def test_tree_siblings_get_the_bias_of_their_own_chains(toy):
     cache = cache.advance(3)
     r, a, b, c = 7, 21, 33, 50
     tree_tokens = jnp.asarray([[r, a, b, c]])
-    parents = jnp.asarray([[-1, 0, 0, 2]])  # r, a<-r, b<-r, c<-b
+    # parents r, a<-r, b<-r, c<-b: each node sees itself and its ancestors
     mask = jnp.asarray([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]], bool)
     pos = jnp.asarray([[3, 4, 4, 5]])
     tree_logits, _, _ = model.forward(bp, tree_tokens, pos, cache, mask)
@@ -169,7 +169,6 @@ def test_tree_siblings_get_the_bias_of_their_own_chains(toy):
         lg, _, _ = model.forward(bp, jnp.asarray([chain]), (3 + jnp.arange(t))[None], cache)
         np.testing.assert_allclose(np.asarray(tree_logits[0, jnp.asarray(nodes)]),
                                    np.asarray(lg[0]), atol=1e-5)
-    del parents
 
 
 # --- every method equals ar ------------------------------------------------------------------
