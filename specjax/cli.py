@@ -111,10 +111,11 @@ def _hsd(lm, args, spec: str):
         if layers != list(calib["layers"]):
             raise UsageError(f"{args.calibration} was measured for exit layers "
                              f"{calib['layers']}, but the exit heads have {layers}")
-        lat, sigma, T, table = calibrate.tune(calib, args.t_max, args.max_levels)
+        lat, sigma, T, horizontal, table = calibrate.tune(calib, args.t_max, args.max_levels,
+                                                          horizontal=args.horizontal)
         if len(sigma) == 1:  # the target alone is predicted fastest: run the best hierarchy
             row = min(table, key=lambda r: r["latency_ms"])
-            sigma, T = row["sigma"], row["T"]
+            sigma, T, horizontal = row["sigma"], row["T"], row["horizontal"]
             print(f"note: the target alone is predicted faster ({lat:.1f} ms/token) than any "
                   f"hierarchy (best {row['latency_ms']:.1f}); running that best one",
                   file=sys.stderr)
@@ -124,9 +125,9 @@ def _hsd(lm, args, spec: str):
             sigma, T = calibrate.parse_hierarchy(spec, layers)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        horizontal = calibrate.horizontal_of(spec)[1]
     temps = calibrate.level_temperatures(spec) if spec != "auto" else _draft_temps(calib,
                                                                                    len(sigma))
-    horizontal = calibrate.horizontal_of(spec)[1]
     h, hp = calibrate.hierarchy_from(sigma, T, layers, heads, temps, horizontal)
     h.check(lm.model)
     return h, hp, calibrate.format_hierarchy(sigma, T, layers, temps, horizontal)
@@ -365,25 +366,37 @@ def _draft_temps(calib: dict, n_levels: int) -> tuple | None:
     return tuple([t] * (n_levels - 1) + [None])
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    """``"0,10"`` -> ``(0, 10)``: non-negative ints (argparse type)."""
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        out = ()
+    if not out or min(out) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative ints like 0,10, got {text!r}")
+    return out
+
+
 def cmd_tune(args) -> int:
     from specjax.hsd import calibrate
 
     calib = json.loads(Path(args.calibration).read_text())
     t = time.perf_counter()
-    lat, sigma, T, table = calibrate.tune(calib, args.t_max, args.max_levels)
+    lat, sigma, T, h, table = calibrate.tune(calib, args.t_max, args.max_levels,
+                                             horizontal=args.horizontal)
     dt = time.perf_counter() - t
     layers = calib["layers"]
     ar = calibrate.predicted_latency(calib, (len(layers) + 1,), ())
     table.sort(key=lambda r: r["latency_ms"])
-    spec = lambda sg, tt: calibrate.format_hierarchy(sg, tt, layers,
-                                                     _draft_temps(calib, len(sg)))
+    spec = lambda sg, tt, h: calibrate.format_hierarchy(sg, tt, layers,
+                                                        _draft_temps(calib, len(sg)), h)
     for r in table[:10]:
-        print(f"{r['latency_ms']:8.2f} ms/token  {spec(r['sigma'], r['T'])}")
-    best = spec(sigma, T)
+        print(f"{r['latency_ms']:8.2f} ms/token  {spec(r['sigma'], r['T'], r['horizontal'])}")
+    best = spec(sigma, T, h)
     print(f"best: {best}: {lat:.2f} ms/token predicted vs {ar:.2f} for the target alone "
           f"({ar / lat:.2f}x); {len(table)} hierarchies searched in {dt:.2f} s")
     if args.out:
-        rows = [{**r, "spec": spec(r["sigma"], r["T"])} for r in table]
+        rows = [{**r, "spec": spec(r["sigma"], r["T"], r["horizontal"])} for r in table]
         Path(args.out).write_text(json.dumps({"best": best, "latency_ms": lat,
                                               "target_alone_ms": ar, "ranking": rows}, indent=1))
     return 0
@@ -775,6 +788,11 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--calibration", help="JSON from `specjax calibrate` (hsd auto)")
         s.add_argument("--t-max", type=int, default=8, help="largest T the tuner tries")
         s.add_argument("--max-levels", type=int, default=4, help="most levels the tuner tries")
+        horizontal_option(s)
+
+    def horizontal_option(s):
+        s.add_argument("--horizontal", type=_sizes, default=(0,), help="horizontal-heuristic "
+                       "sizes the tuner tries, e.g. 0,10 (default: 0, off)")
 
     g = sub.add_parser("generate", help="decode one prompt")
     common(g)
@@ -844,6 +862,7 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--calibration", required=True, help="JSON from `specjax calibrate`")
     tu.add_argument("--t-max", type=int, default=8)
     tu.add_argument("--max-levels", type=int, default=4)
+    horizontal_option(tu)
     tu.add_argument("--out", help="write the ranking as JSON")
     tu.set_defaults(fn=cmd_tune)
 

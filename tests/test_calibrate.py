@@ -108,7 +108,8 @@ def test_level_costs_follow_the_widths_hsd_runs():
 
 
 def test_tune_returns_the_least_predicted_latency():
-    lat, sigma, T, table = calibrate.tune(CALIB, t_max=5, max_levels=4)
+    lat, sigma, T, h, table = calibrate.tune(CALIB, t_max=5, max_levels=4)
+    assert h == 0 and {r["horizontal"] for r in table} == {0}
     assert lat == pytest.approx(calibrate.predicted_latency(CALIB, sigma, T))
     assert lat == pytest.approx(min(r["latency_ms"] for r in table)) and lat < 8.0
     assert {r["sigma"] for r in table} == {(0, 3), (1, 3), (2, 3), (0, 1, 3), (0, 2, 3),
@@ -123,6 +124,51 @@ def test_tune_returns_the_least_predicted_latency():
         calibrate.tune(CALIB, max_levels=1)
     wide = calibrate.level_costs(CALIB["cost_ms"], (2, 3), (30,), CALIB["layers"])
     assert wide[1] == pytest.approx(24.0 + (31 - 16) * 12.0 / 12)  # extended past width 16
+
+
+def test_tune_weighs_the_horizontal_heuristic():
+    """Level 0's extra drafts pay when it agrees with the levels above and costs little,
+    and never when it never agrees; costs count the wider buffers and level 0's work."""
+    c = calibrate.level_costs(CALIB["cost_ms"], (1, 2, 3), (3, 2), CALIB["layers"], 4)
+    # level 1 as before (width 5); the target's buffer M[2] = 2 + 3 + 4 = 9, width 10
+    assert c[1] == pytest.approx(6.0 + (12.0 - 6.0) / 12)
+    assert c[2] == pytest.approx(12.0 + (24.0 - 12.0) * 6 / 12)
+    assert calibrate.horizontal_cost(CALIB["cost_ms"], 1, 2, 4, CALIB["layers"]) == \
+        pytest.approx((2.0 + 1.0 * 2 / 3) + 4 * 2.0)
+    assert calibrate.horizontal_cost(CALIB["cost_ms"], 0, 2, 4, CALIB["layers"]) == 0.2
+    good = {**CALIB, "alpha": [[0, 0.8, 0.8, 0.8], [0, 0, 0.8, 0.6], [0, 0, 0, 0.85],
+                               [0, 0, 0, 0]]}
+    lat, sigma, T, h, table = calibrate.tune(good, t_max=4, horizontal=(0, 3))
+    row = {(r["sigma"], r["horizontal"]): r for r in table}
+    assert lat == pytest.approx(min(r["latency_ms"] for r in table))
+    assert lat == pytest.approx(calibrate.predicted_latency(good, sigma, T, horizontal=h))
+    assert row[(0, 2, 3), 3]["latency_ms"] < row[(0, 2, 3), 0]["latency_ms"]
+    assert row[(0, 2, 3), 3]["latency_ms"] == pytest.approx(
+        calibrate.predicted_latency(good, (0, 2, 3), row[(0, 2, 3), 3]["T"], horizontal=3))
+    assert {k for k in row if len(k[0]) == 2} == {((i, 3), 0) for i in range(3)}  # no h rows
+    never = {**good, "alpha": [[0, 0, 0, 0]] + good["alpha"][1:]}
+    row = {(r["sigma"], r["horizontal"]): r for r in calibrate.tune(never, 4, horizontal=(0, 3))[4]}
+    assert all(r["latency_ms"] > row[k[0], 0]["latency_ms"] for k, r in row.items() if k[1])
+    with pytest.raises(ValueError, match="horizontal"):
+        calibrate.tune(CALIB, horizontal=(-1,))
+
+
+def test_cli_tune_ranks_horizontal_specs(tmp_path, capsys):
+    import json
+
+    from specjax import cli
+
+    f, out = tmp_path / "calib.json", tmp_path / "tune.json"
+    f.write_text(json.dumps({**CALIB, "alpha": [[0, 0.8, 0.8, 0.8]] + CALIB["alpha"][1:]}))
+    assert cli.main(["tune", "--calibration", str(f), "--t-max", "3", "--horizontal", "0,3",
+                     "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["ranking"]
+    specs = {r["spec"] for r in rows}
+    assert {"ngram:1,2:1,target+h3", "ngram:3,2:1,target"} <= specs
+    assert all(r["spec"].endswith("+h3") == (r["horizontal"] == 3) for r in rows)
+    with pytest.raises(SystemExit):
+        cli.main(["tune", "--calibration", str(f), "--horizontal", "0,-2"])
+    assert "non-negative" in capsys.readouterr().err
 
 
 def test_hierarchy_specs_parse_strictly_and_run(toy):

@@ -175,6 +175,43 @@ def test_exact_model_matches_simulation(seed):
     assert sim.overshoot[1] == 0.0 and sim.gamma[1] == 1.0      # the bottom fills exactly
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_horizontal_heuristic_matches_simulation(seed):
+    """Every level above the first also verifies h bottom drafts: the exact model (and the
+    paper model, for its own buffers) follows the simulation within 4 standard errors and
+    1 %; h = 0 is the model without the heuristic."""
+    rng = np.random.default_rng(200 + seed)
+    K = 4
+    costs, alpha = _random_instance(rng, K)
+    alpha = np.where(alpha > 0, np.clip(alpha, 0.3, 0.95), 0)
+    sigma, T, h = (0, 2, 3, K), tuple(int(x) for x in rng.integers(1, 5, 3)), int(rng.integers(1, 6))
+    sim = H.simulate(costs, alpha, sigma, T, 400_000, seed=seed, horizontal=h)
+    exact = H.latency(costs, alpha, sigma, T, model="exact", horizontal=h)
+    assert abs(exact - sim.latency) <= 4 * sim.stderr, (T, h, exact, sim)
+    assert abs(exact / sim.latency - 1) < 0.01
+    assert H.latency(costs, alpha, sigma, T, model="exact", horizontal=0) == \
+        H.latency(costs, alpha, sigma, T, model="exact")
+    # two levels: nothing sits above level 1, so h changes nothing
+    assert H.latency(costs, alpha, (0, K), (3,), horizontal=h) == \
+        H.latency(costs, alpha, (0, K), (3,))
+    with pytest.raises(ValueError, match="horizontal"):
+        H.latency(costs, alpha, sigma, T, horizontal=-1)
+
+
+def test_horizontal_by_hand():
+    """Three levels, T = (1, 1), h = 2; one round costs c2 + (c1 + c0) + 2 c0. The target's
+    buffer B is level 1's return: 1 ("paper"), or 2 with probability a01 ("exact"); after
+    B accepted drafts come h of level 0's at a02."""
+    c = [1.0, 3.0, 10.0]
+    a = [[None, 0.5, 0.4], [None, None, 0.8], [None, None, None]]
+    ret = lambda b: sum(0.8 ** i for i in range(b + 1)) + 0.8 ** b * (0.4 + 0.4 ** 2)
+    want = {"paper": 16.0 / ret(1), "exact": 16.0 / (0.5 * ret(1) + 0.5 * ret(2))}
+    for model, w in want.items():
+        assert H.latency(c, a, (0, 1, 2), (1, 1), model=model, horizontal=2) == pytest.approx(w)
+    assert H.latency(c, a, (0, 1, 2), (1, 1), horizontal=2, horizontal_cost=0.5) == \
+        pytest.approx(14.5 / ret(1))
+
+
 def test_simulation_counts_overshoot_and_paper_gap():
     costs, alpha, _ = _paper("table8")
     sim = H.simulate(costs, alpha, (3, 4, 5), (3, 4), 400_000, seed=0)

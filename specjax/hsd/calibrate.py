@@ -147,19 +147,20 @@ def _cost_at(table: dict, width: int) -> float:
 
 
 def level_costs(costs: dict, sigma: Sequence[int], T: Sequence[int],
-                layers: Sequence[int]) -> list[float]:
+                layers: Sequence[int], horizontal: int = 0) -> list[float]:
     """Scalar costs for ``hierarchy.latency`` of ``sigma`` (candidate indices) with ``T``:
     the bottom's cost per drafted token (a width-1 forward, plus the catch-up forward of
     width ``1 + top`` spread over ``T[0]`` tokens), and for each verifying level one forward
-    at the width ``specjax.hsd`` runs it (its buffer ``M[k]`` plus ``1 + top - k``)."""
+    at the width ``specjax.hsd`` runs it (its buffer ``M[k]`` plus ``1 + top - k``; ``M[k]``
+    holds the ``horizontal`` tokens above level 1)."""
     cand = names(layers)
-    costs = {k: {int(w): v for w, v in t.items()} for k, t in costs.items()}
+    costs = _int_widths(costs)
     top = len(sigma) - 1
     if top == 0:  # the target alone: one width-1 forward per token
         return [_cost_at(costs[cand[sigma[0]]], 1)]
-    buf = [0, T[0]]  # hsd.Hierarchy.buffer: M[k] = T[k-1] + M[k-1]
+    buf = [0, T[0]]  # hsd.Hierarchy.buffer: M[k] = T[k-1] + M[k-1] + horizontal
     for k in range(2, len(sigma)):
-        buf.append(T[k - 1] + buf[k - 1])
+        buf.append(T[k - 1] + buf[k - 1] + horizontal)
     out = []
     for k, i in enumerate(sigma):
         table = costs[cand[i]]
@@ -171,41 +172,72 @@ def level_costs(costs: dict, sigma: Sequence[int], T: Sequence[int],
     return out
 
 
+def horizontal_cost(costs: dict, bottom: int, top: int, h: int, layers: Sequence[int]) -> float:
+    """What level 0 spends on ``h`` horizontal drafts for one verification: one lookup (an
+    n-gram bottom), or a catch-up forward of width ``1 + top`` and ``h`` width-1 forwards."""
+    name = names(layers)[bottom]
+    table = _int_widths(costs)[name]
+    if name == "ngram":
+        return table[1]
+    return _cost_at(table, 1 + top) + h * _cost_at(table, 1)
+
+
+def _int_widths(costs: dict) -> dict:
+    return {k: {int(w): v for w, v in t.items()} for k, t in costs.items()}
+
+
 def predicted_latency(calib: dict, sigma: Sequence[int], T: Sequence[int],
-                      model: hier.Model = "exact") -> float:
-    """Predicted milliseconds per target token of one hierarchy under ``calib``."""
+                      model: hier.Model = "exact", horizontal: int = 0) -> float:
+    """Predicted milliseconds per target token of one hierarchy under ``calib``, with the
+    horizontal heuristic's ``horizontal`` tokens (they act from three levels up)."""
     sigma, T = tuple(sigma), tuple(T)
-    c = level_costs(calib["cost_ms"], sigma, T, calib["layers"])
+    h = horizontal if len(sigma) > 2 else 0
+    c = level_costs(calib["cost_ms"], sigma, T, calib["layers"], h)
     alpha = np.asarray(calib["alpha"], float)[np.ix_(sigma, sigma)]
-    return hier.latency(c, alpha, tuple(range(len(sigma))), T, model=model)
+    c_h = horizontal_cost(calib["cost_ms"], sigma[0], len(sigma) - 1, h, calib["layers"]) \
+        if h else 0.0
+    return hier.latency(c, alpha, tuple(range(len(sigma))), T, model=model, horizontal=h,
+                        horizontal_cost=c_h)
 
 
-def tune(calib: dict, t_max: int = 8, max_levels: int = 4, model: hier.Model = "exact"
-         ) -> tuple[float, tuple[int, ...], tuple[int, ...], list]:
-    """``(latency, sigma, T, table)``: the hierarchy of at most ``max_levels`` levels with
-    the least predicted latency, by enumeration with width-aware costs (``level_costs``);
-    ``table`` lists every hierarchy's best ``T`` and latency. The n-gram candidate can only
-    be the bottom level; ``t_max`` bounds every ``T``."""
+def tune(calib: dict, t_max: int = 8, max_levels: int = 4, model: hier.Model = "exact",
+         horizontal: Sequence[int] = (0,)
+         ) -> tuple[float, tuple[int, ...], tuple[int, ...], int, list]:
+    """``(latency, sigma, T, h, table)``: the hierarchy of at most ``max_levels`` levels
+    with the least predicted latency, by enumeration with width-aware costs
+    (``level_costs``), over every horizontal-heuristic size ``h`` in ``horizontal`` (it acts
+    on three levels or more; two-level rows keep ``h = 0``). ``table`` lists each
+    ``(sigma, h)``'s best ``T`` and latency. The n-gram candidate can only be the bottom
+    level; ``t_max`` bounds every ``T``, and the n-gram drafter's depth bounds ``T[0]``
+    and ``h`` over it."""
     n = len(calib["layers"]) + 2
     if t_max < 1 or max_levels < 2:
         raise ValueError(f"need t_max >= 1 and max_levels >= 2 (a drafter and the target), "
                          f"got {t_max}, {max_levels}")
-    best, table = (predicted_latency(calib, (n - 1,), ()), (n - 1,), ()), []
+    hs = sorted({int(h) for h in horizontal})
+    if not hs or hs[0] < 0:
+        raise ValueError(f"horizontal sizes must be ints >= 0, got {list(horizontal)}")
+    depth = NGramDrafter().depth
+    best, table = (predicted_latency(calib, (n - 1,), ()), (n - 1,), (), 0), []
     for size in range(1, max_levels):
         for drafts in itertools.combinations(range(n - 1), size):
             if 0 in drafts[1:]:
                 continue
             sigma = drafts + (n - 1,)
-            top = min(((predicted_latency(calib, sigma, T, model), T)
-                       for T in itertools.product(range(1, t_max + 1), repeat=size)
-                       if sigma[0] != 0 or T[0] <= NGramDrafter().depth),
-                      default=None)
-            if top is None:
-                continue
-            table.append({"sigma": sigma, "T": top[1], "latency_ms": top[0]})
-            if top[0] < best[0]:
-                best = (top[0], sigma, top[1])
-    return best[0], best[1], best[2], table
+            for h in (hs if size >= 2 else [0]):
+                if sigma[0] == 0 and h > depth:
+                    continue
+                top = min(((predicted_latency(calib, sigma, T, model, h), T)
+                           for T in itertools.product(range(1, t_max + 1), repeat=size)
+                           if sigma[0] != 0 or T[0] <= depth),
+                          default=None)
+                if top is None:
+                    continue
+                table.append({"sigma": sigma, "T": top[1], "horizontal": h,
+                              "latency_ms": top[0]})
+                if top[0] < best[0]:
+                    best = (top[0], sigma, top[1], h)
+    return best[0], best[1], best[2], best[3], table
 
 
 def hierarchy_from(sigma: Sequence[int], T: Sequence[int], layers: Sequence[int],
@@ -294,6 +326,7 @@ def format_hierarchy(sigma: Sequence[int], T: Sequence[int], layers: Sequence[in
     return ",".join(parts + ["target"]) + (f"+h{horizontal}" if horizontal else "")
 
 
-__all__ = ["names", "agreement", "forward_costs", "level_costs", "predicted_latency", "tune",
+__all__ = ["names", "agreement", "forward_costs", "level_costs", "horizontal_cost",
+           "predicted_latency", "tune",
            "hierarchy_from", "parse_hierarchy", "format_hierarchy", "level_temperatures",
            "horizontal_of"]

@@ -151,11 +151,24 @@ def _buffer_surv(u: np.ndarray, surv_r: np.ndarray, overshoot: bool) -> np.ndarr
     return np.maximum(step, np.cumsum(shifted, axis=-2) * (1 - step))
 
 
-def _returned_surv(alpha: float, surv_b: np.ndarray) -> np.ndarray:
-    """``P(R >= r)`` for ``R = accepted + 1``: ``alpha^(r-1) P(buffer >= r-1)``, ``r >= 1``."""
-    j = np.arange(surv_b.shape[-1])
-    out = np.ones(surv_b.shape[:-1] + (surv_b.shape[-1] + 1,))
-    out[..., 1:] = alpha ** j * surv_b
+def _returned_surv(alpha: float, surv_b: np.ndarray, alpha0: float = 0.0, h: int = 0
+                   ) -> np.ndarray:
+    """``P(R >= r)`` for ``R = accepted + 1``: ``alpha^(r-1) P(buffer >= r-1)``, ``r >= 1``.
+
+    With ``h > 0`` (the horizontal heuristic) ``h`` more drafts follow a buffer of ``b``,
+    each accepted at rate ``alpha0`` once all ``b`` were: ``P(R >= r | b) = alpha^b
+    alpha0^(r-1-b)`` for ``b < r - 1 <= b + h``."""
+    n = surv_b.shape[-1]
+    j = np.arange(n)
+    out = np.zeros(surv_b.shape[:-1] + (n + h + 1,))
+    out[..., 0] = 1.0
+    out[..., 1:n + 1] = alpha ** j * surv_b
+    if h:
+        pb = surv_b - np.concatenate([surv_b[..., 1:], np.zeros_like(surv_b[..., :1])], -1)
+        b, r1 = j[:, None], np.arange(n + h)[None, :]  # r1 = r - 1
+        tail = np.where((r1 > b) & (r1 <= b + h), alpha ** b * alpha0 ** np.maximum(r1 - b, 0),
+                        0.0)                                           # (b, r - 1)
+        out[..., 1:] += pb @ tail
     return out
 
 
@@ -184,28 +197,43 @@ def _level_up(ec: np.ndarray, surv_r: np.ndarray, t: int, overshoot: bool
 
 
 def _value(c: np.ndarray, a: np.ndarray, sigma: tuple[int, ...], T: tuple[int, ...],
-           overshoot: bool) -> float:
-    """Latency of one hierarchy, with (``"exact"``) or without (``"paper"``) overshoot."""
+           overshoot: bool, h: int = 0, c_h: float = 0.0) -> float:
+    """Latency of one hierarchy, with (``"exact"``) or without (``"paper"``) overshoot;
+    ``h``, ``c_h``: the horizontal heuristic's tokens per verification and their cost."""
     if len(sigma) == 1:
         return float(c[sigma[0]])
     ec, surv_r = _bottom(c[sigma[0]])
     for k in range(1, len(sigma)):
         calls, surv_b = _level_up(ec, surv_r, T[k - 1], overshoot)
-        ec = c[sigma[k]] + calls[:, -1] * ec
-        surv_r = _returned_surv(a[sigma[k - 1], sigma[k]], surv_b[:, -1])
+        hk = h if k >= 2 else 0
+        ec = c[sigma[k]] + calls[:, -1] * ec + (c_h if hk else 0.0)
+        surv_r = _returned_surv(a[sigma[k - 1], sigma[k]], surv_b[:, -1],
+                                a[sigma[0], sigma[k]], hk)
     return float(ec[0] / np.sum(surv_r[0, 1:]))
 
 
 def latency(costs: Sequence[float], alpha, sigma: Sequence[int], T: Sequence[int], *,
-            model: Model = "paper") -> float:
+            model: Model = "paper", horizontal: int = 0,
+            horizontal_cost: float | None = None) -> float:
     """Expected cost per target token of hierarchy ``sigma`` with thresholds ``T``.
 
     ``model="paper"``: the paper's closed form with exact gamma (see module docstring);
     ``model="exact"``: the exact IID expectation, overshoot included (what :func:`simulate`
-    estimates). Both agree for one or two levels. Raises ``ValueError`` on bad input."""
+    estimates). Both agree for one or two levels. ``horizontal = h``: every level ``k >= 2``
+    also verifies ``h`` drafts of the bottom level (accepted at ``alpha[s_0][s_k]``, at
+    ``horizontal_cost`` per verification, default ``h * costs[s_0]``), as
+    ``specjax.hsd.Hierarchy(horizontal=h)`` runs. Raises ``ValueError`` on bad input."""
     c, a = check_instance(costs, alpha)
     s, t = _check_hierarchy(c.size, sigma, T)
-    return _value(c, a, s, t, _overshoot(model))
+    h = _check_horizontal(horizontal)
+    c_h = h * c[s[0]] if horizontal_cost is None else float(horizontal_cost)
+    return _value(c, a, s, t, _overshoot(model), h, c_h)
+
+
+def _check_horizontal(h) -> int:
+    if isinstance(h, bool) or not isinstance(h, (int, np.integer)) or h < 0:
+        raise ValueError(f"horizontal must be an int >= 0, got {h!r}")
+    return int(h)
 
 
 def _overshoot(model: str) -> bool:
@@ -235,8 +263,8 @@ class SimResult:
 class _Sim:
     """Vectorised recursion: ``calls_of(k, n)`` runs ``n`` independent calls of level ``k``."""
 
-    def __init__(self, c, a, sigma, T, rng):
-        self.c, self.a, self.s, self.T, self.rng = c, a, sigma, T, rng
+    def __init__(self, c, a, sigma, T, rng, h=0):
+        self.c, self.a, self.s, self.T, self.rng, self.h = c, a, sigma, T, rng, h
         m = len(sigma)
         self.forwards, self.fills = np.zeros(m, np.int64), np.zeros(m, np.int64)
         self.calls, self.excess = np.zeros(m, np.int64), np.zeros(m, np.int64)
@@ -257,7 +285,12 @@ class _Sim:
         self.fills[k] += n
         self.excess[k] += int(np.sum(buf - need))
         self.forwards[k] += n
-        return self._accept(self.a[self.s[k - 1], self.s[k]], buf) + 1, cost + self.c[self.s[k]]
+        acc = self._accept(self.a[self.s[k - 1], self.s[k]], buf)
+        if self.h and k >= 2:  # the horizontal heuristic: h bottom drafts follow the buffer
+            more = self._accept(self.a[self.s[0], self.s[k]], np.full(n, self.h))
+            acc = acc + np.where(acc == buf, more, 0)
+            cost = cost + self.h * self.c[self.s[0]]
+        return acc + 1, cost + self.c[self.s[k]]
 
     def _accept(self, alpha: float, buf: np.ndarray) -> np.ndarray:
         """Accepted drafts: IID Bernoulli(alpha) until the first rejection, at most ``buf``
@@ -268,17 +301,19 @@ class _Sim:
 
 
 def simulate(costs: Sequence[float], alpha, sigma: Sequence[int], T: Sequence[int],
-             n_tokens: int, seed: int = 0) -> SimResult:
+             n_tokens: int, seed: int = 0, horizontal: int = 0) -> SimResult:
     """Runs Algorithm 1 with Bernoulli acceptances until the target emitted ``>= n_tokens``
-    tokens (whole rounds). Deterministic for a given ``seed``."""
+    tokens (whole rounds), with ``horizontal`` as in :func:`latency` (each of those drafts
+    costing ``costs[s_0]``). Deterministic for a given ``seed``."""
     c, a = check_instance(costs, alpha)
     s, t = _check_hierarchy(c.size, sigma, T)
+    h = _check_horizontal(horizontal)
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, (int, np.integer)) or n_tokens < 1:
         raise ValueError(f"n_tokens must be an int >= 1, got {n_tokens!r}")
     if len(s) == 1:
         return SimResult(float(c[-1]), 0.0, int(n_tokens), int(n_tokens), (int(n_tokens),),
                          (0.0,), (0.0,))
-    sim, toks, costs_ = _Sim(c, a, s, t, np.random.default_rng(seed)), [], []
+    sim, toks, costs_ = _Sim(c, a, s, t, np.random.default_rng(seed), h), [], []
     batch = max(64, int(n_tokens / max(1.0, expected_tokens(a[s[-2], s[-1]], t[-1]))) // 4)
     while sum(int(x.sum()) for x in toks) < n_tokens:
         r, cst = sim.calls_of(len(s) - 1, batch)
