@@ -30,7 +30,7 @@ from jaxtyping import Array, Bool, Float, Int
 from specjax.models import kv_cache
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import (DecoderParts, RopeScaling, _attention, _proj, apply_rope,
-                                  head_logits, rope_inv_freq)
+                                  gate_up, head_logits, qkv_heads, rope_inv_freq)
 
 Params = Mapping[str, Any]
 SLIDING, FULL = "sliding", "full"
@@ -119,8 +119,7 @@ def _layer(cfg: GemmaConfig, lp: Params, x: Float[Array, "D B T"], k_cache, v_ca
     nq, nk, hd, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     eps = cfg.rms_norm_eps
     h = rms_norm(x, lp["attn_norm"], eps, axis=0)
-    qkv = _proj(lp["qkv"], h).reshape(nq + 2 * nk, hd, b, t)
-    q, k, v = jnp.split(qkv, [nq, nq + nk], axis=0)  # [N,H,B,T]
+    q, k, v = qkv_heads(lp, h, nq, nk, hd)  # [N,H,B,T]
     if cfg.qk_norm:
         q, k = rms_norm(q, lp["q_norm"], eps, axis=1), rms_norm(k, lp["k_norm"], eps, axis=1)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
@@ -132,7 +131,7 @@ def _layer(cfg: GemmaConfig, lp: Params, x: Float[Array, "D B T"], k_cache, v_ca
     o = _proj(lp["o"], att.transpose(1, 2, 4, 0, 3).reshape(nq * hd, b, t))
     x = x + rms_norm(o, lp["post_attn_norm"], eps, axis=0)
     h = rms_norm(x, lp["mlp_norm"], eps, axis=0)
-    gate, up = jnp.split(_proj(lp["gate_up"], h), [f], axis=0)
+    gate, up = gate_up(lp, h, f)
     y = _proj(lp["down"], jax.nn.gelu(gate, approximate=True) * up)
     x = x + rms_norm(y, lp["post_mlp_norm"], eps, axis=0)
     return (x, kv_cache.write(k_cache, length, k.transpose(2, 0, 1, 3), axis=3),

@@ -105,14 +105,16 @@ def fast_width(n: int) -> int:
     return 4 if n <= 4 else -(-n // 8) * 8
 
 
-def project(w: Float[Array, "O I"], x: Float[Array, "I N"]) -> Float[Array, "O N"]:
+def project(w: Float[Array, "O I"], x: Float[Array, "I N"], out_dtype=None) -> Float[Array, "O N"]:
     """``w @ x``, exactly, with the weights as the left operand and ``N`` padded to
-    ``fast_width(N)`` zero columns that are dropped again."""
+    ``fast_width(N)`` zero columns that are dropped again; ``out_dtype`` (e.g. float32 for
+    bfloat16 weights) is the accumulation and result type."""
     n = x.shape[1]
     m = fast_width(n)
     if m != n:
         x = jnp.pad(x, ((0, 0), (0, m - n)))
-    y = jnp.einsum("oi,in->on", w, x)  # o out features, i in features, n columns (tokens)
+    # o out features, i in features, n columns (tokens)
+    y = jnp.einsum("oi,in->on", w, x, preferred_element_type=out_dtype)
     return y[:, :n] if m != n else y
 
 
@@ -182,6 +184,25 @@ def _attention(q, k_new, v_new, k_cache, v_cache, length, mask, visible=None, *,
     return out.reshape(b, nk, g, t, hd)
 
 
+def qkv_heads(lp: Params, h: Float[Array, "D B T"], nq: int, nk: int, hd: int):
+    """Queries, keys and values ``[N, H, B, T]`` of a layer whose weights are fused
+    (``qkv``, the single-device layout) or split (``q``, ``k``, ``v``: the layout
+    ``specjax.sharding`` shards by heads). Both give the same numbers."""
+    _, b, t = h.shape
+    if "qkv" in lp:
+        qkv = _proj(lp["qkv"], h).reshape(nq + 2 * nk, hd, b, t)
+        return jnp.split(qkv, [nq, nq + nk], axis=0)
+    return tuple(_proj(lp[n], h).reshape(c, hd, b, t) for n, c in (("q", nq), ("k", nk), ("v", nk)))
+
+
+def gate_up(lp: Params, h: Float[Array, "D B T"], f: int):
+    """The MLP's gate and up projections ``[F, B, T]``, from fused (``gate_up``) or split
+    (``gate``, ``up``) weights."""
+    if "gate_up" in lp:
+        return jnp.split(_proj(lp["gate_up"], h), [f], axis=0)
+    return _proj(lp["gate"], h), _proj(lp["up"], h)
+
+
 def _layer(cfg: LlamaConfig, lp: Params, x: Float[Array, "D B T"], k_cache, v_cache, length,
            mask, positions, visible=None):
     """One decoder layer over a feature-major residual stream ``x`` ([D, B, T]); returns the
@@ -194,15 +215,14 @@ def _layer(cfg: LlamaConfig, lp: Params, x: Float[Array, "D B T"], k_cache, v_ca
     nq, nk, hd, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, axis=0)
-    qkv = _proj(lp["qkv"], h).reshape(nq + 2 * nk, hd, b, t)
-    q, k, v = jnp.split(qkv, [nq, nq + nk], axis=0)  # [N,H,B,T]
+    q, k, v = qkv_heads(lp, h, nq, nk, hd)  # [N,H,B,T]
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     q = q.reshape(nk, nq // nk, hd, b, t).transpose(3, 0, 1, 4, 2)  # [B,K,G,T,H]
     v = v.transpose(2, 0, 3, 1)  # [B,K,T,H]
     att = _attention(q, k.transpose(2, 0, 3, 1), v, k_cache, v_cache, length, mask, visible)
     x = x + _proj(lp["o"], att.transpose(1, 2, 4, 0, 3).reshape(nq * hd, b, t))
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, axis=0)
-    gate, up = jnp.split(_proj(lp["gate_up"], h), [f], axis=0)
+    gate, up = gate_up(lp, h, f)
     x = x + _proj(lp["down"], jax.nn.silu(gate) * up)
     return (x, kv_cache.write(k_cache, length, k.transpose(2, 0, 1, 3), axis=3),
             kv_cache.write(v_cache, length, v, axis=2))
@@ -217,13 +237,14 @@ def layer(cfg: LlamaConfig, lp: Params, x: Float[Array, "B T D"], k_cache, v_cac
 
 
 def head_logits(head: Float[Array, "V D"], h: Float[Array, "... D"]) -> Float[Array, "... V"]:
-    """``h @ head.T`` as float32 logits, computed weights-left (``project``).
+    """``h @ head.T`` as float32 logits (accumulated in float32 for bfloat16 weights too),
+    computed weights-left (``project``).
 
     The barrier keeps XLA from folding the final transpose into the product's output
     layout, which made an 8-column LM head cost twice as much on XLA:CPU."""
     lead = h.shape[:-1]
     flat = h.reshape(-1, h.shape[-1]).astype(head.dtype)
-    out = lax.optimization_barrier(project(head, flat.T)).T  # [N, V]
+    out = lax.optimization_barrier(project(head, flat.T, jnp.float32)).T  # [N, V]
     return out.reshape(*lead, head.shape[0]).astype(jnp.float32)
 
 

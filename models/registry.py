@@ -78,6 +78,16 @@ class LoadedModel:
     tokenizer: Any
     eos_ids: tuple[int, ...]
     source: Path
+    mesh: Any = None  # a jax.sharding.Mesh its params are placed on (``on_mesh``), or None
+
+    def on_mesh(self, mesh) -> "LoadedModel":
+        """This model with its weights split over ``mesh`` (``specjax.sharding``); every
+        decode through ``specjax.bench`` and the CLI then runs on it."""
+        from specjax import sharding
+
+        return dataclasses.replace(self, params=sharding.shard_params(self.model.config,
+                                                                      self.params, mesh),
+                                   mesh=mesh)
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         """Token ids of ``text``, wrapped in the chat template when ``chat``."""

@@ -8,17 +8,19 @@ model contract and the ports) and ``specjax.train`` (Optax training of the draft
 
 from specjax import _xla_flags  # noqa: F401  (must run before JAX picks a backend)
 
-from specjax import core, drafters, hsd, models
+from specjax import core, drafters, hsd, models, sharding
 from specjax.core import sampling, tree
-from specjax.core.decoding import PAD, GenerateOutput, generate
+from specjax.core.decoding import AR, PAD, DecodeState, GenerateOutput, generate, prepare
 from specjax.core.sampling import Greedy, Sample
-from specjax.core.speculative import SpecOutput, speculative_generate
+from specjax.core.speculative import SpecOutput, Speculative, SpecState, speculative_generate
 from specjax.core.verify import Draft, Rejection, Typical, VerifyResult, verify
 from specjax.drafters import EarlyExitDrafter, ModelDrafter, NGramDrafter
-from specjax.hsd import Hierarchy, hsd_generate
+from specjax.hsd import HSD, Hierarchy, hsd_generate
 
 __version__ = "0.1.0"
-__all__ = ["core", "models", "sampling", "tree", "drafters", "hsd", "generate",
+__all__ = ["core", "models", "sampling", "sharding", "tree", "drafters", "hsd", "generate",
            "GenerateOutput", "PAD", "Greedy", "Sample", "speculative_generate", "SpecOutput",
            "verify", "Draft", "VerifyResult", "Rejection", "Typical", "ModelDrafter",
-           "EarlyExitDrafter", "NGramDrafter", "Hierarchy", "hsd_generate"]
+           "EarlyExitDrafter", "NGramDrafter", "Hierarchy", "hsd_generate",
+           # the jittable pieces behind the host wrappers: init / step / loop / output
+           "AR", "DecodeState", "Speculative", "SpecState", "HSD", "prepare"]

@@ -155,7 +155,7 @@ def ar_method(lm, sampler=None) -> Method:
 
     def run(ids: list[int], n: int) -> Run:
         call = lambda: generate(lm.model, lm.params, [ids], max_new_tokens=n, eos_ids=lm.eos_ids,
-                                **_sampling_kw(sampler))
+                                mesh=lm.mesh, **_sampling_kw(sampler))
         out, dt, compile_s = _timed(call)
         toks = out.to_lists()[0]
         return Run(toks, dt, len(toks), compile_s)
@@ -168,7 +168,7 @@ def sd_method(lm, drafter, dparams=None, sampler=None) -> Method:
     from specjax.core.speculative import speculative_generate
 
     def run(ids: list[int], n: int) -> Run:
-        kw = dict(max_new_tokens=n, eos_ids=lm.eos_ids, **_sampling_kw(sampler))
+        kw = dict(max_new_tokens=n, eos_ids=lm.eos_ids, mesh=lm.mesh, **_sampling_kw(sampler))
         out, dt, compile_s = _timed(
             lambda: speculative_generate(lm.model, lm.params, drafter, dparams, [ids], **kw))
         return Run(out.to_lists()[0], dt, int(out.target_forwards[0]), compile_s,
@@ -183,7 +183,8 @@ def hsd_method(lm, hierarchy, hparams=None, sampler=None) -> Method:
     from specjax.hsd import hsd_generate
 
     def run(ids: list[int], n: int) -> Run:
-        kw = dict(max_new_tokens=n, eos_ids=lm.eos_ids, hparams=hparams, **_sampling_kw(sampler))
+        kw = dict(max_new_tokens=n, eos_ids=lm.eos_ids, hparams=hparams, mesh=lm.mesh,
+                  **_sampling_kw(sampler))
         out, dt, compile_s = _timed(lambda: hsd_generate(lm.model, lm.params, hierarchy, [ids],
                                                          **kw))
         return Run(out.to_lists()[0], dt, int(out.forwards[-1]), compile_s,
@@ -361,7 +362,8 @@ def machine_info() -> dict:
 
     return {"platform": platform.platform(), "processor": platform.processor(),
             "cpu_count": os.cpu_count(), "jax": jax.__version__,
-            "jax_devices": [str(d) for d in jax.devices()]}
+            "jax_devices": [str(d) for d in jax.devices()], "backend": jax.default_backend(),
+            "device_kind": jax.devices()[0].device_kind}
 
 
 def run_records(results: dict[str, list[tuple[Question, Run]]]) -> dict[str, list[dict]]:

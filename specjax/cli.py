@@ -54,13 +54,14 @@ def _decoder(lm, args):
     from specjax import drafters
 
     if args.method == "ar":
-        return (lambda ids, **kw: specjax.generate(lm.model, lm.params, [ids], **kw)), None
+        return (lambda ids, **kw: specjax.generate(lm.model, lm.params, [ids], mesh=lm.mesh,
+                                                   **kw)), None
     if args.method == "hsd":
         h, hp, name = _hsd(lm, args, args.hierarchy)
         from specjax.hsd import hsd_generate
 
         return (lambda ids, **kw: hsd_generate(lm.model, lm.params, h, [ids], hparams=hp,
-                                               **kw)), name
+                                               mesh=lm.mesh, **kw)), name
     if args.method == "eagle2":
         from specjax.drafters import eagle
 
@@ -76,7 +77,7 @@ def _decoder(lm, args):
         drafter, dparams = drafters.from_spec(args.drafter, lm.model, args.draft_len), None
         name = args.drafter
     run = lambda ids, **kw: specjax.speculative_generate(lm.model, lm.params, drafter, dparams,
-                                                         [ids], **kw)
+                                                         [ids], mesh=lm.mesh, **kw)
     return run, name
 
 
@@ -216,9 +217,35 @@ def _check_ids(lm, ids: list[int], args) -> None:
                          f"{args.model}'s context of {cfg.max_position_embeddings} positions")
 
 
+def _mesh(args, rows: int | None = 1):
+    """The ``--mesh``, or None; ``rows``: the batch it must divide (None: any, as training
+    pads its batches)."""
+    if not getattr(args, "mesh", None):
+        return None
+    from specjax import sharding
+
+    try:
+        mesh = sharding.mesh_from_spec(args.mesh)
+        if rows is not None:  # generate and bench decode one prompt at a time
+            sharding.check_batch(rows, mesh)
+    except ValueError as e:
+        raise UsageError(f"--mesh {args.mesh}: {e}") from None
+    return mesh
+
+
+def _on_mesh(lm, mesh, args):
+    if mesh is None:
+        return lm
+    try:
+        return lm.on_mesh(mesh)
+    except ValueError as e:
+        raise UsageError(f"--mesh {args.mesh}: {e}") from None
+
+
 def cmd_generate(args) -> int:
     from specjax.models import load
 
+    mesh = _mesh(args)
     if args.prompt_ids is not None:
         ids = _prompt_ids(args.prompt_ids)
         lm = load(args.model, _dtype(args.dtype))
@@ -230,7 +257,7 @@ def cmd_generate(args) -> int:
             raise UsageError(f"{args.model} has no tokenizer files: give the prompt as "
                              "--prompt-ids 37,8,15")
         ids = lm.encode(args.prompt, chat=args.chat)
-    res = _generate_once(lm, ids, args)
+    res = _generate_once(_on_mesh(lm, mesh, args), ids, args)
     if args.json:
         print(json.dumps(res))
     else:
@@ -405,6 +432,7 @@ def cmd_tune(args) -> int:
 def _bench_settings(args, methods) -> dict:
     """What makes two bench runs comparable, question by question (a resume must match)."""
     return {"model": args.model, "dtype": args.dtype, "methods": methods,
+            **({"mesh": args.mesh} if args.mesh else {}),
             "temperature": max(args.temperature, 0.0), "top_k": args.top_k, "top_p": args.top_p,
             "max_new_tokens": args.max_new_tokens, "draft_len": args.draft_len,
             "draft_checkpoint": args.draft_checkpoint, "calibration": args.calibration,
@@ -467,9 +495,11 @@ def cmd_bench(args) -> int:
         raise UsageError("give --questions or --random-prompts, not both")
     questions = (None if args.random_prompts else  # checked before the model loads
                  bench.load_questions(args.questions, args.categories, args.limit))
+    mesh = _mesh(args)
     settings = _bench_settings(args, methods)
     done = bench.restore_runs(args.out, settings)  # an interrupted bench resumes here
-    lm = load(args.model, _dtype(args.dtype), tokenizer=not args.random_prompts)
+    lm = _on_mesh(load(args.model, _dtype(args.dtype), tokenizer=not args.random_prompts), mesh,
+                  args)
     if args.random_prompts:
         questions = bench.random_questions(args.random_prompts, args.prompt_len,
                                            lm.model.config.vocab_size)
@@ -618,7 +648,7 @@ def cmd_train_exits(args) -> int:
 
     with tqdm(total=cfg.steps, desc="train exit heads", unit="step") as bar:
         state = train_exits.train(lm.model, lm.params, corpus, cfg, args.run, feats=feats,
-                                  progress=bar, log=log,
+                                  progress=bar, log=log, mesh=_mesh(args, rows=None),
                                   meta={"model": args.model, "data": str(Path(args.data))})
     if args.export:
         summary = Path(args.data, "summary.json")
@@ -663,6 +693,7 @@ def cmd_train(args) -> int:
                                        like=eagle.init_head(lm.model.config, jax.random.key(0)))
     with tqdm(total=cfg.steps, desc="train eagle", unit="step") as bar:
         state = train_eagle.train(lm.model, lm.params, corpus, cfg, args.run, progress=bar, log=log,
+                                  mesh=_mesh(args, rows=None),
                                   meta={"model": args.model, "data": Path(args.data).name,
                                         "init": args.init and Path(args.init).name},
                                   init=init)
@@ -716,6 +747,7 @@ def cmd_train_redrafter(args) -> int:
     with tqdm(total=cfg.steps, desc="train redrafter", unit="step") as bar:
         state, ids = train_rd.train(lm.model, lm.params, corpus, cfg, args.run, progress=bar,
                                     log=_run_log(args.run), init=init,
+                                    mesh=_mesh(args, rows=None),
                                     meta={"model": args.model, "data": Path(args.data).name,
                                           "init": args.init and Path(args.init).name})
     if args.export:
@@ -748,6 +780,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="registered name, .gguf file or HF directory")
         s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
         s.add_argument("--max-new-tokens", type=int, default=max_new)
+
+    def mesh_option(s):
+        s.add_argument("--mesh", help="run on a device mesh, e.g. model=3: weights split by "
+                       "heads and MLP columns (data=D needs batches of D rows; these commands "
+                       "decode one prompt at a time)")
 
     def redrafter_checkpoint(s):
         s.add_argument("--redrafter-checkpoint", help="an exported ReDrafter head directory "
@@ -796,6 +833,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="decode one prompt")
     common(g)
+    mesh_option(g)
     sampling(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
@@ -816,6 +854,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="tokens/s of methods side by side")
     common(b)
+    mesh_option(b)
     b.add_argument("--methods", default="ar,hf",
                    help="comma-separated: ar, hf, hf-pld, sd-ngram, sd-early-exit:L, "
                         "eagle2[:depth,topk,total][:conf,norerank,fullvocab,vocab=N], "
@@ -963,6 +1002,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="KL over the corpus's most frequent tokens (0: all)")
     tx.add_argument("--export", help="write the trained heads (bfloat16) here")
     tx.set_defaults(fn=cmd_train_exits)
+    for t in (te, tr, tx):
+        t.add_argument("--mesh", help="data-parallel training on a device mesh, e.g. data=8 "
+                       "(rows split over data, gradients summed by XLA)")
     p.set_defaults(debug=False)
     for sp in [*(v for k, v in sub.choices.items() if k != "train"), *tsub.choices.values()]:
         sp.add_argument("--debug", action="store_true",

@@ -211,7 +211,6 @@ def test_drafter_state_after_commit_equals_a_fresh_start(toy):
     """After a real round (propose, verify, commit), the head drafts exactly what a head
     started afresh on the whole accepted context drafts: the committed features and cache
     are those of the true context."""
-    from specjax.core import speculative
     from specjax.core.decoding import prefill
     from specjax.drafters import Context
 
@@ -233,18 +232,13 @@ def test_drafter_state_after_commit_equals_a_fresh_start(toy):
 
     accepted = []
     for prompt in (PROMPT, PROMPT * 3, [3, 3, 1, 4], [7, 2]):
-        ctx, dstate = start(prompt)
-        s = speculative.SpecState(
-            tokens=ctx.tokens, length=ctx.length, num=jnp.asarray([1]),
-            done=jnp.asarray([False]), cache=ctx.cache, dstate=dstate, key=jax.random.key(0),
-            rounds=jnp.asarray([0]), accepted_at=jnp.zeros((1, drafter.depth), jnp.int32),
-            verified=jnp.asarray([0]))
+        p = len(prompt)
+        buf = jnp.zeros((1, cap), jnp.int32).at[0, :p].set(jnp.asarray(prompt))
+        spec = specjax.Speculative(model, drafter, cap, 64, drafter.verify_widths, chunk=chunk)
+        s = spec.init(tparams, dp, buf, jnp.asarray([p]), jnp.asarray([64]), jax.random.key(0),
+                      eos, greedy)
         for _ in range(2):  # two rounds: the second drafts from a committed state
-            s = speculative._round(s, target=model, tparams=tparams, drafter=drafter,
-                                   dparams=dp, prompt_len=jnp.asarray([len(prompt)]),
-                                   budget=jnp.asarray([64]), sampler=greedy, eos_ids=eos,
-                                   rule=specjax.Rejection(), depth=drafter.depth,
-                                   widths=drafter.verify_widths)
+            s = spec.step(tparams, dp, s)
         accepted.append(int(s.accepted_at[0, 0]))
         n = int(s.length[0])
         ctx = Context(tokens=s.tokens, length=s.length, prompt_len=jnp.asarray([len(prompt)]),

@@ -124,7 +124,6 @@ def test_beam_scores_equal_the_teacher_forced_head(toy):
 def test_commit_keeps_the_feature_of_the_last_accepted_token(toy):
     """After real rounds, the drafter's feature is the target's feature at the token before
     the root, exactly what a fresh start on the whole context computes."""
-    from specjax.core import speculative
 
     model, tparams, dp = toy
     dp = _informed(model, tparams, dp)
@@ -132,17 +131,13 @@ def test_commit_keeps_the_feature_of_the_last_accepted_token(toy):
     accepted = 0
     for prompt in (PROMPT, PROMPT * 3, [3, 3, 1, 4]):
         ctx = _start(model, tparams, prompt)
-        s = speculative.SpecState(
-            tokens=ctx.tokens, length=ctx.length, num=jnp.asarray([1]),
-            done=jnp.asarray([False]), cache=ctx.cache, dstate=drafter.init(dp, ctx, 16),
-            key=jax.random.key(0), rounds=jnp.asarray([0]),
-            accepted_at=jnp.zeros((1, drafter.depth), jnp.int32), verified=jnp.asarray([0]))
+        buf = ctx.tokens.at[0, len(prompt)].set(0)  # the prompt alone; init emits the root
+        spec = specjax.Speculative(model, drafter, ctx.tokens.shape[1], 64,
+                                   drafter.verify_widths, chunk=16)
+        s = spec.init(tparams, dp, buf, jnp.asarray([len(prompt)]), jnp.asarray([64]),
+                      jax.random.key(0), jnp.asarray([-1]), sampling.Greedy())
         for _ in range(2):
-            s = speculative._round(s, target=model, tparams=tparams, drafter=drafter,
-                                   dparams=dp, prompt_len=jnp.asarray([len(prompt)]),
-                                   budget=jnp.asarray([64]), sampler=sampling.Greedy(),
-                                   eos_ids=jnp.asarray([-1]), rule=specjax.Rejection(),
-                                   depth=drafter.depth, widths=drafter.verify_widths)
+            s = spec.step(tparams, dp, s)
         accepted += int(s.accepted_at[0, 0])
         n = int(s.length[0])
         fresh = drafter.init(dp, _start(model, tparams, np.asarray(s.tokens[0, :n - 1]).tolist()),

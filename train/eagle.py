@@ -186,8 +186,9 @@ def make_step(target, cfg: TrainConfig, opt: optax.GradientTransformation):
 
 def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Path, *,
           meta: dict | None = None, stop_after: int | None = None, progress=None,
-          log=None, init: dict | None = None) -> dict:
+          log=None, init: dict | None = None, mesh=None) -> dict:
     """Trains (or resumes) the head in ``run_dir`` up to ``cfg.steps``; returns the state.
+    With ``mesh``, data-parallel over its ``data`` axis (``loop.on_mesh``).
 
     ``init`` (head parameters) starts a new run from an existing head instead of a random
     one (fine-tuning); a resumed run ignores it.
@@ -202,6 +203,7 @@ def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Pa
     fresh = {"params": params, "opt_state": opt.init(params), "step": jnp.asarray(0, jnp.int32)}
     state, mngr = loop.resume(run_dir, {"kind": "eagle", **(meta or {}),
                                         **dataclasses.asdict(cfg)}, fresh)
+    tparams, state = loop.on_mesh(mesh, target, tparams, state)
     step_fn = make_step(target, cfg, opt)
     corpus, val = split(corpus, cfg)
     evaluate = make_eval(target, cfg) if val else None
@@ -210,7 +212,8 @@ def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Pa
     if cfg.ce_vocab:
         vocab_ids = jnp.asarray(vocab_by_frequency(corpus, target.config.vocab_size,
                                                    min(cfg.ce_vocab, target.config.vocab_size)))
-    step = lambda st, s: step_fn(st, tparams, *batch_at(corpus, plan, s, cfg), vocab_ids)
+    step = lambda st, s: step_fn(st, tparams, *loop.batch_on(mesh, batch_at(corpus, plan, s, cfg)),
+                                 vocab_ids)
     on_save = None if evaluate is None else (
         lambda st: validate(evaluate, st["params"], tparams, val, cfg, vocab_ids))
     return loop.run_steps(state, step, mngr, steps=cfg.steps, save_every=cfg.save_every,

@@ -135,10 +135,11 @@ def vocab_ids(corpus, vocab_size: int, cfg: ExitConfig):
 
 def train(target, tparams, corpus: Sequence, cfg: ExitConfig, run_dir: str | Path, *,
           feats: Sequence[np.ndarray] | None = None, meta: dict | None = None,
-          stop_after: int | None = None, progress=None, log=None) -> dict:
+          stop_after: int | None = None, progress=None, log=None, mesh=None) -> dict:
     """Trains (or resumes) the adapters of ``cfg.layers`` in ``run_dir``; returns the state.
     ``feats`` are ``layer_features(...)`` of ``corpus``, or a function returning them, called
-    only when steps remain (computed here when omitted)."""
+    only when steps remain (computed here when omitted). With ``mesh``, data-parallel over
+    its ``data`` axis (``loop.on_mesh``)."""
     opt = train_eagle.optimizer(cfg)
     params = exit_heads.init_heads(target.config, cfg.layers, jax.random.key(cfg.seed),
                                    cfg.rank)
@@ -152,6 +153,8 @@ def train(target, tparams, corpus: Sequence, cfg: ExitConfig, run_dir: str | Pat
     plan = train_eagle.batch_plan([(f, 0, None) for f in feats], cfg)
     ids = vocab_ids(corpus, target.config.vocab_size, cfg)
     step_fn = make_step(target, cfg, opt)
-    step = lambda st, s: step_fn(st, tparams, *batch_at(feats, plan, s, cfg), ids)
+    tparams, state = loop.on_mesh(mesh, target, tparams, state)
+    step = lambda st, s: step_fn(st, tparams, *loop.batch_on(mesh, batch_at(feats, plan, s, cfg)),
+                                 ids)
     return loop.run_steps(state, step, mngr, steps=cfg.steps, save_every=cfg.save_every,
                           stop_after=stop_after, progress=progress, log=log)

@@ -14,7 +14,32 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
+from specjax import sharding
 from specjax.train import checkpoint
+
+
+def on_mesh(mesh, target, tparams, state: dict) -> tuple[Any, dict]:
+    """Data-parallel training on ``mesh``: the target's weights split as for decoding
+    (``specjax.sharding.shard_params``) and the training state replicated; XLA then sums
+    the gradients over the ``data`` axis. Unchanged without a mesh."""
+    if mesh is None:
+        return tparams, state
+    return sharding.shard_params(target.config, tparams, mesh), sharding.replicated(mesh, state)
+
+
+def batch_on(mesh, batch: tuple) -> tuple:
+    """A batch (arrays with rows first, the loss mask among them) with its rows split over
+    the ``data`` axis, padded with zero rows to a multiple of it; a zero row's mask is zero,
+    so it adds nothing to a masked mean. Unchanged without a mesh."""
+    if mesh is None:
+        return batch
+    pad = (-batch[0].shape[0]) % int(mesh.shape[sharding.DATA])
+    if pad:
+        batch = tuple(np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)])
+                      for x in batch)
+    return tuple(sharding.rows(mesh, np.asarray(x)) for x in batch)
 
 
 def resume(run_dir: str | Path, meta: dict, fresh: dict) -> tuple[dict, Any]:

@@ -136,13 +136,14 @@ def validate(evaluate, params, val: Sequence, cfg: TrainConfig) -> dict:
 
 def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Path, *,
           meta: dict | None = None, stop_after: int | None = None, progress=None,
-          log=None, init: tuple[dict, np.ndarray | None] | None = None
+          log=None, init: tuple[dict, np.ndarray | None] | None = None, mesh=None
           ) -> tuple[dict, np.ndarray | None]:
     """Trains (or resumes) the head in ``run_dir`` up to ``cfg.steps``; returns the state
     and the draft vocabulary ids (None: the whole vocabulary).
 
     ``init = (head, vocab_ids)`` fine-tunes an existing head: training starts from its
-    parameters (in float32) and keeps its draft vocabulary, whatever ``cfg.draft_vocab``."""
+    parameters (in float32) and keeps its draft vocabulary, whatever ``cfg.draft_vocab``.
+    With ``mesh``, data-parallel over its ``data`` axis (``loop.on_mesh``)."""
     train_set, val = train_eagle.split(corpus, _split_cfg(cfg))
     if init is None:
         ids, index_of = draft_vocabulary(train_set, target.config.vocab_size, cfg.draft_vocab)
@@ -159,6 +160,7 @@ def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Pa
     fresh = {"params": params, "opt_state": opt.init(params), "step": jnp.asarray(0, jnp.int32)}
     state, mngr = loop.resume(run_dir, {"kind": "redrafter", **(meta or {}),
                                         **dataclasses.asdict(cfg)}, fresh)
+    tparams, state = loop.on_mesh(mesh, target, tparams, state)
     vid = None if ids is None else jnp.asarray(ids)
     idx = jnp.asarray(index_of)
     # the target's weights are arguments, not constants captured by the trace: embedded in
@@ -179,7 +181,7 @@ def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Pa
 
     evaluate = lambda p, *b: evaluate_tp(p, tparams, *b)
     plan = train_eagle.batch_plan(train_set, _eagle_cfg(cfg))
-    step = lambda st, s: step_fn(st, tparams, *_batch(train_set, plan, s, cfg))
+    step = lambda st, s: step_fn(st, tparams, *loop.batch_on(mesh, _batch(train_set, plan, s, cfg)))
     on_save = None if not val else lambda st: validate(evaluate, st["params"], val, cfg)
     state = loop.run_steps(state, step, mngr, steps=cfg.steps, save_every=cfg.save_every,
                            stop_after=stop_after, progress=progress, log=log, on_save=on_save)

@@ -18,8 +18,10 @@ from flax import struct
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
+from specjax import sharding
 from specjax.core import encdec, sampling
 from specjax._compile import AotCache
+from specjax.sharding import constrain_cache
 from specjax.models.kv_cache import KVCache
 
 PAD = -1  # token id written after a row's last generated token
@@ -45,12 +47,18 @@ class GenerateOutput(Rows):
 
 @struct.dataclass
 class DecodeState:
+    """``AR``'s loop state: generated tokens so far (``PAD`` after ``num``), the per-row
+    stop flags, the cache, and the per-call settings (budgets, EOS ids, sampler)."""
+
     tokens: Int[Array, "B N"]
     num: Int[Array, "B"]
     done: Bool[Array, "B"]
     last: Int[Array, "B"]
     cache: KVCache
     key: Array
+    budget: Int[Array, "B"]
+    eos_ids: Int[Array, "E"]
+    sampler: Any
 
 
 def stops(tok: Int[Array, "B"], num: Int[Array, "B"], budget: Int[Array, "B"],
@@ -95,35 +103,66 @@ def prefill(model, params, prompt: Int[Array, "B S"], prompt_len: Int[Array, "B"
     return (h_last, cache, h_all) if keep_hidden else (h_last, cache)
 
 
-def _decode(params, prompt, prompt_len, budget, sampler, key, eos_ids, *,
-            model, capacity: int, max_out: int, chunk: int) -> GenerateOutput:
-    b = prompt.shape[0]
-    cache = model.init_cache(b, capacity, model.param_dtype(params))
-    h_last, cache = prefill(model, params, prompt, prompt_len, cache, chunk)
-    key, sub = jax.random.split(key)
-    first = sampling.sample(sub, model.logits(params, h_last), sampler)
-    one = jnp.ones((b,), jnp.int32)
-    state = DecodeState(
-        tokens=jnp.full((b, max_out), PAD, jnp.int32).at[:, 0].set(first), num=one,
-        done=stops(first, one, budget, eos_ids), last=first, cache=cache, key=key)
+@dataclasses.dataclass(frozen=True)
+class AR:
+    """Autoregressive decoding as pure, jittable pieces (pytrees in, pytrees out, no host
+    syncs): ``init`` prefills and emits each row's first token, ``step`` emits one more
+    token for every unfinished row (finished rows are left unchanged), ``loop`` steps until
+    every row is done, ``output`` packs the result. Static settings live here, so the
+    object is a valid static argument of ``jax.jit``; ``prepare`` sizes ``capacity`` and
+    ``max_out`` for a batch. With ``mesh``, the cache is pinned to
+    ``specjax.sharding.cache_spec`` (pass parameters placed by ``shard_params``)."""
 
-    def step(s: DecodeState) -> DecodeState:
-        logits, _, cache = model.forward(params, s.last[:, None], s.cache.length[:, None], s.cache)
-        key, sub = jax.random.split(s.key)
-        tok = sampling.sample(sub, logits[:, 0], sampler)
-        active = ~s.done
-        slot = jnp.where(active, s.num, max_out)  # done rows write out of bounds: dropped
-        num = s.num + active
+    model: Any
+    capacity: int
+    max_out: int
+    chunk: int = 64
+    mesh: Any = None
+
+    def init(self, params, prompt: Int[Array, "B C"], prompt_len: Int[Array, "B"],
+             budget: Int[Array, "B"], key: Array, eos_ids: Int[Array, "E"],
+             sampler: sampling.Sampler = sampling.Greedy()) -> DecodeState:
+        model, b = self.model, prompt.shape[0]
+        cache = constrain_cache(model.init_cache(b, self.capacity, model.param_dtype(params)),
+                                self.mesh)
+        h_last, cache = prefill(model, params, prompt, prompt_len, cache, self.chunk)
+        key, sub = jax.random.split(key)
+        first = sampling.sample(sub, model.logits(params, h_last), sampler)
+        one = jnp.ones((b,), jnp.int32)
         return DecodeState(
+            tokens=jnp.full((b, self.max_out), PAD, jnp.int32).at[:, 0].set(first), num=one,
+            done=stops(first, one, budget, eos_ids), last=first, cache=cache, key=key,
+            budget=budget, eos_ids=eos_ids, sampler=sampler)
+
+    def step(self, params, s: DecodeState) -> DecodeState:
+        logits, _, cache = self.model.forward(params, s.last[:, None], s.cache.length[:, None],
+                                              s.cache)
+        key, sub = jax.random.split(s.key)
+        tok = sampling.sample(sub, logits[:, 0], s.sampler)
+        active = ~s.done
+        slot = jnp.where(active, s.num, self.max_out)  # done rows write out of bounds: dropped
+        num = s.num + active
+        b = tok.shape[0]
+        return s.replace(
             tokens=s.tokens.at[jnp.arange(b), slot].set(tok, mode="drop"), num=num,
-            done=s.done | stops(tok, num, budget, eos_ids), last=jnp.where(active, tok, s.last),
-            cache=cache.advance(active), key=key)
+            done=s.done | stops(tok, num, s.budget, s.eos_ids),
+            last=jnp.where(active, tok, s.last),
+            cache=constrain_cache(cache.advance(active), self.mesh), key=key)
 
-    state = lax.while_loop(lambda s: jnp.any(~s.done), step, state)
-    return GenerateOutput(tokens=state.tokens, lengths=state.num)
+    def loop(self, params, s: DecodeState) -> DecodeState:
+        return lax.while_loop(lambda s: jnp.any(~s.done), lambda s: self.step(params, s), s)
+
+    def output(self, s: DecodeState) -> GenerateOutput:
+        return GenerateOutput(tokens=s.tokens, lengths=s.num)
 
 
-_DECODE = AotCache(_decode, ("model", "capacity", "max_out", "chunk"))
+def _decode(params, prompt, prompt_len, budget, sampler, key, eos_ids, *, dec: AR
+            ) -> GenerateOutput:
+    return dec.output(dec.loop(params, dec.init(params, prompt, prompt_len, budget, key,
+                                                eos_ids, sampler)))
+
+
+_DECODE = AotCache(_decode, ("dec",))
 
 
 def _round_up(n: int, m: int) -> int:
@@ -178,7 +217,7 @@ class Batch:
 def prepare(model, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
             sampler: sampling.Sampler = sampling.Greedy(), key: Array | None = None,
             eos_ids: Sequence[int] = (), cache_size: int | None = None, chunk: int = 64,
-            extra: int = 0) -> Batch:
+            extra: int = 0, mesh=None) -> Batch:
     """Checks a batch against ``model`` and lays it out (``plan_shapes``): prompts present,
     a key when sampling, one budget per prompt, token ids in the vocabulary, and room for
     prompt + budget + ``extra`` scratch slots. Raises ``ValueError`` before any compile."""
@@ -199,19 +238,28 @@ def prepare(model, prompts: Sequence[Sequence[int]], max_new_tokens: int | Seque
     vocab = model.config.vocab_size
     if buf.max() >= vocab or buf.min() < 0:
         raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-    return Batch(tokens=jnp.asarray(buf), lengths=jnp.asarray(lens, jnp.int32),
-                 budgets=jnp.asarray(budgets, jnp.int32),
-                 eos=jnp.asarray(list(eos_ids) or [PAD], jnp.int32),
-                 key=jax.random.key(0) if key is None else key, capacity=capacity,
-                 max_out=max_out)
+    if mesh is not None:
+        sharding.check_batch(len(prompts), mesh)
+        sharding.check_model(model.config, mesh)
+    return Batch(tokens=sharding.rows(mesh, jnp.asarray(buf)),
+                 lengths=sharding.rows(mesh, jnp.asarray(lens, jnp.int32)),
+                 budgets=sharding.rows(mesh, jnp.asarray(budgets, jnp.int32)),
+                 eos=sharding.replicated(mesh, jnp.asarray(list(eos_ids) or [PAD], jnp.int32)),
+                 key=sharding.replicated(mesh, jax.random.key(0) if key is None else key),
+                 capacity=capacity, max_out=max_out)
+
+
+def place(model, params, mesh):
+    """``params`` on ``mesh`` (``specjax.sharding.shard_params``); unchanged without one."""
+    return params if mesh is None else sharding.shard_params(model.config, params, mesh)
 
 
 def generate(model, params, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int | Sequence[int], sampler: sampling.Sampler = sampling.Greedy(),
              key: Array | None = None, eos_ids: Sequence[int] = (),
              cache_size: int | None = None, chunk: int = 64,
-             source_size: int | None = None) -> GenerateOutput:
-    """Decodes a batch of prompts of any lengths, one token per target forward.
+             source_size: int | None = None, mesh=None) -> GenerateOutput:
+    """Decodes a batch of prompts of any lengths, one token per target forward (``AR``).
 
     For an encoder-decoder ``model`` (T5) the prompts are the sources: the encoder runs
     once, and the decoder starts from its ``decoder_start_token_id`` (``source_size`` fixes
@@ -221,10 +269,15 @@ def generate(model, params, prompts: Sequence[Sequence[int]], *,
     rows are exactly the argmax rollout of ``model``; ``Sample`` needs an explicit ``key``.
     Calls with the same batch size, cache capacity and output bucket reuse one compilation;
     ``compile_s`` of the result says how long this call spent compiling.
+
+    With a ``mesh`` (``specjax.sharding.make_mesh``), rows are split over its ``data`` axis
+    and the weights over ``model`` (``shard_params``; already placed weights are kept).
     """
     params, prompts = encdec.bind_sources(model, params, prompts, source_size)
     x = prepare(model, prompts, max_new_tokens, sampler=sampler, key=key, eos_ids=eos_ids,
-                cache_size=cache_size, chunk=chunk)
+                cache_size=cache_size, chunk=chunk, mesh=mesh)
+    params = place(model, params, mesh)
+    dec = AR(model, x.capacity, x.max_out, chunk, mesh)
     out, compile_s = _DECODE(params, x.tokens, x.lengths, x.budgets, sampler, x.key, x.eos,
-                             model=model, capacity=x.capacity, max_out=x.max_out, chunk=chunk)
+                             dec=dec)
     return out.replace(compile_s=compile_s)

@@ -8,6 +8,7 @@ independent: each stops at EOS or its budget, and its outcome is per row.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Sequence
 
@@ -18,9 +19,11 @@ from flax import struct
 from jax import lax
 from jaxtyping import Array, Bool, Int
 
+from specjax import sharding
 from specjax.core import encdec, sampling, tree
 from specjax._compile import AotCache
-from specjax.core.decoding import PAD, Rows, prefill, prepare, stops
+from specjax.core.decoding import PAD, Rows, place, prefill, prepare, stops
+from specjax.sharding import constrain_cache
 from specjax.drafters.base import Context
 from specjax.models.kv_cache import KVCache
 from specjax.core.verify import Draft, Rejection, Rule, VerifyResult, sanitize, verify
@@ -56,6 +59,10 @@ class SpecOutput(Rows):
 
 @struct.dataclass
 class SpecState:
+    """``Speculative``'s loop state: the token buffer (prompt, then generated tokens) with
+    per-row lengths, stop flags, the target's cache, the drafter's state, statistics, and
+    the per-call settings (prompt lengths, budgets, EOS ids, sampler)."""
+
     tokens: Int[Array, "B C"]
     length: Int[Array, "B"]
     num: Int[Array, "B"]
@@ -66,6 +73,10 @@ class SpecState:
     rounds: Int[Array, "B"]
     accepted_at: Int[Array, "B D"]
     verified: Int[Array, "B"]
+    prompt_len: Int[Array, "B"]
+    budget: Int[Array, "B"]
+    eos_ids: Int[Array, "E"]
+    sampler: Any
 
 
 def _keep_count(emitted, n_emit, num, budget, eos_ids, active):
@@ -101,81 +112,122 @@ def _verify_width(w: int, target, rule, depth: int, tparams, draft: Draft, root,
     return _pad_result(res, depth), cache, h
 
 
-def _round(s: SpecState, *, target, tparams, drafter, dparams, prompt_len, budget, sampler,
-           eos_ids, rule, depth, widths) -> SpecState:
-    b = s.tokens.shape[0]
-    ctx = Context(tokens=s.tokens, length=s.length, prompt_len=prompt_len, cache=s.cache,
-                  params=tparams)
-    key, k_draft, k_verify = jax.random.split(s.key, 3)
-    draft, dstate, cache = drafter.propose(dparams, s.dstate, ctx, k_draft, sampler)
-    root = jnp.take_along_axis(s.tokens, (s.length - 1)[:, None], axis=1)
-    # the narrowest verify width that holds every row's valid nodes (trees are ordered
-    # parents first, so a prefix of the nodes is a consistent subtree)
-    live = draft.valid & ~s.done[:, None]
-    need = 1 + jnp.max(jnp.where(live, jnp.arange(draft.tokens.shape[1])[None] + 1, 0))
-    branch = jnp.sum(jnp.asarray(widths)[None, :] < need)
-    fns = [functools.partial(_verify_width, w, target, rule, depth) for w in widths]
-    branch = jnp.minimum(branch, len(widths) - 1)
-    res, cache, hidden = lax.switch(branch, fns, tparams, draft, root, s.length, cache, k_verify,
-                                    sampler)
+@dataclasses.dataclass(frozen=True)
+class Speculative:
+    """Speculative decoding with any drafter (n-gram, early exit, a draft model, EAGLE-2,
+    ReDrafter) as pure, jittable pieces: ``init`` prefills and emits each row's first
+    token, ``step`` runs one draft-verify-commit round for every unfinished row (finished
+    rows are left unchanged), ``loop`` rounds until every row is done, ``output`` packs
+    the result. Lossless as ``speculative_generate`` (which runs exactly these).
 
-    active = ~s.done
-    keep = _keep_count(res.tokens, res.accepted + 1, s.num, budget, eos_ids, active)
-    slot = s.length[:, None] + jnp.arange(depth + 1)[None]
-    slot = jnp.where(jnp.arange(depth + 1)[None] < keep[:, None], slot, s.tokens.shape[1])
-    tokens = s.tokens.at[jnp.arange(b)[:, None], slot].set(res.tokens, mode="drop")
-    src = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), res.path + 1], axis=1)
-    cache = cache.commit(src, keep, window=widths[-1])
-    num = s.num + keep
-    kept = jnp.take_along_axis(tokens, (s.length + keep - 1)[:, None], axis=1)[:, 0]
-    done = s.done | (active & stops(kept, num, budget, eos_ids))
-    ctx = Context(tokens=tokens, length=s.length + keep, prompt_len=prompt_len, cache=cache,
-                  params=tparams, hidden=hidden)
-    dstate = drafter.commit(dparams, dstate, ctx, res)
-    reached = jnp.arange(depth)[None] < res.accepted[:, None]
-    return SpecState(tokens=tokens, length=s.length + keep, num=num, done=done, cache=cache,
-                     dstate=dstate, key=key, rounds=s.rounds + active,
-                     accepted_at=s.accepted_at + (reached & active[:, None]),
-                     verified=s.verified + jnp.asarray(widths)[branch] * active)
+    ``widths``: the verification widths compiled (ascending, the last being
+    ``drafter.num_nodes + 1``); each round runs the narrowest that holds its valid nodes.
+    With ``mesh``, the cache is pinned to ``specjax.sharding.cache_spec``."""
+
+    target: Any
+    drafter: Any
+    capacity: int
+    max_out: int
+    widths: tuple[int, ...] | None = None  # default: drafter.verify_widths
+    rule: Rule = Rejection()
+    chunk: int = 64
+    mesh: Any = None
+
+    def __post_init__(self):
+        n = self.drafter.num_nodes
+        widths = tuple(sorted(set(self.drafter.verify_widths if self.widths is None
+                                  else self.widths)))
+        if widths[0] < 1 or widths[-1] != n + 1:
+            raise ValueError(f"verification widths {widths} must lie in [1, {n + 1}] and "
+                             f"include {n + 1} (the root and all {n} draft nodes)")
+        object.__setattr__(self, "widths", widths)
+
+    @property
+    def depth(self) -> int:
+        return self.drafter.depth
+
+    def init(self, tparams, dparams, prompt: Int[Array, "B C"], prompt_len: Int[Array, "B"],
+             budget: Int[Array, "B"], key: Array, eos_ids: Int[Array, "E"],
+             sampler: sampling.Sampler = sampling.Greedy()) -> SpecState:
+        target, drafter, b = self.target, self.drafter, prompt.shape[0]
+        cache = constrain_cache(target.init_cache(b, self.capacity, target.param_dtype(tparams)),
+                                self.mesh)
+        h_all = None
+        if getattr(drafter, "needs_features", False):
+            h_last, cache, h_all = prefill(target, tparams, prompt, prompt_len, cache,
+                                           self.chunk, True)
+        else:
+            h_last, cache = prefill(target, tparams, prompt, prompt_len, cache, self.chunk)
+        key, sub = jax.random.split(key)
+        first = sampling.sample(sub, target.logits(tparams, h_last), sampler)
+        tokens = prompt.at[jnp.arange(b), prompt_len].set(first)
+        length = prompt_len + 1
+        ctx = Context(tokens=tokens, length=length, prompt_len=prompt_len, cache=cache,
+                      params=tparams, hidden=h_all)
+        one = jnp.ones((b,), jnp.int32)
+        return SpecState(tokens=tokens, length=length, num=one,
+                         done=stops(first, one, budget, eos_ids), cache=cache,
+                         dstate=drafter.init(dparams, ctx, self.chunk), key=key,
+                         rounds=jnp.zeros((b,), jnp.int32),
+                         accepted_at=jnp.zeros((b, self.depth), jnp.int32),
+                         verified=jnp.zeros((b,), jnp.int32), prompt_len=prompt_len,
+                         budget=budget, eos_ids=eos_ids, sampler=sampler)
+
+    def step(self, tparams, dparams, s: SpecState) -> SpecState:
+        target, drafter, depth, widths = self.target, self.drafter, self.depth, self.widths
+        b = s.tokens.shape[0]
+        ctx = Context(tokens=s.tokens, length=s.length, prompt_len=s.prompt_len, cache=s.cache,
+                      params=tparams)
+        key, k_draft, k_verify = jax.random.split(s.key, 3)
+        draft, dstate, cache = drafter.propose(dparams, s.dstate, ctx, k_draft, s.sampler)
+        root = jnp.take_along_axis(s.tokens, (s.length - 1)[:, None], axis=1)
+        # the narrowest verify width that holds every row's valid nodes (trees are ordered
+        # parents first, so a prefix of the nodes is a consistent subtree)
+        live = draft.valid & ~s.done[:, None]
+        need = 1 + jnp.max(jnp.where(live, jnp.arange(draft.tokens.shape[1])[None] + 1, 0))
+        branch = jnp.minimum(jnp.sum(jnp.asarray(widths)[None, :] < need), len(widths) - 1)
+        fns = [functools.partial(_verify_width, w, target, self.rule, depth) for w in widths]
+        res, cache, hidden = lax.switch(branch, fns, tparams, draft, root, s.length, cache,
+                                        k_verify, s.sampler)
+
+        active = ~s.done
+        keep = _keep_count(res.tokens, res.accepted + 1, s.num, s.budget, s.eos_ids, active)
+        slot = s.length[:, None] + jnp.arange(depth + 1)[None]
+        slot = jnp.where(jnp.arange(depth + 1)[None] < keep[:, None], slot, s.tokens.shape[1])
+        tokens = s.tokens.at[jnp.arange(b)[:, None], slot].set(res.tokens, mode="drop")
+        src = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), res.path + 1], axis=1)
+        cache = constrain_cache(cache.commit(src, keep, window=widths[-1]), self.mesh)
+        num = s.num + keep
+        kept = jnp.take_along_axis(tokens, (s.length + keep - 1)[:, None], axis=1)[:, 0]
+        done = s.done | (active & stops(kept, num, s.budget, s.eos_ids))
+        ctx = Context(tokens=tokens, length=s.length + keep, prompt_len=s.prompt_len,
+                      cache=cache, params=tparams, hidden=hidden)
+        dstate = drafter.commit(dparams, dstate, ctx, res)
+        reached = jnp.arange(depth)[None] < res.accepted[:, None]
+        return s.replace(tokens=tokens, length=s.length + keep, num=num, done=done, cache=cache,
+                         dstate=dstate, key=key, rounds=s.rounds + active,
+                         accepted_at=s.accepted_at + (reached & active[:, None]),
+                         verified=s.verified + jnp.asarray(widths)[branch] * active)
+
+    def loop(self, tparams, dparams, s: SpecState) -> SpecState:
+        return lax.while_loop(lambda s: jnp.any(~s.done),
+                              lambda s: self.step(tparams, dparams, s), s)
+
+    def output(self, s: SpecState) -> SpecOutput:
+        idx = s.prompt_len[:, None] + jnp.arange(self.max_out)[None]
+        out = jnp.take_along_axis(s.tokens, jnp.minimum(idx, self.capacity - 1), axis=1)
+        out = jnp.where(jnp.arange(self.max_out)[None] < s.num[:, None], out, PAD)
+        return SpecOutput(tokens=out, lengths=s.num, target_forwards=s.rounds + 1,
+                          accepted_at=s.accepted_at, verified_tokens=s.verified)
 
 
 def _speculate(tparams, dparams, prompt, prompt_len, budget, sampler, key, eos_ids, *,
-               target, drafter, rule, capacity: int, max_out: int, chunk: int,
-               depth: int, widths: tuple[int, ...]) -> SpecOutput:
-    b = prompt.shape[0]
-    cache = target.init_cache(b, capacity, target.param_dtype(tparams))
-    h_all = None
-    if getattr(drafter, "needs_features", False):
-        h_last, cache, h_all = prefill(target, tparams, prompt, prompt_len, cache, chunk, True)
-    else:
-        h_last, cache = prefill(target, tparams, prompt, prompt_len, cache, chunk)
-    key, sub = jax.random.split(key)
-    first = sampling.sample(sub, target.logits(tparams, h_last), sampler)
-    tokens = prompt.at[jnp.arange(b), prompt_len].set(first)
-    length = prompt_len + 1
-    ctx = Context(tokens=tokens, length=length, prompt_len=prompt_len, cache=cache,
-                  params=tparams, hidden=h_all)
-    one = jnp.ones((b,), jnp.int32)
-    state = SpecState(tokens=tokens, length=length, num=one,
-                      done=stops(first, one, budget, eos_ids), cache=cache,
-                      dstate=drafter.init(dparams, ctx, chunk), key=key,
-                      rounds=jnp.zeros((b,), jnp.int32),
-                      accepted_at=jnp.zeros((b, depth), jnp.int32),
-                      verified=jnp.zeros((b,), jnp.int32))
-    body = lambda s: _round(s, target=target, tparams=tparams, drafter=drafter,
-                            dparams=dparams, prompt_len=prompt_len, budget=budget,
-                            sampler=sampler, eos_ids=eos_ids, rule=rule, depth=depth,
-                            widths=widths)
-    state = lax.while_loop(lambda s: jnp.any(~s.done), body, state)
-    idx = prompt_len[:, None] + jnp.arange(max_out)[None]
-    out = jnp.take_along_axis(state.tokens, jnp.minimum(idx, capacity - 1), axis=1)
-    out = jnp.where(jnp.arange(max_out)[None] < state.num[:, None], out, PAD)
-    return SpecOutput(tokens=out, lengths=state.num, target_forwards=state.rounds + 1,
-                      accepted_at=state.accepted_at, verified_tokens=state.verified)
+               spec: Speculative) -> SpecOutput:
+    s = spec.init(tparams, dparams, prompt, prompt_len, budget, key, eos_ids, sampler)
+    return spec.output(spec.loop(tparams, dparams, s))
 
 
-_SPECULATE = AotCache(_speculate, ("target", "drafter", "rule", "capacity", "max_out", "chunk",
-                                   "depth", "widths"))
+_SPECULATE = AotCache(_speculate, ("spec",))
 
 
 def speculative_generate(target, tparams, drafter, dparams, prompts: Sequence[Sequence[int]],
@@ -184,7 +236,7 @@ def speculative_generate(target, tparams, drafter, dparams, prompts: Sequence[Se
                          key: Array | None = None, eos_ids: Sequence[int] = (),
                          rule: Rule = Rejection(), cache_size: int | None = None,
                          chunk: int = 64, widths: Sequence[int] | None = None,
-                         source_size: int | None = None) -> SpecOutput:
+                         source_size: int | None = None, mesh=None) -> SpecOutput:
     """Decodes a batch of prompts with ``drafter`` proposing and ``target`` verifying.
 
     Lossless: with ``Greedy`` the tokens equal ``generate``'s argmax rollout; with ``Sample``
@@ -198,22 +250,22 @@ def speculative_generate(target, tparams, drafter, dparams, prompts: Sequence[Se
 
     For an encoder-decoder ``target`` (T5) the prompts are the sources, encoded once by the
     target and, for a draft encoder-decoder model, by the draft (``specjax.core.encdec``).
+
+    With a ``mesh``, rows are split over ``data`` and the target's weights over ``model``
+    (``specjax.sharding``); the drafter's parameters are replicated.
     """
     dparams = encdec.bind_drafter(drafter, dparams, target, prompts, source_size)
     drafter.check(target)
     tparams, prompts = encdec.bind_sources(target, tparams, prompts, source_size)
     n = drafter.num_nodes
-    widths = tuple(sorted(set(drafter.verify_widths if widths is None else widths)))
-    if widths[0] < 1 or widths[-1] != n + 1:
-        raise ValueError(f"verification widths {widths} must lie in [1, {n + 1}] and include "
-                         f"{n + 1} (the root and all {n} draft nodes)")
+    Speculative(target, drafter, 1, 1, widths)  # checks the widths before any other work
     x = prepare(target, prompts, max_new_tokens, sampler=sampler, key=key, eos_ids=eos_ids,
-                cache_size=cache_size, chunk=chunk, extra=n + 1)
+                cache_size=cache_size, chunk=chunk, extra=n + 1, mesh=mesh)
+    tparams, dparams = place(target, tparams, mesh), sharding.replicated(mesh, dparams)
+    spec = Speculative(target, drafter, x.capacity, x.max_out, widths, rule, chunk, mesh)
     out, compile_s = _SPECULATE(tparams, dparams, x.tokens, x.lengths, x.budgets, sampler, x.key,
-                                x.eos, target=target, drafter=drafter, rule=rule,
-                                capacity=x.capacity, max_out=x.max_out, chunk=chunk,
-                                depth=drafter.depth, widths=widths)
+                                x.eos, spec=spec)
     return out.replace(compile_s=compile_s)
 
 
-__all__ = ["speculative_generate", "SpecOutput"]
+__all__ = ["speculative_generate", "SpecOutput", "SpecState", "Speculative"]

@@ -2,6 +2,6 @@
 ``lax.while_loop``s, lossless), its latency model and exact optimisers (``hierarchy``),
 and the measured costs and acceptance rates that feed them (``calibrate``)."""
 
-from specjax.hsd.loop import Exit, Hierarchy, HSDOutput, NGram, hsd_generate
+from specjax.hsd.loop import HSD, Exit, Hierarchy, HSDOutput, HSDState, NGram, hsd_generate
 
-__all__ = ["Exit", "NGram", "Hierarchy", "HSDOutput", "hsd_generate"]
+__all__ = ["Exit", "NGram", "Hierarchy", "HSD", "HSDState", "HSDOutput", "hsd_generate"]

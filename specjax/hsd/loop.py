@@ -32,9 +32,11 @@ from flax import struct
 from jax import lax
 from jaxtyping import Array, Bool, Int
 
+from specjax import sharding
 from specjax.core import encdec, sampling
 from specjax._compile import AotCache
-from specjax.core.decoding import PAD, Rows, prefill, prepare
+from specjax.core.decoding import PAD, Rows, place, prefill, prepare
+from specjax.sharding import constrain_cache
 from specjax.drafters import Context, NGramDrafter, target_head
 from specjax.models.kv_cache import KVCache
 from specjax.core.verify import Draft, verify
@@ -160,6 +162,10 @@ class HSDState:
     forwards: Int[Array, "L B"]  # forward passes (or lookups) per level
     drafted: Int[Array, "L B"]  # drafts submitted to each level's verification
     accepted: Int[Array, "L B"]  # of which accepted
+    prompt_len: Int[Array, "B"]
+    budget: Int[Array, "B"]
+    eos_ids: Int[Array, "E"]
+    sampler: Any
 
 
 @struct.dataclass
@@ -366,43 +372,79 @@ class _Run:
                          accepted=s.accepted.at[k].add(jnp.where(active, res.accepted, 0)))
 
 
+@dataclasses.dataclass(frozen=True)
+class HSD:
+    """Hierarchical speculative decoding as pure, jittable pieces: ``init`` prefills and
+    emits each row's first token, ``step`` runs one round of the target (its levels below
+    fill, verify and commit recursively) for every unfinished row, ``loop`` rounds until
+    every row is done, ``output`` packs the result. ``hsd_generate`` runs exactly these.
+    With ``mesh``, every level's cache is pinned to ``specjax.sharding.cache_spec``."""
+
+    target: Any
+    hierarchy: Hierarchy
+    capacity: int
+    max_out: int
+    chunk: int = 64
+    mesh: Any = None
+
+    @property
+    def top(self) -> int:
+        return len(self.hierarchy.levels) - 1
+
+    def init(self, tparams, hparams, prompt: Int[Array, "B C"], prompt_len: Int[Array, "B"],
+             budget: Int[Array, "B"], key: Array, eos_ids: Int[Array, "E"],
+             sampler: sampling.Sampler = sampling.Greedy()) -> HSDState:
+        target, hierarchy, top, b = self.target, self.hierarchy, self.top, prompt.shape[0]
+        cache = constrain_cache(target.init_cache(b, self.capacity, target.param_dtype(tparams)),
+                                self.mesh)
+        h_last, cache = prefill(target, tparams, prompt, prompt_len, cache, self.chunk)
+        key, sub = jax.random.split(key)
+        first = sampling.sample(sub, target.logits(tparams, h_last), sampler)
+        tokens = prompt.at[jnp.arange(b), prompt_len].set(first)
+        vocab = target.config.vocab_size
+        # q[k]: level k - 1's probabilities, kept where level k verifies by sampling
+        samples = lambda k: isinstance(sampler if k == top else
+                                       hierarchy.levels[k].draws(sampler), sampling.Sample)
+        q = (None,) + tuple(
+            jnp.zeros((b, hierarchy.buffer[k], vocab), jnp.float32)
+            if samples(k) and isinstance(hierarchy.levels[k - 1], Exit) else None
+            for k in range(1, top + 1))
+        zeros = jnp.zeros((top + 1, b), jnp.int32)
+        return HSDState(
+            tokens=tokens, n=jnp.broadcast_to(prompt_len + 1, (top + 1, b)),
+            caches=tuple(None if isinstance(l, NGram) else cache for l in hierarchy.levels),
+            q=q, key=key, done=_ends(tokens, prompt_len, prompt_len + 1, budget, eos_ids),
+            forwards=zeros.at[top].set(1), drafted=zeros, accepted=zeros,
+            prompt_len=prompt_len, budget=budget, eos_ids=eos_ids, sampler=sampler)
+
+    def step(self, tparams, hparams, s: HSDState) -> HSDState:
+        run = _Run(self.target, self.hierarchy, tparams, tuple(hparams), s.sampler,
+                   s.prompt_len)
+        s = run.step(self.top, s, ~s.done)
+        caches = tuple(constrain_cache(c, self.mesh) for c in s.caches)
+        return s.replace(caches=caches, done=s.done | _ends(s.tokens, s.prompt_len,
+                                                            s.n[self.top], s.budget, s.eos_ids))
+
+    def loop(self, tparams, hparams, s: HSDState) -> HSDState:
+        return lax.while_loop(lambda s: jnp.any(~s.done),
+                              lambda s: self.step(tparams, hparams, s), s)
+
+    def output(self, s: HSDState) -> HSDOutput:
+        top, max_out = self.top, self.max_out
+        out = _take(s.tokens, s.prompt_len[:, None] + jnp.arange(max_out)[None])
+        is_eos = jnp.any(out[:, :, None] == s.eos_ids[None, None, :], -1)
+        first_eos = jnp.where(jnp.any(is_eos, 1), jnp.argmax(is_eos, 1) + 1, max_out)
+        lengths = jnp.minimum(jnp.minimum(s.n[top] - s.prompt_len, s.budget), first_eos)
+        out = jnp.where(jnp.arange(max_out)[None] < lengths[:, None], out, PAD)
+        total = lambda x: jnp.sum(x, axis=1)
+        return HSDOutput(tokens=out, lengths=lengths, forwards=total(s.forwards),
+                         drafted=total(s.drafted), accepted=total(s.accepted))
+
+
 def _decode(tparams, hparams, prompt, prompt_len, budget, sampler, key, eos_ids, *,
-            target, hierarchy: Hierarchy, capacity: int, max_out: int, chunk: int) -> HSDOutput:
-    b, top = prompt.shape[0], len(hierarchy.levels) - 1
-    cache = target.init_cache(b, capacity, target.param_dtype(tparams))
-    h_last, cache = prefill(target, tparams, prompt, prompt_len, cache, chunk)
-    key, sub = jax.random.split(key)
-    first = sampling.sample(sub, target.logits(tparams, h_last), sampler)
-    tokens = prompt.at[jnp.arange(b), prompt_len].set(first)
-    vocab = target.config.vocab_size
-    # q[k]: level k - 1's probabilities, kept where level k verifies by sampling
-    samples = lambda k: isinstance(sampler if k == top else hierarchy.levels[k].draws(sampler),
-                                   sampling.Sample)
-    q = (None,) + tuple(
-        jnp.zeros((b, hierarchy.buffer[k], vocab), jnp.float32)
-        if samples(k) and isinstance(hierarchy.levels[k - 1], Exit) else None
-        for k in range(1, top + 1))
-    zeros = jnp.zeros((top + 1, b), jnp.int32)
-    s = HSDState(tokens=tokens, n=jnp.broadcast_to(prompt_len + 1, (top + 1, b)),
-                 caches=tuple(None if isinstance(l, NGram) else cache for l in hierarchy.levels),
-                 q=q, key=key, done=_ends(tokens, prompt_len, prompt_len + 1, budget, eos_ids),
-                 forwards=zeros.at[top].set(1), drafted=zeros, accepted=zeros)
-    run = _Run(target, hierarchy, tparams, hparams, sampler, prompt_len)
-
-    def body(s: HSDState) -> HSDState:
-        s = run.step(top, s, ~s.done)
-        return s.replace(done=s.done | _ends(s.tokens, prompt_len, s.n[top], budget, eos_ids))
-
-    s = lax.while_loop(lambda s: jnp.any(~s.done), body, s)
-    idx = prompt_len[:, None] + jnp.arange(max_out)[None]
-    out = _take(s.tokens, idx)
-    is_eos = jnp.any(out[:, :, None] == eos_ids[None, None, :], -1)
-    first_eos = jnp.where(jnp.any(is_eos, 1), jnp.argmax(is_eos, 1) + 1, max_out)
-    lengths = jnp.minimum(jnp.minimum(s.n[top] - prompt_len, budget), first_eos)
-    out = jnp.where(jnp.arange(max_out)[None] < lengths[:, None], out, PAD)
-    total = lambda x: jnp.sum(x, axis=1)
-    return HSDOutput(tokens=out, lengths=lengths, forwards=total(s.forwards),
-                     drafted=total(s.drafted), accepted=total(s.accepted))
+            dec: HSD) -> HSDOutput:
+    s = dec.init(tparams, hparams, prompt, prompt_len, budget, key, eos_ids, sampler)
+    return dec.output(dec.loop(tparams, hparams, s))
 
 
 def _ends(tokens, prompt_len, n, budget, eos_ids) -> Bool[Array, "B"]:
@@ -414,20 +456,22 @@ def _ends(tokens, prompt_len, n, budget, eos_ids) -> Bool[Array, "B"]:
     return eos | (n - prompt_len >= budget)
 
 
-_DECODE = AotCache(_decode, ("target", "hierarchy", "capacity", "max_out", "chunk"))
+_DECODE = AotCache(_decode, ("dec",))
 
 
 def hsd_generate(target, tparams, hierarchy: Hierarchy, prompts: Sequence[Sequence[int]], *,
                  max_new_tokens: int | Sequence[int], hparams: Sequence | None = None,
                  sampler: sampling.Sampler = sampling.Greedy(), key: Array | None = None,
                  eos_ids: Sequence[int] = (), cache_size: int | None = None,
-                 chunk: int = 64, source_size: int | None = None) -> HSDOutput:
+                 chunk: int = 64, source_size: int | None = None, mesh=None) -> HSDOutput:
     """Decodes a batch of prompts with ``hierarchy``; lossless like ``speculative_generate``.
     For an encoder-decoder ``target`` (T5) the prompts are the sources (encoded once).
 
     ``hparams[k]`` are level ``k``'s head parameters (``None`` for the default head). Each
     row stops after an EOS id (kept) or its budget. Invalid hierarchies and prompts that do
-    not fit the cache raise ``ValueError`` before anything is compiled.
+    not fit the cache raise ``ValueError`` before anything is compiled. With a ``mesh``,
+    rows are split over ``data`` and the target's weights over ``model``
+    (``specjax.sharding``); head parameters are replicated.
     """
     hierarchy.check(target)
     tparams, prompts = encdec.bind_sources(target, tparams, prompts, source_size)
@@ -437,11 +481,12 @@ def hsd_generate(target, tparams, hierarchy: Hierarchy, prompts: Sequence[Sequen
         raise ValueError(f"{len(hparams)} head parameter entries for {top + 1} levels")
     extra = sum(m + 1 for m in hierarchy.buffer) + 2 * top + 2  # lower levels run ahead
     x = prepare(target, prompts, max_new_tokens, sampler=sampler, key=key, eos_ids=eos_ids,
-                cache_size=cache_size, chunk=chunk, extra=extra)
+                cache_size=cache_size, chunk=chunk, extra=extra, mesh=mesh)
+    tparams, hparams = place(target, tparams, mesh), sharding.replicated(mesh, hparams)
+    dec = HSD(target, hierarchy, x.capacity, x.max_out, chunk, mesh)
     out, compile_s = _DECODE(tparams, hparams, x.tokens, x.lengths, x.budgets, sampler, x.key,
-                             x.eos, target=target, hierarchy=hierarchy, capacity=x.capacity,
-                             max_out=x.max_out, chunk=chunk)
+                             x.eos, dec=dec)
     return out.replace(compile_s=compile_s)
 
 
-__all__ = ["Exit", "NGram", "Hierarchy", "HSDOutput", "hsd_generate"]
+__all__ = ["Exit", "NGram", "Hierarchy", "HSD", "HSDState", "HSDOutput", "hsd_generate"]

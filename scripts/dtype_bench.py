@@ -1,0 +1,90 @@
+"""bfloat16 against float32 on SmolLM2-135M: tok/s of `ar` and `eagle2`, and greedy agreement.
+
+Both dtypes are loaded in one process and every question is decoded by each (dtype,
+method) in turn, so machine noise hits all alike (compile time excluded). Reports tok/s and
+the bf16/f32 ratio per method, whether each bf16 method's output equals bf16 `ar` (it must:
+lossless), and how far bf16 `ar` agrees with float32 `ar` (identical outputs, and the mean
+share of tokens before the first difference).
+
+    .venv/bin/python scripts/dtype_bench.py --limit 12 --out docs/results/bf16_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from specjax import bench
+from specjax.drafters import eagle
+from specjax.models import load
+
+
+def _prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--questions", default="../shared/data/spec_bench/question.jsonl")
+    ap.add_argument("--limit", type=int, default=12)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    qs = bench.load_questions(args.questions, limit=args.limit)
+    methods = {}
+    for name, dtype in (("float32", jnp.float32), ("bfloat16", jnp.bfloat16)):
+        lm = load("smollm2-135m", dtype=dtype)
+        drafter, dp = eagle.load_drafter("eagle2", lm, "smollm2-135m")
+        methods[name, "ar"] = (lm, bench.ar_method(lm))
+        methods[name, "eagle2"] = (lm, bench.sd_method(lm, drafter, dp))
+    runs = {k: [] for k in methods}
+    with tqdm(total=len(qs) * len(methods), desc="dtype bench", unit="run") as bar:
+        for q in qs:
+            for k, (lm, run) in methods.items():
+                bar.set_postfix_str(f"{q.category} {k[0]} {k[1]}")
+                runs[k].append(run(lm.encode(q.text, chat=True), args.max_new_tokens))
+                bar.update(1)
+    rows = {}
+    for k, rs in runs.items():
+        toks, secs = sum(len(r.tokens) for r in rs), sum(r.seconds for r in rs)
+        rows[f"{k[0]} {k[1]}"] = {"tokens_per_s": toks / secs, "tokens": toks,
+                                  "compile_s": max(r.compile_s for r in rs),
+                                  "tau": toks / sum(r.target_forwards for r in rs)}
+    for m in ("ar", "eagle2"):
+        rows[f"bfloat16 {m}"]["vs_float32"] = (rows[f"bfloat16 {m}"]["tokens_per_s"]
+                                               / rows[f"float32 {m}"]["tokens_per_s"])
+    f32, b16 = runs["float32", "ar"], runs["bfloat16", "ar"]
+    agree = {"identical": int(sum(a.tokens == b.tokens for a, b in zip(f32, b16))),
+             "questions": len(qs),
+             "mean_prefix_share": float(np.mean([_prefix(a.tokens, b.tokens) / max(len(a.tokens), 1)
+                                                 for a, b in zip(f32, b16)]))}
+    mismatch = {f"{d} eagle2": [q.qid for q, a, e in zip(qs, runs[d, "ar"], runs[d, "eagle2"])
+                                if a.tokens != e.tokens] for d in ("float32", "bfloat16")}
+    for k, r in rows.items():
+        print(f"{k:18} {r['tokens_per_s']:7.1f} tok/s  tau {r['tau']:.2f}"
+              + (f"  ({r['vs_float32']:.2f}x float32)" if "vs_float32" in r else ""))
+    print(f"bf16 ar == f32 ar on {agree['identical']}/{agree['questions']} questions; mean "
+          f"share before the first difference {agree['mean_prefix_share']:.2f}")
+    print(f"eagle2 != ar (same dtype): {mismatch}")
+    report = {"model": "smollm2-135m", "max_new_tokens": args.max_new_tokens,
+              "questions": [q.qid for q in qs], "machine": bench.machine_info(), "rows": rows,
+              "bf16_vs_f32_ar_agreement": agree, "greedy_mismatch_vs_ar": mismatch}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    return 0 if not any(mismatch.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""Mesh sharding: a ``data`` axis for batch rows and a ``model`` axis for weights.
+
+Parameters follow the usual Megatron split: a layer's query heads, its K/V heads (where
+they divide the ``model`` axis; replicated otherwise) and its MLP's gate/up rows are split
+over ``model``, and the output projections ``o`` and ``down`` over their input columns, so
+each device computes whole heads and whole MLP columns and one all-reduce per block sums
+them. Embeddings and LM heads are split over the vocabulary where it divides. Norms and
+small draft-head tensors are replicated. The KV cache is split over ``data`` (rows) and
+``model`` (KV heads, where they divide); token buffers over ``data``.
+
+Sharding never changes a result: XLA's SPMD partitioner runs the same program on the
+mesh, so greedy tokens equal the one-device run (``tests/test_sharding.py``).
+
+Multi-host (a TPU pod slice): call ``jax.distributed.initialize()`` on every host before
+anything else, then build the mesh over ``jax.devices()`` (all hosts' devices) with
+:func:`make_mesh`; every host runs the same program on its own rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+DATA, MODEL = "data", "model"
+AXES = (DATA, MODEL)
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """``"data=2,model=4"`` -> ``{"data": 2, "model": 4}`` (a missing axis is 1)."""
+    sizes = {DATA: 1, MODEL: 1}
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        name, eq, value = part.partition("=")
+        name = name.strip()
+        if name not in AXES:
+            raise ValueError(f"unknown mesh axis {name!r} in {spec!r}: the axes are "
+                             f"{' and '.join(AXES)} (e.g. data=2,model=4)")
+        try:
+            sizes[name] = int(value)
+        except ValueError:
+            raise ValueError(f"mesh axis {part!r}: expected {name}=N with an int N") from None
+        if not eq or sizes[name] < 1:
+            raise ValueError(f"mesh axis {part!r}: the size must be an int >= 1")
+    return sizes
+
+
+def make_mesh(data: int = 1, model: int = 1, devices=None) -> Mesh:
+    """A ``(data, model)`` mesh over the first ``data * model`` of ``devices`` (default:
+    ``jax.devices()``). ``ValueError`` when there are fewer devices than that."""
+    devices = list(jax.devices() if devices is None else devices)
+    for name, n in ((DATA, data), (MODEL, model)):
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"mesh axis {name} must be an int >= 1, got {n!r}")
+    if data * model > len(devices):
+        raise ValueError(f"a mesh of data={data} x model={model} needs {data * model} devices, "
+                         f"but {len(devices)} are visible (on CPU, simulate more with "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts)")
+    grid = np.asarray(devices[:data * model], dtype=object).reshape(data, model)
+    return Mesh(grid, AXES)
+
+
+def mesh_from_spec(spec: str) -> Mesh:
+    """``make_mesh(**parse_mesh(spec))``: the CLI's ``--mesh data=D,model=M``."""
+    return make_mesh(**parse_mesh(spec))
+
+
+def axis_size(mesh: Mesh | None, name: str) -> int:
+    return 1 if mesh is None else int(mesh.shape[name])
+
+
+def check_model(config, mesh: Mesh) -> None:
+    """``ValueError`` unless the ``model`` axis divides the query heads and the MLP width."""
+    m = axis_size(mesh, MODEL)
+    if m == 1:
+        return
+    if not hasattr(config, "num_kv_heads"):
+        raise ValueError(f"{type(config).__name__}: only Llama- and Gemma-style decoders "
+                         f"split over a model axis; use model=1 (data parallel)")
+    for what, n in (("query heads", config.num_heads),
+                    ("MLP width (intermediate_size)", config.intermediate_size)):
+        if n % m:
+            divs = [d for d in range(1, n + 1) if n % d == 0 and d <= 64]
+            raise ValueError(f"mesh model={m} does not divide the model's {n} {what}; "
+                             f"use one of model={divs}")
+
+
+def check_batch(batch: int, mesh: Mesh | None) -> None:
+    d = axis_size(mesh, DATA)
+    if batch % d:
+        raise ValueError(f"mesh data={d} does not divide the batch of {batch} rows; give a "
+                         f"multiple of {d} prompts")
+
+
+# ----------------------------------------------------------------------------- layouts
+
+def split_layout(config, params: Any) -> Any:
+    """The same parameters with every fused ``qkv`` split into ``q``, ``k``, ``v`` and every
+    fused ``gate_up`` into ``gate``, ``up`` (the layout sharded by heads; the models read
+    both). Exact: only rows are regrouped."""
+    nq, nk, hd = config.num_heads, config.num_kv_heads, config.head_dim
+    f = config.intermediate_size
+
+    def walk(x):
+        if isinstance(x, dict):
+            y = {k: walk(v) for k, v in x.items()}
+            if "qkv" in y:
+                y.update(zip(("q", "k", "v"), _split_rows(y.pop("qkv"),
+                                                          [nq * hd, (nq + nk) * hd])))
+            if "gate_up" in y:
+                y.update(zip(("gate", "up"), _split_rows(y.pop("gate_up"), [f])))
+            return y
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v) for v in x)
+        return x
+
+    return walk(params)
+
+
+def _split_rows(w, at):
+    return tuple(w[a:b] for a, b in zip([0] + at, at + [w.shape[0]]))
+
+
+def param_specs(config, params: Any, mesh: Mesh) -> Any:
+    """A ``PartitionSpec`` per leaf of ``params`` (in the split layout), by the rules in
+    the module docstring."""
+    m = axis_size(mesh, MODEL)
+    nq, nk = getattr(config, "num_heads", 0), getattr(config, "num_kv_heads", 0)
+    f = getattr(config, "intermediate_size", 0)
+    div = lambda n: m > 1 and n > 0 and n % m == 0
+    rows = {"q": div(nq), "k": div(nk), "v": div(nk), "gate": div(f), "up": div(f)}
+    cols = {"o": div(nq), "down": div(f)}
+
+    def leaf(name, x):
+        if np.ndim(x) == 2 and rows.get(name):
+            return P(MODEL, None)
+        if np.ndim(x) == 2 and cols.get(name):
+            return P(None, MODEL)
+        if name in ("embed", "lm_head", "out_embed") and np.ndim(x) == 2 and div(x.shape[0]):
+            return P(MODEL, None)
+        return P()
+
+    def walk(x, name=None):
+        if isinstance(x, dict):
+            return {k: walk(v, k) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v, name) for v in x)
+        return None if x is None else leaf(name, x)
+
+    return walk(params)
+
+
+def shard_params(config, params: Any, mesh: Mesh) -> Any:
+    """``params`` in the split layout, placed on ``mesh`` by :func:`param_specs`.
+    Idempotent; ``ValueError`` for a mesh the model cannot be split over."""
+    check_model(config, mesh)
+    if not hasattr(config, "num_kv_heads"):  # T5: replicated, data parallel only
+        return jax.device_put(params, NamedSharding(mesh, P()))
+    params = split_layout(config, params)
+    specs = param_specs(config, params, mesh)
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs,
+                        is_leaf=lambda x: x is None)
+
+
+def cache_spec(cache, mesh: Mesh):
+    """The ``PartitionSpec`` pytree of a ``KVCache``: rows over ``data``, KV heads over
+    ``model`` where they divide."""
+    m = axis_size(mesh, MODEL)
+    heads = MODEL if m > 1 and cache.v[0].shape[1] % m == 0 else None
+    return cache.replace(k=tuple(P(DATA, heads, None, None) for _ in cache.k),
+                         v=tuple(P(DATA, heads, None, None) for _ in cache.v),
+                         length=P(DATA))
+
+
+def constrain_cache(cache, mesh: Mesh | None):
+    """``cache`` with its sharding pinned (inside ``jit``); unchanged without a mesh."""
+    if mesh is None or cache is None:
+        return cache
+    specs = cache_spec(cache, mesh)
+    return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)),
+                        cache, specs)
+
+
+def rows(mesh: Mesh | None, x):
+    """``x`` (leading axis: batch rows) placed with its rows over ``data``."""
+    if mesh is None:
+        return x
+    return jax.tree.map(lambda a: jax.device_put(
+        a, NamedSharding(mesh, P(DATA, *([None] * (np.ndim(a) - 1))))), x)
+
+
+def replicated(mesh: Mesh | None, x):
+    """``x`` copied to every device of ``mesh``."""
+    if mesh is None:
+        return x
+    return jax.device_put(x, NamedSharding(mesh, P()))
+
+
+__all__ = ["DATA", "MODEL", "make_mesh", "mesh_from_spec", "parse_mesh", "check_model",
+           "check_batch", "split_layout", "param_specs", "shard_params", "cache_spec",
+           "constrain_cache", "rows", "replicated"]

@@ -1,0 +1,204 @@
+"""Sharded decoding on 8 simulated CPU devices equals the one-device run, token for token.
+
+JAX fixes its device count when it starts, so in the ordinary (one-device) test process a
+single test re-runs this file in a subprocess with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` and requires every test there to
+pass (none skipped). The error tests run in both.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import specjax
+from specjax import sharding
+from specjax.drafters import eagle, redrafter
+from specjax.hsd import Exit, Hierarchy, NGram
+from specjax.models import Llama, LlamaConfig
+from specjax.models.llama import init_params
+
+N_DEVICES = 8
+V = 64
+NEW = 16
+TOY = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_layers=2,
+                  num_heads=8, num_kv_heads=4, head_dim=8, max_position_embeddings=512)
+PROMPTS = [[1, 5, 2, 7, 5, 9], [3, 3, 1, 4], [7, 2, 7, 2, 7, 9, 11, 2], [5, 6],
+           [9, 8, 7, 6, 5, 4, 3], [2, 2, 2], [11, 13, 17, 19, 23], [4, 1, 4, 1, 4]]
+MESHES = {"data=8": (8, 1), "model=8": (1, 8), "data=2,model=4": (2, 4)}
+
+
+@pytest.fixture(scope="module")
+def toy():
+    model = Llama(TOY)
+    return model, jax.tree.map(lambda x: x * 3.0, init_params(TOY, jax.random.key(1)))
+
+
+# --------------------------------------------------------------------- errors (any process)
+
+def test_bad_meshes_are_refused_clearly(toy):
+    model, tp = toy
+    with pytest.raises(ValueError, match="unknown mesh axis 'rows'"):
+        sharding.parse_mesh("rows=2")
+    with pytest.raises(ValueError, match="size must be an int >= 1"):
+        sharding.parse_mesh("data=0")
+    with pytest.raises(ValueError, match="expected data=N"):
+        sharding.parse_mesh("data=two")
+    n = jax.device_count()
+    with pytest.raises(ValueError, match=f"needs {2 * n} devices, but {n} are visible"):
+        sharding.make_mesh(data=2 * n)
+    one = sharding.make_mesh(1, 1)
+    with pytest.raises(ValueError, match="does not divide"):  # 3 heads over model=1 is fine
+        sharding.check_model(LlamaConfig(vocab_size=V, hidden_size=24, intermediate_size=48,
+                                         num_layers=1, num_heads=3, num_kv_heads=3,
+                                         head_dim=8, max_position_embeddings=64),
+                             _fake_mesh(model=2))
+    sharding.check_model(TOY, one)
+    with pytest.raises(ValueError, match="does not divide the batch of 3 rows"):
+        sharding.check_batch(3, _fake_mesh(data=2))
+
+
+def _fake_mesh(data=1, model=1):
+    """A mesh shape without devices (for the checks that only read sizes)."""
+    class M:
+        shape = {"data": data, "model": model}
+    return M()
+
+
+# ----------------------------------------------------------- on 8 simulated devices only
+
+if jax.device_count() < N_DEVICES:
+    def test_sharded_suite_on_8_simulated_cpu_devices():
+        flags = os.environ.get("XLA_FLAGS", "")
+        env = {**os.environ, "XLA_FLAGS":
+               f"{flags} --xla_force_host_platform_device_count={N_DEVICES}".strip()}
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            "-m", "not slow or slow", __file__], env=env, capture_output=True,
+                           text=True, timeout=1500, cwd=os.path.dirname(os.path.dirname(__file__)))
+        tail = r.stdout[-6000:] + r.stderr[-3000:]
+        assert r.returncode == 0, tail
+        assert " passed" in r.stdout and "skipped" not in r.stdout, tail
+        print(r.stdout[-600:])
+else:
+    def _methods(model, tp):
+        """name -> run(prompts, mesh) for every method, greedy."""
+        kw = dict(max_new_tokens=NEW)
+        ed = eagle.EagleDrafter(model, depth=3, topk=2, total_tokens=6)
+        edp = eagle.draft_params(eagle.init_head(TOY, jax.random.key(2)), model, tp)
+        rd = redrafter.RedrafterDrafter(model, width=2, length=3)
+        rdp = redrafter.draft_params(redrafter.init_head(TOY.hidden_size, V, jax.random.key(3)))
+        h = Hierarchy((NGram(specjax.NGramDrafter(depth=4, min_ngram=1)), Exit(1), Exit()),
+                      T=(2, 2))
+        ng = specjax.NGramDrafter(depth=4, min_ngram=1)
+        return {
+            "ar": lambda p, m: specjax.generate(model, tp, p, mesh=m, **kw),
+            "sd-ngram": lambda p, m: specjax.speculative_generate(model, tp, ng, None, p, mesh=m,
+                                                                  **kw),
+            "eagle2": lambda p, m: specjax.speculative_generate(model, tp, ed, edp, p, mesh=m,
+                                                                **kw),
+            "redrafter": lambda p, m: specjax.speculative_generate(model, tp, rd, rdp, p, mesh=m,
+                                                                   **kw),
+            "hsd": lambda p, m: specjax.hsd_generate(model, tp, h, p, mesh=m, **kw),
+        }
+
+    @pytest.fixture(scope="module")
+    def unsharded(toy):
+        """Greedy AR on one device: every lossless method's tokens (tests/test_speculative.py
+        and tests/test_hsd.py check that each method equals AR unsharded)."""
+        model, tp = toy
+        return specjax.generate(model, tp, PROMPTS, max_new_tokens=NEW).to_lists()
+
+    @pytest.mark.parametrize("mesh, methods", [
+        ("data=2,model=4", ("ar", "sd-ngram", "eagle2", "redrafter", "hsd")),
+        ("data=8", ("ar", "eagle2")), ("model=8", ("ar", "eagle2"))], ids=lambda x: str(x))
+    def test_sharded_methods_equal_one_device(toy, unsharded, mesh, methods):
+        model, tp = toy
+        m = sharding.make_mesh(*MESHES[mesh])
+        runs = _methods(model, tp)
+        for name in methods:
+            assert runs[name](PROMPTS, m).to_lists() == unsharded, (mesh, name)
+
+    def test_parameter_and_cache_shardings_follow_the_spec(toy):
+        model, tp = toy
+        m = sharding.make_mesh(2, 4)
+        sp = sharding.shard_params(TOY, tp, m)
+        lp = sp["layers"][0]
+        assert "qkv" not in lp and "gate_up" not in lp
+        assert lp["q"].sharding.spec == P("model", None)   # 8 query heads over 4
+        assert lp["k"].sharding.spec == P("model", None)   # 4 KV heads over 4
+        assert lp["o"].sharding.spec == P(None, "model")
+        assert lp["gate"].sharding.spec == P("model", None)
+        assert lp["down"].sharding.spec == P(None, "model")
+        assert lp["attn_norm"].sharding.spec == P()
+        assert sp["embed"].sharding.spec == P("model", None)  # 64 vocabulary rows over 4
+        q_devices = {s.data.shape for s in lp["q"].addressable_shards}
+        assert q_devices == {(TOY.num_heads * TOY.head_dim // 4, TOY.hidden_size)}
+        wide = sharding.shard_params(TOY, tp, sharding.make_mesh(1, 8))
+        assert wide["layers"][0]["k"].sharding.spec == P()  # 4 KV heads do not split 8 ways
+        assert wide["layers"][0]["q"].sharding.spec == P("model", None)
+        np.testing.assert_array_equal(  # the split layout holds the same numbers
+            np.concatenate([np.asarray(lp[n]) for n in ("q", "k", "v")]),
+            np.asarray(tp["layers"][0]["qkv"]))
+        cache = jax.jit(lambda: sharding.constrain_cache(model.init_cache(8, 64), m))()
+        assert _spec(cache.k[0]) == _spec(cache.v[0]) == ("data", "model")
+        assert _spec(cache.length) == ("data",)
+        x = specjax.prepare(model, PROMPTS, 8, mesh=m)
+        assert _spec(x.tokens) == ("data",)
+
+    def _spec(x) -> tuple:
+        """``x``'s partition spec without trailing unsplit axes."""
+        s = tuple(x.sharding.spec)
+        while s and s[-1] is None:
+            s = s[:-1]
+        return s
+
+    def test_real_weights_sharded_equal_one_device(smollm):
+        """SmolLM2-135M (9 query and 3 KV heads) on data=2,model=3: AR and EAGLE-2."""
+        lm = smollm
+        ids = [lm.encode("Name three primary colors.", chat=True),
+               lm.encode("What is 12 times 7?", chat=True)]
+        m = sharding.make_mesh(2, 3)
+        d, dp = eagle.load_drafter("eagle2", lm, "smollm2-135m")
+        runs = {"ar": lambda mesh: specjax.generate(lm.model, lm.params, ids, max_new_tokens=16,
+                                                    mesh=mesh),
+                "eagle2": lambda mesh: specjax.speculative_generate(
+                    lm.model, lm.params, d, dp, ids, max_new_tokens=16, mesh=mesh)}
+        ref = {name: run(None).to_lists() for name, run in runs.items()}
+        assert ref["ar"] == ref["eagle2"]
+        for name, run in runs.items():
+            assert run(m).to_lists() == ref[name], name
+
+    def test_data_parallel_training_equals_one_device(toy, tmp_path):
+        """Four EAGLE-head steps with rows split over data=8 (batches padded with zero rows
+        whose loss mask is zero) reach the one-device parameters."""
+        from specjax.train import distill
+        from specjax.train import eagle as train_eagle
+
+        model, tp = toy
+
+        class LM:
+            eos_ids = (0,)
+        lm = LM()
+        lm.model, lm.params = model, tp
+        rng = np.random.default_rng(0)
+        prompts = [list(rng.integers(1, V, size=n)) for n in rng.integers(3, 12, size=12)]
+        corpus = distill.answer_batch(lm, prompts, max_new_tokens=12)
+        cfg = train_eagle.TrainConfig(steps=4, batch_tokens=384, max_len=64, lr=1e-2, warmup=1,
+                                      save_every=4, seed=1, noise=0.0)
+        one = train_eagle.train(model, tp, corpus, cfg, tmp_path / "one")
+        dp = train_eagle.train(model, tp, corpus, cfg, tmp_path / "dp",
+                               mesh=sharding.make_mesh(8, 1))
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                             rtol=1e-4, atol=1e-5),
+                     one["params"], dp["params"])
+        moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))),
+                                             one["params"],
+                                             eagle.init_head(TOY, jax.random.key(1))))
+        assert max(moved) > 1e-3  # training moved the head: the comparison means something
