@@ -180,7 +180,7 @@ class Gemma(DecoderParts):
         local = None
         if SLIDING in cfg.layer_types[:n]:
             local = _window_masks(cfg, cache.length, mask, positions, cache.capacity)
-        x = self.embed(params, tokens).transpose(2, 0, 1)  # feature-major [D,B,T]
+        x = self.embed(params, tokens).astype(jnp.float32).transpose(2, 0, 1)  # [D,B,T] f32
         hidden = {0: x} if 0 in return_layers else {}
         ks, vs = list(cache.k), list(cache.v)
         for i in range(n):

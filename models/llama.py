@@ -105,16 +105,20 @@ def fast_width(n: int) -> int:
     return 4 if n <= 4 else -(-n // 8) * 8
 
 
-def project(w: Float[Array, "O I"], x: Float[Array, "I N"], out_dtype=None) -> Float[Array, "O N"]:
-    """``w @ x``, exactly, with the weights as the left operand and ``N`` padded to
-    ``fast_width(N)`` zero columns that are dropped again; ``out_dtype`` (e.g. float32 for
-    bfloat16 weights) is the accumulation and result type."""
+def project(w: Float[Array, "O I"], x: Float[Array, "I N"]) -> Float[Array, "f32 O N"]:
+    """``w @ x`` in float32, with the weights as the left operand and ``N`` padded to
+    ``fast_width(N)`` zero columns that are dropped again. With bfloat16 weights the inputs
+    are bfloat16 and the products accumulate in float32 (the TPU recipe), so the residual
+    stream and logits stay float32 and only weights and the KV cache are stored in
+    bfloat16; a column's result then does not depend on how wide the forward was beyond
+    float32 rounding, which keeps speculative verification equal to one-token decoding."""
     n = x.shape[1]
     m = fast_width(n)
+    x = x.astype(w.dtype)
     if m != n:
         x = jnp.pad(x, ((0, 0), (0, m - n)))
     # o out features, i in features, n columns (tokens)
-    y = jnp.einsum("oi,in->on", w, x, preferred_element_type=out_dtype)
+    y = jnp.einsum("oi,in->on", w, x, preferred_element_type=jnp.float32)
     return y[:, :n] if m != n else y
 
 
@@ -179,8 +183,10 @@ def _attention(q, k_new, v_new, k_cache, v_cache, length, mask, visible=None, *,
     inv = 1.0 / (e_old.sum(-1, keepdims=True) + e_new.sum(-1, keepdims=True))
     p_old = (e_old * inv).astype(v_cache.dtype).reshape(b, nk, g * t, s)
     p_new = (e_new * inv).astype(v_cache.dtype).reshape(b, nk, g * t, t)
-    out = (jnp.einsum("bkqs,bksh->bkqh", p_old, v_cache)
-           + jnp.einsum("bkqn,bknh->bkqh", p_new, v_new.astype(v_cache.dtype)))
+    f32 = jnp.float32
+    out = (jnp.einsum("bkqs,bksh->bkqh", p_old, v_cache, preferred_element_type=f32)
+           + jnp.einsum("bkqn,bknh->bkqh", p_new, v_new.astype(v_cache.dtype),
+                        preferred_element_type=f32))
     return out.reshape(b, nk, g, t, hd)
 
 
@@ -244,7 +250,7 @@ def head_logits(head: Float[Array, "V D"], h: Float[Array, "... D"]) -> Float[Ar
     layout, which made an 8-column LM head cost twice as much on XLA:CPU."""
     lead = h.shape[:-1]
     flat = h.reshape(-1, h.shape[-1]).astype(head.dtype)
-    out = lax.optimization_barrier(project(head, flat.T, jnp.float32)).T  # [N, V]
+    out = lax.optimization_barrier(project(head, flat.T)).T  # [N, V]
     return out.reshape(*lead, head.shape[0]).astype(jnp.float32)
 
 
@@ -331,7 +337,7 @@ class Llama(DecoderParts):
         b, t = tokens.shape
         if mask is None:
             mask = kv_cache.causal_mask(b, t)
-        x = self.embed(params, tokens).transpose(2, 0, 1)  # feature-major [D,B,T]
+        x = self.embed(params, tokens).astype(jnp.float32).transpose(2, 0, 1)  # [D,B,T] f32
         hidden = {0: x} if 0 in return_layers else {}
         ks, vs = list(cache.k), list(cache.v)
         for i in range(n):

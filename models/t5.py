@@ -265,7 +265,7 @@ class T5(DecoderParts):
                       False),
                 _bias(params["rel_bias"], positions[:, None, :] - positions[:, :, None], cfg,
                       False))
-        x = self.embed(params, tokens).transpose(2, 0, 1)  # feature-major [D,B,T]
+        x = self.embed(params, tokens).astype(jnp.float32).transpose(2, 0, 1)  # [D,B,T] f32
         hidden = {0: x} if 0 in return_layers else {}
         see_src = jnp.broadcast_to(src.valid[:, None, :], (b, t, src.valid.shape[1]))
         ks, vs = list(cache.k), list(cache.v)

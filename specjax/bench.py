@@ -202,9 +202,31 @@ def load_hf(lm):
 
     if lm.source.is_dir():
         cls = AutoModelForSeq2SeqLM if lm.is_encoder_decoder else AutoModelForCausalLM
-        return cls.from_pretrained(str(lm.source), dtype=torch.float32).eval()
+        return cls.from_pretrained(str(lm.source), dtype=torch.float32).eval().to(_torch_device())
     return AutoModelForCausalLM.from_pretrained(
-        str(lm.source.parent), gguf_file=lm.source.name, dtype=torch.float32).eval()
+        str(lm.source.parent), gguf_file=lm.source.name,
+        dtype=torch.float32).eval().to(_torch_device())
+
+
+def _torch_device() -> str:
+    """Where transformers runs: the GPU when PyTorch sees one (as JAX then does), else CPU."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _hf_generate(hf, ids: list[int], **kw):
+    """``(output ids on the host, seconds)`` of one ``generate`` call, synchronized."""
+    import torch
+
+    x = torch.tensor([ids], device=_torch_device())
+    with torch.inference_mode():
+        t = time.perf_counter()
+        y = hf.generate(x, attention_mask=torch.ones_like(x), **kw)
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+    return y.cpu(), dt
 
 
 def _hf_new_tokens(lm, ids: list[int], y) -> list[int]:
@@ -229,14 +251,9 @@ def hf_pld_method(lm, threads: int, hf=None, num_tokens: int = 10) -> Method:
     hf.model.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
 
     def run(ids: list[int], n: int) -> Run:
-        x = torch.tensor([ids])
         calls[0] = 0
-        with torch.inference_mode():
-            t = time.perf_counter()
-            y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                            do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
-                            prompt_lookup_num_tokens=num_tokens)
-            dt = time.perf_counter() - t
+        y, dt = _hf_generate(hf, ids, max_new_tokens=n, do_sample=False, eos_token_id=eos,
+                             pad_token_id=eos[0], prompt_lookup_num_tokens=num_tokens)
         toks = _hf_new_tokens(lm, ids, y)
         return Run(toks, dt, calls[0])
 
@@ -254,14 +271,10 @@ def hf_method(lm, threads: int, hf=None, temperature: float = 0.0) -> Method:
     eos = list(lm.eos_ids)
 
     def run(ids: list[int], n: int) -> Run:
-        x = torch.tensor([ids])
-        with torch.inference_mode():
-            t = time.perf_counter()
-            samp = dict(do_sample=True, temperature=temperature, top_k=0) if temperature > 0 \
-                else dict(do_sample=False)
-            y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                            eos_token_id=eos, pad_token_id=eos[0], **samp)
-            dt = time.perf_counter() - t
+        samp = dict(do_sample=True, temperature=temperature, top_k=0) if temperature > 0 \
+            else dict(do_sample=False)
+        y, dt = _hf_generate(hf, ids, max_new_tokens=n, eos_token_id=eos, pad_token_id=eos[0],
+                             **samp)
         toks = _hf_new_tokens(lm, ids, y)
         return Run(toks, dt, len(toks))
 

@@ -202,3 +202,22 @@ else:
                                              one["params"],
                                              eagle.init_head(TOY, jax.random.key(1))))
         assert max(moved) > 1e-3  # training moved the head: the comparison means something
+
+    def test_sharding_notebook_executes(smollm, monkeypatch):
+        """notebooks/06_sharding.ipynb on the 8 simulated devices it is written for."""
+        import warnings
+        from pathlib import Path
+
+        from test_notebooks import _cells, _headless, _is_parameters, _source
+
+        path = Path(__file__).parent.parent / "notebooks" / "06_sharding.ipynb"
+        monkeypatch.setattr("specjax.models.load", lambda *a, **k: smollm)
+        ns: dict = {}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "FigureCanvasAgg is non-interactive")
+            for i, cell in enumerate(c for c in _cells(path) if c["cell_type"] == "code"):
+                exec(compile(_headless(_source(cell)), f"{path.name}[{i}]", "exec"), ns)  # noqa: S102
+                if _is_parameters(cell):
+                    ns.update(MAX_NEW_TOKENS=16, N_PROMPTS=2)
+        assert ns["greedy_equal"] is True
+        assert dict(ns["mesh"].shape) == {"data": 2, "model": 3}

@@ -79,7 +79,7 @@ def prefill(model, params, prompt: Int[Array, "B S"], prompt_len: Int[Array, "B"
     n_chunks = (jnp.max(prompt_len) + chunk - 1) // chunk
     depth = model.config.num_layers
     d = model.config.hidden_size
-    dtype = model.param_dtype(params)
+    dtype = jnp.float32  # hidden states are float32 (bfloat16 weights accumulate in it)
 
     def body(i, carry):
         h_last, c, h_all = carry
