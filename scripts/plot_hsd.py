@@ -20,7 +20,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from specjax import calibrate  # noqa: E402
+from specjax.hsd import calibrate  # noqa: E402
 
 
 def points(calib: dict, report: dict) -> list[dict]:

@@ -31,6 +31,7 @@ from specjax.drafters import eagle  # noqa: E402
 from specjax.models import load  # noqa: E402
 
 MESHES = {"1 device": None, "data=8": (8, 1), "model=3": (1, 3), "data=2,model=3": (2, 3)}
+# (each mesh compiles its own executables: about 1-2 minutes per method and mesh here)
 
 
 def main() -> int:
@@ -39,15 +40,21 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--meshes", default="data=8;model=3;data=2,model=3",
+                    help="meshes to compare with one device, separated by ';'")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    wanted = ["1 device"] + [m for m in args.meshes.split(";") if m]
+    unknown = [m for m in wanted if m not in MESHES]
+    if unknown:
+        ap.error(f"unknown meshes {unknown}; choose from {list(MESHES)[1:]}")
 
     lm = load("smollm2-135m")
     qs = bench.load_questions(args.questions, limit=args.batch)
     prompts = [lm.encode(q.text, chat=True) for q in qs]
     drafter, dp = eagle.load_drafter("eagle2", lm, "smollm2-135m")
-    placed = {name: (None if shape is None else sharding.make_mesh(*shape))
-              for name, shape in MESHES.items()}
+    placed = {name: (None if MESHES[name] is None else sharding.make_mesh(*MESHES[name]))
+              for name in wanted}
     params = {name: lm.params if m is None else sharding.shard_params(lm.model.config,
                                                                        lm.params, m)
               for name, m in placed.items()}
@@ -57,12 +64,12 @@ def main() -> int:
         "eagle2": lambda n: specjax.speculative_generate(lm.model, params[n], drafter, dp,
                                                          prompts, mesh=placed[n], **kw),
     }
-    times = {(m, n): [] for m in methods for n in MESHES}
+    times = {(m, n): [] for m in methods for n in wanted}
     tokens, compile_s = {}, {}
     with tqdm(total=len(times) * (args.repeats + 1), desc="sharding bench", unit="run") as bar:
         for rep in range(args.repeats + 1):  # the first pass compiles
             for m, run in methods.items():
-                for n in MESHES:
+                for n in wanted:
                     bar.set_postfix_str(f"{m} {n}")
                     t = time.perf_counter()
                     out = run(n)
