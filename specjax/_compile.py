@@ -24,7 +24,7 @@ class AotCache:
 
     ``__call__`` returns ``(result, compile_s)``: ``compile_s`` is the lowering plus XLA
     compilation time of this call, ``0.0`` when an executable for the same static arguments
-    and argument shapes, dtypes and tree structure was already compiled.
+    and argument shapes, dtypes, shardings and tree structure was already compiled.
     """
 
     def __init__(self, fn: Callable, static_argnames: tuple[str, ...]):
@@ -42,7 +42,8 @@ class AotCache:
         statics = tuple((k, kwargs[k]) for k in self._static)
         dynamic = {k: v for k, v in kwargs.items() if k not in self._static}
         leaves, tree = jax.tree.flatten((args, dynamic))
-        key = (statics, tree, tuple((jax.typeof(x).shape, jax.typeof(x).dtype) for x in leaves))
+        key = (statics, tree, tuple((jax.typeof(x).shape, jax.typeof(x).dtype,
+                                     getattr(x, "sharding", None)) for x in leaves))
         compile_s = 0.0
         if key not in self._exes:
             t = time.perf_counter()
