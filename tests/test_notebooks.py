@@ -27,7 +27,7 @@ ELSEWHERE = {"06_sharding.ipynb": "tests/test_sharding.py (8 simulated CPU devic
 # one prompt of under 64 tokens and 16 new tokens decode in a cache of 128 entries, as in
 # 01_quickstart, so `generate` compiles once for the whole module.
 SMALL: dict[str, dict] = {
-    "01_quickstart.ipynb": {"MAX_NEW_TOKENS": 16},
+    "01_quickstart.ipynb": {"MAX_NEW_TOKENS": 16, "CATEGORIES": ("summarization",)},
     "02_verify_your_logits.ipynb": {"ROWS": 20_000},
     "03_eagle2.ipynb": {"N_TRAIN_PROMPTS": 2, "DISTILL_NEW_TOKENS": 16, "TRAIN_STEPS": 3,
                         "BATCH_TOKENS": 128, "VAL_EXAMPLES": 0, "N_PROMPTS": 1,
@@ -42,7 +42,9 @@ SMALL: dict[str, dict] = {
 
 # What each notebook establishes, as expressions over its namespace after the last cell.
 CHECKS: dict[str, list[str]] = {
-    "01_quickstart.ipynb": ["len(out.to_lists()[0]) >= 1", "same_key_same_sample is True"],
+    "01_quickstart.ipynb": ["len(out.to_lists()[0]) >= 1", "same_key_same_sample is True",
+                            "greedy_equal is True", "tau[EAGLE] > 1.0",
+                            "set(speedup) == {'ar', f'sd-ngram:{NGRAM_DEPTH}', EAGLE}"],
     "02_verify_your_logits.ipynb": ["greedy_exact is True", "p_value > 1e-3",
                                     "p_wrong_q < 1e-6", "p_typical < 1e-6"],
     "03_eagle2.ipynb": ["greedy_equal is True", "loss_decreased",
