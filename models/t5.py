@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +66,8 @@ class T5Config:
     pad_token_id: int = 0
     max_position_embeddings: int = 2048  # decoder cache bound (relative positions: no limit)
     max_source_positions: int = 2048  # encoder input bound
+    # specjax.sharding: T5 runs data parallel (replicated weights), not split over heads
+    model_parallel: ClassVar[bool] = False
 
     def __post_init__(self):
         if self.activation not in ("relu", "gelu_new"):

@@ -75,7 +75,7 @@ def check_model(config, mesh: Mesh) -> None:
     m = axis_size(mesh, MODEL)
     if m == 1:
         return
-    if not hasattr(config, "num_kv_heads"):
+    if not model_parallel(config):
         raise ValueError(f"{type(config).__name__}: only Llama- and Gemma-style decoders "
                          f"split over a model axis; use model=1 (data parallel)")
     for what, n in (("query heads", config.num_heads),
@@ -84,6 +84,12 @@ def check_model(config, mesh: Mesh) -> None:
             divs = [d for d in range(1, n + 1) if n % d == 0 and d <= 64]
             raise ValueError(f"mesh model={m} does not divide the model's {n} {what}; "
                              f"use one of model={divs}")
+
+
+def model_parallel(config) -> bool:
+    """Whether a model of ``config`` splits its layers over a ``model`` axis (a config says
+    no with a ``model_parallel = False`` class attribute, as T5's does)."""
+    return bool(getattr(config, "model_parallel", True))
 
 
 def check_batch(batch: int, mesh: Mesh | None) -> None:
@@ -152,15 +158,22 @@ def param_specs(config, params: Any, mesh: Mesh) -> Any:
 
 
 def shard_params(config, params: Any, mesh: Mesh) -> Any:
-    """``params`` in the split layout, placed on ``mesh`` by :func:`param_specs`.
+    """``params`` in the split layout, placed on ``mesh`` by :func:`param_specs`; a model
+    that does not split over ``model`` (T5) is replicated. An encoder-decoder's bound source
+    (``params["source"]``, from ``T5.bind``) has its rows split over ``data``.
     Idempotent; ``ValueError`` for a mesh the model cannot be split over."""
     check_model(config, mesh)
-    if not hasattr(config, "num_kv_heads"):  # T5: replicated, data parallel only
-        return jax.device_put(params, NamedSharding(mesh, P()))
-    params = split_layout(config, params)
-    specs = param_specs(config, params, mesh)
-    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs,
-                        is_leaf=lambda x: x is None)
+    source = params.get("source") if isinstance(params, dict) else None
+    if source is not None:
+        params = {k: v for k, v in params.items() if k != "source"}
+    if model_parallel(config):
+        params = split_layout(config, params)
+        specs = param_specs(config, params, mesh)
+        placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params,
+                              specs, is_leaf=lambda x: x is None)
+    else:
+        placed = jax.device_put(params, NamedSharding(mesh, P()))
+    return placed if source is None else {**placed, "source": rows(mesh, source)}
 
 
 def cache_spec(cache, mesh: Mesh):
@@ -198,5 +211,6 @@ def replicated(mesh: Mesh | None, x):
 
 
 __all__ = ["DATA", "MODEL", "make_mesh", "mesh_from_spec", "parse_mesh", "check_model",
+           "model_parallel",
            "check_batch", "split_layout", "param_specs", "shard_params", "cache_spec",
            "constrain_cache", "rows", "replicated"]
