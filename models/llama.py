@@ -159,8 +159,12 @@ def _attention(q, k_new, v_new, k_cache, v_cache, length, mask, visible=None, *,
     pair of additive score biases ``(over cache slots, over new keys)``, broadcastable to
     [B,K,G,T,S] and [B,K,G,T,T] (T5's relative positions). Returns [B,K,G,T,H].
     The cache is only read here, and written after, so XLA can update it in place inside a
-    decode loop.
+    decode loop. New keys and values are rounded to the cache's dtype first: a token that
+    sees another new token then reads exactly what it would read from the cache had that
+    token been decoded one step earlier (with a bfloat16 cache, the full-precision keys
+    made a verification forward differ from one-token decoding by about 1 % of a logit).
     """
+    k_new, v_new = k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype)
     b, nk, g, t, hd = q.shape
     s = k_cache.shape[3]
     scale = 1 / math.sqrt(hd) if scale is None else scale
@@ -185,8 +189,7 @@ def _attention(q, k_new, v_new, k_cache, v_cache, length, mask, visible=None, *,
     p_new = (e_new * inv).astype(v_cache.dtype).reshape(b, nk, g * t, t)
     f32 = jnp.float32
     out = (jnp.einsum("bkqs,bksh->bkqh", p_old, v_cache, preferred_element_type=f32)
-           + jnp.einsum("bkqn,bknh->bkqh", p_new, v_new.astype(v_cache.dtype),
-                        preferred_element_type=f32))
+           + jnp.einsum("bkqn,bknh->bkqh", p_new, v_new, preferred_element_type=f32))
     return out.reshape(b, nk, g, t, hd)
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, ClassVar, Mapping
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -66,8 +66,6 @@ class T5Config:
     pad_token_id: int = 0
     max_position_embeddings: int = 2048  # decoder cache bound (relative positions: no limit)
     max_source_positions: int = 2048  # encoder input bound
-    # specjax.sharding: T5 runs data parallel (replicated weights), not split over heads
-    model_parallel: ClassVar[bool] = False
 
     def __post_init__(self):
         if self.activation not in ("relu", "gelu_new"):
@@ -144,13 +142,30 @@ def _act(cfg: T5Config, x: Array) -> Array:
 def _ffn(cfg: T5Config, lp: Params, x: Float[Array, "D B T"]) -> Float[Array, "D B T"]:
     """The feed-forward sublayer with its residual (feature-major)."""
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, axis=0)
-    wi = _proj(lp["wi"], h)
-    if cfg.gated:
-        gate, up = jnp.split(wi, 2, axis=0)
+    if not cfg.gated:
+        a = _act(cfg, _proj(lp["wi"], h))
+    elif "wi" in lp:  # fused [2F, D], gate first (the single-device layout)
+        gate, up = jnp.split(_proj(lp["wi"], h), 2, axis=0)
         a = _act(cfg, gate) * up
-    else:
-        a = _act(cfg, wi)
+    else:  # split ``gate``, ``up`` (the layout specjax.sharding shards by columns)
+        a = _act(cfg, _proj(lp["gate"], h)) * _proj(lp["up"], h)
     return x + _proj(lp["wo"], a)
+
+
+def _self_qkv(lp: Params, h: Float[Array, "D B T"], n: int):
+    """Self-attention queries, keys and values ``[B, N, T, Dh]`` from fused (``qkv``) or
+    split (``q``, ``k``, ``v``: the layout sharded by heads) weights; the same numbers."""
+    ys = (jnp.split(_proj(lp["qkv"], h), 3, axis=0) if "qkv" in lp
+          else [_proj(lp[name], h) for name in ("q", "k", "v")])
+    return tuple(_heads(y, n) for y in ys)
+
+
+def _cross_kv(lp: Params, out: Float[Array, "D B S"]):
+    """A decoder layer's cross-attention keys and values ``[H*Dh, B, S]`` of the encoder
+    output, from fused (``cross_kv``) or split (``cross_k``, ``cross_v``) weights."""
+    if "cross_kv" in lp:
+        return jnp.split(_proj(lp["cross_kv"], out), 2, axis=0)
+    return _proj(lp["cross_k"], out), _proj(lp["cross_v"], out)
 
 
 def _heads(x: Float[Array, "HD B T"], n: int) -> Float[Array, "B N T Dh"]:
@@ -202,7 +217,7 @@ class T5(DecoderParts):
         see = jnp.broadcast_to(valid[:, None, :], (b, s, s))
         for lp in enc["layers"]:
             h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, axis=0)
-            q, k, v = (_heads(y, cfg.num_heads) for y in jnp.split(_proj(lp["qkv"], h), 3, 0))
+            q, k, v = _self_qkv(lp, h, cfg.num_heads)
             att = _dense_attention(q, k.transpose(0, 1, 3, 2), v, see, bias)
             x = x + _proj(lp["o"], _merge(att))
             x = _ffn(cfg, lp, x)
@@ -216,7 +231,7 @@ class T5(DecoderParts):
         valid = jnp.arange(source.shape[1])[None] < source_len[:, None]
         ks, vs = [], []
         for lp in params["layers"]:
-            k, v = jnp.split(_proj(lp["cross_kv"], out), 2, axis=0)
+            k, v = _cross_kv(lp, out)
             ks.append(_heads(k, self.config.num_heads).transpose(0, 1, 3, 2))
             vs.append(_heads(v, self.config.num_heads))
         return EncodedSource(tokens=jnp.where(valid, source, -1).astype(jnp.int32), valid=valid,
@@ -275,7 +290,7 @@ class T5(DecoderParts):
         for i in range(n):
             lp = params["layers"][i]
             h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, axis=0)
-            q, k, v = (_heads(y, nh) for y in jnp.split(_proj(lp["qkv"], h), 3, axis=0))
+            q, k, v = _self_qkv(lp, h, nh)
             att = _attention(q[:, :, None], k, v, ks[i], vs[i], cache.length, mask, scale=1.0,
                              bias=bias)[:, :, 0]
             ks[i] = kv_cache.write(ks[i], cache.length, k.transpose(0, 1, 3, 2), axis=3)

@@ -2,11 +2,14 @@
 
 Parameters follow the usual Megatron split: a layer's query heads, its K/V heads (where
 they divide the ``model`` axis; replicated otherwise) and its MLP's gate/up rows are split
-over ``model``, and the output projections ``o`` and ``down`` over their input columns, so
-each device computes whole heads and whole MLP columns and one all-reduce per block sums
-them. Embeddings and LM heads are split over the vocabulary where it divides. Norms and
-small draft-head tensors are replicated. The KV cache is split over ``data`` (rows) and
-``model`` (KV heads, where they divide); token buffers over ``data``.
+over ``model``, and the output projections (``o``, ``down``; T5's ``cross_o``, ``wo``) over
+their input columns, so each device computes whole heads and whole MLP columns and one
+all-reduce per block sums them. T5's encoder layers and cross-attention (``cross_q``,
+``cross_k``, ``cross_v``) split the same way. Embeddings and LM heads are split over the
+vocabulary where it divides. Norms, T5's relative-bias tables and small draft-head tensors
+are replicated. The KV cache is split over ``data`` (rows) and ``model`` (KV heads, where
+they divide), and so is a T5's bound source (its cross-attention K/V); token buffers over
+``data``.
 
 Sharding never changes a result: XLA's SPMD partitioner runs the same program on the
 mesh, so greedy tokens equal the one-device run (``tests/test_sharding.py``).
@@ -75,21 +78,12 @@ def check_model(config, mesh: Mesh) -> None:
     m = axis_size(mesh, MODEL)
     if m == 1:
         return
-    if not model_parallel(config):
-        raise ValueError(f"{type(config).__name__}: only Llama- and Gemma-style decoders "
-                         f"split over a model axis; use model=1 (data parallel)")
     for what, n in (("query heads", config.num_heads),
                     ("MLP width (intermediate_size)", config.intermediate_size)):
         if n % m:
             divs = [d for d in range(1, n + 1) if n % d == 0 and d <= 64]
             raise ValueError(f"mesh model={m} does not divide the model's {n} {what}; "
                              f"use one of model={divs}")
-
-
-def model_parallel(config) -> bool:
-    """Whether a model of ``config`` splits its layers over a ``model`` axis (a config says
-    no with a ``model_parallel = False`` class attribute, as T5's does)."""
-    return bool(getattr(config, "model_parallel", True))
 
 
 def check_batch(batch: int, mesh: Mesh | None) -> None:
@@ -102,20 +96,23 @@ def check_batch(batch: int, mesh: Mesh | None) -> None:
 # ----------------------------------------------------------------------------- layouts
 
 def split_layout(config, params: Any) -> Any:
-    """The same parameters with every fused ``qkv`` split into ``q``, ``k``, ``v`` and every
-    fused ``gate_up`` into ``gate``, ``up`` (the layout sharded by heads; the models read
-    both). Exact: only rows are regrouped."""
+    """The same parameters with every fused ``qkv`` split into ``q``, ``k``, ``v``, every
+    fused ``gate_up`` (T5: a gated ``wi``) into ``gate``, ``up`` and T5's ``cross_kv`` into
+    ``cross_k``, ``cross_v`` (the layout sharded by heads; the models read both). Exact:
+    only rows are regrouped."""
     nq, nk, hd = config.num_heads, config.num_kv_heads, config.head_dim
     f = config.intermediate_size
+    fused = {"qkv": (("q", "k", "v"), [nq * hd, (nq + nk) * hd]),
+             "gate_up": (("gate", "up"), [f]), "cross_kv": (("cross_k", "cross_v"), [nq * hd])}
+    if getattr(config, "gated", False):  # T5 v1.1 / Flan: wi = [gate; up]
+        fused["wi"] = (("gate", "up"), [f])
 
     def walk(x):
         if isinstance(x, dict):
             y = {k: walk(v) for k, v in x.items()}
-            if "qkv" in y:
-                y.update(zip(("q", "k", "v"), _split_rows(y.pop("qkv"),
-                                                          [nq * hd, (nq + nk) * hd])))
-            if "gate_up" in y:
-                y.update(zip(("gate", "up"), _split_rows(y.pop("gate_up"), [f])))
+            for name, (parts, at) in fused.items():
+                if name in y:
+                    y.update(zip(parts, _split_rows(y.pop(name), at)))
             return y
         if isinstance(x, (list, tuple)):
             return type(x)(walk(v) for v in x)
@@ -135,8 +132,9 @@ def param_specs(config, params: Any, mesh: Mesh) -> Any:
     nq, nk = getattr(config, "num_heads", 0), getattr(config, "num_kv_heads", 0)
     f = getattr(config, "intermediate_size", 0)
     div = lambda n: m > 1 and n > 0 and n % m == 0
-    rows = {"q": div(nq), "k": div(nk), "v": div(nk), "gate": div(f), "up": div(f)}
-    cols = {"o": div(nq), "down": div(f)}
+    rows = {"q": div(nq), "k": div(nk), "v": div(nk), "gate": div(f), "up": div(f),
+            "cross_q": div(nq), "cross_k": div(nq), "cross_v": div(nq), "wi": div(f)}
+    cols = {"o": div(nq), "down": div(f), "cross_o": div(nq), "wo": div(f)}
 
     def leaf(name, x):
         if np.ndim(x) == 2 and rows.get(name):
@@ -158,22 +156,31 @@ def param_specs(config, params: Any, mesh: Mesh) -> Any:
 
 
 def shard_params(config, params: Any, mesh: Mesh) -> Any:
-    """``params`` in the split layout, placed on ``mesh`` by :func:`param_specs`; a model
-    that does not split over ``model`` (T5) is replicated. An encoder-decoder's bound source
-    (``params["source"]``, from ``T5.bind``) has its rows split over ``data``.
-    Idempotent; ``ValueError`` for a mesh the model cannot be split over."""
+    """``params`` in the split layout, placed on ``mesh`` by :func:`param_specs`. An
+    encoder-decoder's bound source (``params["source"]``, from ``T5.bind``) is placed by
+    :func:`source_spec`. Idempotent; ``ValueError`` for a mesh the model cannot be split
+    over."""
     check_model(config, mesh)
     source = params.get("source") if isinstance(params, dict) else None
     if source is not None:
         params = {k: v for k, v in params.items() if k != "source"}
-    if model_parallel(config):
-        params = split_layout(config, params)
-        specs = param_specs(config, params, mesh)
-        placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params,
-                              specs, is_leaf=lambda x: x is None)
-    else:
-        placed = jax.device_put(params, NamedSharding(mesh, P()))
-    return placed if source is None else {**placed, "source": rows(mesh, source)}
+    params = split_layout(config, params)
+    specs = param_specs(config, params, mesh)
+    put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+    placed = jax.tree.map(put, params, specs, is_leaf=lambda x: x is None)
+    if source is None:
+        return placed
+    return {**placed, "source": jax.tree.map(put, source, source_spec(source, mesh))}
+
+
+def source_spec(source, mesh: Mesh):
+    """The ``PartitionSpec`` pytree of an encoded source (``T5.encode``): rows over
+    ``data``, the cross-attention K/V's heads over ``model`` where they divide."""
+    m = axis_size(mesh, MODEL)
+    heads = MODEL if m > 1 and source.v[0].shape[1] % m == 0 else None
+    return source.replace(tokens=P(DATA), valid=P(DATA),
+                          k=tuple(P(DATA, heads) for _ in source.k),
+                          v=tuple(P(DATA, heads) for _ in source.v))
 
 
 def cache_spec(cache, mesh: Mesh):
@@ -211,6 +218,6 @@ def replicated(mesh: Mesh | None, x):
 
 
 __all__ = ["DATA", "MODEL", "make_mesh", "mesh_from_spec", "parse_mesh", "check_model",
-           "model_parallel",
-           "check_batch", "split_layout", "param_specs", "shard_params", "cache_spec",
+           "check_batch", "split_layout", "param_specs", "shard_params", "source_spec",
+           "cache_spec",
            "constrain_cache", "rows", "replicated"]

@@ -1,16 +1,20 @@
-"""The bfloat16 path: parameters and caches in bfloat16, logits accumulated in float32, and
-every method's greedy output equal to bfloat16 AR, token for token."""
+"""The bfloat16 path: parameters and caches in bfloat16, logits accumulated in float32, a
+verification forward equal to one-token steps on a toy model, and every method's greedy
+output equal to bfloat16 AR there, token for token. (On SmolLM2-135M the wide-vs-step gap is
+0.44 logits and greedy equality fails on some prompts: README, "bfloat16".)"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import specjax
 from specjax.drafters import eagle, redrafter
 from specjax.hsd import Exit, Hierarchy, NGram
 from specjax.models import Llama, LlamaConfig
+from specjax.models.kv_cache import causal_mask
 from specjax.models.llama import init_params
 
 V = 64
@@ -35,6 +39,33 @@ def test_bf16_parameters_cache_and_float32_logits(toy):
     assert cache.k[0].dtype == jnp.bfloat16
     logits, _, cache = model.forward(tp, jnp.asarray([[1, 2, 3]]), jnp.arange(3)[None], cache)
     assert logits.dtype == jnp.float32 and cache.v[0].dtype == jnp.bfloat16
+
+
+def test_bf16_verification_forward_equals_one_token_steps(toy):
+    """Eight tokens verified in one forward get the logits of eight one-token steps, to
+    float32 rounding: a new token reads the other new tokens' keys and values rounded to
+    the cache's dtype, as a later step reads them from the cache. (With full-precision new
+    keys the gap was 0.087 on logits of magnitude 10, and Spec-Bench questions left bfloat16
+    ``ar``'s greedy path under ``eagle2``.)"""
+    model, tp = toy
+    toks = jnp.asarray([[1, 5, 2, 7, 5, 9, 3, 3, 1, 4, 7, 2]])
+    fwd = jax.jit(model.forward)
+    start, t = 4, 8
+    cache = model.init_cache(1, 64, jnp.bfloat16)
+    _, _, cache = fwd(tp, toks[:, :start], jnp.arange(start)[None], cache,
+                      causal_mask(1, start))
+    cache = cache.replace(length=jnp.asarray([start]))
+    wide, _, _ = fwd(tp, toks[:, start:], (start + jnp.arange(t))[None], cache,
+                     causal_mask(1, t))
+    steps = []
+    for i in range(t):
+        logits, _, cache = fwd(tp, toks[:, start + i:start + i + 1],
+                               jnp.asarray([[start + i]]), cache, causal_mask(1, 1))
+        cache = cache.replace(length=cache.length + 1)
+        steps.append(logits[0, 0])
+    steps = jnp.stack(steps)
+    assert float(jnp.max(jnp.abs(steps))) > 1.0  # logits of a sharp model, not near zero
+    np.testing.assert_allclose(np.asarray(wide[0]), np.asarray(steps), rtol=0, atol=1e-4)
 
 
 def test_every_method_bf16_greedy_equals_bf16_ar(toy):

@@ -175,22 +175,20 @@ else:
         for name, run in runs.items():
             assert run(m).to_lists() == ref[name], name
 
-    def test_gemma_and_t5_sharded_equal_one_device():
-        """The other ports: a toy Gemma 3 (sliding and global layers, QK-norm) split over
-        data=2,model=4, and a toy T5 (data parallel: its weights are replicated) over data=8;
-        a T5 on a model axis is refused."""
-        from specjax.models import gemma, t5
+    def test_gemma_sharded_equals_one_device():
+        """A toy Gemma 3 (sliding and global layers, QK-norm) on data=2,model=4."""
+        from specjax.models import gemma
 
-        gcfg = gemma.GemmaConfig(vocab_size=V, hidden_size=64, intermediate_size=128,
-                                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                                 layer_types=(gemma.SLIDING, gemma.FULL), sliding_window=6,
-                                 query_pre_attn_scalar=16, max_position_embeddings=512)
-        g = gemma.Gemma(gcfg)
+        cfg = gemma.GemmaConfig(vocab_size=V, hidden_size=64, intermediate_size=128,
+                                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                                layer_types=(gemma.SLIDING, gemma.FULL), sliding_window=6,
+                                query_pre_attn_scalar=16, max_position_embeddings=512)
+        g = gemma.Gemma(cfg)
         gp = jax.tree.map(lambda x: x * 3.0 if x.ndim == 2 else x,
-                          gemma.init_params(gcfg, jax.random.key(4)))
+                          gemma.init_params(cfg, jax.random.key(4)))
         ng = specjax.NGramDrafter(depth=4, min_ngram=1)
         m = sharding.make_mesh(2, 4)
-        sp = sharding.shard_params(gcfg, gp, m)
+        sp = sharding.shard_params(cfg, gp, m)
         assert sp["layers"][0]["q"].sharding.spec == P("model", None)  # 4 query heads over 4
         assert sp["layers"][0]["k"].sharding.spec == P()  # 2 KV heads do not split 4 ways
         ref = specjax.generate(g, gp, PROMPTS, max_new_tokens=NEW).to_lists()
@@ -198,19 +196,42 @@ else:
         assert specjax.speculative_generate(g, gp, ng, None, PROMPTS, max_new_tokens=NEW,
                                             mesh=m).to_lists() == ref
 
-        tcfg = t5.T5Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_layers=2,
-                           num_encoder_layers=2, num_heads=4, head_dim=8, num_buckets=8,
-                           max_distance=20)
-        model = t5.T5(tcfg)
+    @pytest.mark.parametrize("gated", [False, True], ids=["t5", "t5-v1_1"])
+    def test_t5_sharded_equals_one_device(gated):
+        """A toy T5 (original and v1.1 layouts): encoder, self- and cross-attention heads and
+        MLP columns over model=4, rows and the bound source over data=2; ar, the n-gram
+        drafter over the source, and HSD."""
+        from specjax.core import encdec
+        from specjax.models import t5
+
+        cfg = t5.T5Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_layers=2,
+                          num_encoder_layers=2, num_heads=4, head_dim=8, num_buckets=8,
+                          max_distance=20, gated=gated,
+                          activation="gelu_new" if gated else "relu")
+        model = t5.T5(cfg)
         tp = jax.tree.map(lambda x: x * 3.0 if x.ndim == 2 else x,
-                          t5.init_params(tcfg, jax.random.key(5)))
-        m = sharding.make_mesh(8, 1)
+                          t5.init_params(cfg, jax.random.key(5)))
+        m = sharding.make_mesh(2, 4)
+        sp = sharding.shard_params(cfg, encdec.encode(model, tp, PROMPTS), m)
+        enc, dec, src = sp["encoder"]["layers"][0], sp["layers"][0], sp["source"]
+        assert enc["q"].sharding.spec == P("model", None)
+        assert enc["o"].sharding.spec == dec["wo"].sharding.spec == P(None, "model")
+        assert dec["cross_k"].sharding.spec == P("model", None)
+        assert dec["cross_o"].sharding.spec == P(None, "model")
+        assert ("gate" in dec and "wi" not in dec) if gated else "wi" in dec
+        assert dec["gate" if gated else "wi"].sharding.spec == P("model", None)
+        assert sp["rel_bias"].sharding.spec == P()
+        assert _spec(src.k[0]) == ("data", "model") and _spec(src.tokens) == ("data",)
+        ng = specjax.NGramDrafter(depth=4, min_ngram=1)
+        h = Hierarchy((NGram(ng), Exit(1), Exit()), T=(2, 2))
         ref = specjax.generate(model, tp, PROMPTS, max_new_tokens=NEW).to_lists()
-        assert specjax.generate(model, tp, PROMPTS, max_new_tokens=NEW, mesh=m).to_lists() == ref
-        assert specjax.speculative_generate(model, tp, ng, None, PROMPTS, max_new_tokens=NEW,
-                                            mesh=m).to_lists() == ref
-        with pytest.raises(ValueError, match="model axis"):
-            sharding.shard_params(tcfg, tp, sharding.make_mesh(2, 4))
+        for mesh in (m, sharding.make_mesh(8, 1)):
+            assert specjax.generate(model, tp, PROMPTS, max_new_tokens=NEW,
+                                    mesh=mesh).to_lists() == ref
+            assert specjax.speculative_generate(model, tp, ng, None, PROMPTS,
+                                                max_new_tokens=NEW, mesh=mesh).to_lists() == ref
+        assert specjax.hsd_generate(model, tp, h, PROMPTS, max_new_tokens=NEW,
+                                    mesh=m).to_lists() == ref
 
     def test_data_parallel_training_equals_one_device(toy, tmp_path):
         """Four EAGLE-head steps with rows split over data=8 (batches padded with zero rows

@@ -250,7 +250,9 @@ def prepare(model, prompts: Sequence[Sequence[int]], max_new_tokens: int | Seque
 
 
 def place(model, params, mesh):
-    """``params`` on ``mesh`` (``specjax.sharding.shard_params``); unchanged without one."""
+    """``params`` on ``mesh`` (``specjax.sharding.shard_params``); unchanged without one.
+    The host wrappers place the weights before an encoder-decoder encodes its sources (so
+    the encoder runs sharded) and again after (to place the bound source)."""
     return params if mesh is None else sharding.shard_params(model.config, params, mesh)
 
 
@@ -273,7 +275,8 @@ def generate(model, params, prompts: Sequence[Sequence[int]], *,
     With a ``mesh`` (``specjax.sharding.make_mesh``), rows are split over its ``data`` axis
     and the weights over ``model`` (``shard_params``; already placed weights are kept).
     """
-    params, prompts = encdec.bind_sources(model, params, prompts, source_size)
+    params, prompts = encdec.bind_sources(model, place(model, params, mesh), prompts,
+                                          source_size)
     x = prepare(model, prompts, max_new_tokens, sampler=sampler, key=key, eos_ids=eos_ids,
                 cache_size=cache_size, chunk=chunk, mesh=mesh)
     params = place(model, params, mesh)

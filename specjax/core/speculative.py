@@ -256,7 +256,8 @@ def speculative_generate(target, tparams, drafter, dparams, prompts: Sequence[Se
     """
     dparams = encdec.bind_drafter(drafter, dparams, target, prompts, source_size)
     drafter.check(target)
-    tparams, prompts = encdec.bind_sources(target, tparams, prompts, source_size)
+    tparams, prompts = encdec.bind_sources(target, place(target, tparams, mesh), prompts,
+                                           source_size)
     n = drafter.num_nodes
     Speculative(target, drafter, 1, 1, widths)  # checks the widths before any other work
     x = prepare(target, prompts, max_new_tokens, sampler=sampler, key=key, eos_ids=eos_ids,

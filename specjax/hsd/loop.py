@@ -474,7 +474,8 @@ def hsd_generate(target, tparams, hierarchy: Hierarchy, prompts: Sequence[Sequen
     (``specjax.sharding``); head parameters are replicated.
     """
     hierarchy.check(target)
-    tparams, prompts = encdec.bind_sources(target, tparams, prompts, source_size)
+    tparams, prompts = encdec.bind_sources(target, place(target, tparams, mesh), prompts,
+                                           source_size)
     top = len(hierarchy.levels) - 1
     hparams = tuple(hparams) if hparams is not None else (None,) * (top + 1)
     if len(hparams) != top + 1:
