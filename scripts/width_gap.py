@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 
 from specjax.models import load
-from specjax.models.kv_cache import causal_mask
 
 
 def main() -> None:
@@ -28,20 +27,18 @@ def main() -> None:
     lm = load("smollm2-135m", dtype=jnp.dtype(args.dtype))
     model, params = lm.model, lm.params
     toks = jnp.asarray([lm.encode(args.prompt, chat=True)])
-    fwd = jax.jit(model.forward)
+    fwd = jax.jit(model.forward)  # mask None: causal over the new tokens
     t = args.width
     start = toks.shape[1] - t
     cache = model.init_cache(1, -(-toks.shape[1] // 64) * 64, model.param_dtype(params))
-    _, _, cache = fwd(params, toks[:, :start], jnp.arange(start)[None], cache,
-                      causal_mask(1, start))
-    cache = cache.replace(length=jnp.asarray([start]))
-    wide, _, _ = fwd(params, toks[:, start:], (start + jnp.arange(t))[None], cache,
-                     causal_mask(1, t))
+    _, _, cache = fwd(params, toks[:, :start], jnp.arange(start)[None], cache)
+    cache = cache.advance(start)
+    wide, _, _ = fwd(params, toks[:, start:], (start + jnp.arange(t))[None], cache)
     steps = []
     for i in range(t):
         logits, _, cache = fwd(params, toks[:, start + i:start + i + 1],
-                               jnp.asarray([[start + i]]), cache, causal_mask(1, 1))
-        cache = cache.replace(length=cache.length + 1)
+                               jnp.asarray([[start + i]]), cache)
+        cache = cache.advance(1)
         steps.append(logits[0, 0])
     steps = jnp.stack(steps)
     print(f"{args.dtype}: max |{t}-token forward - {t} one-token steps| = "
