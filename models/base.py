@@ -29,9 +29,10 @@ class Model(Protocol):
     argument of the jitted loops). ``params`` is a plain pytree."""
 
     config: Any
+    compute_dtype: Any  # what products multiply in; the KV cache's default dtype
 
     def init_cache(self, batch: int, capacity: int, dtype=...) -> KVCache:
-        """An empty KV cache of ``capacity`` slots per row."""
+        """An empty KV cache of ``capacity`` slots per row (default dtype: ``compute_dtype``)."""
 
     def forward(self, params, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
                 cache: KVCache, mask: Bool[Array, "B T T"] | None = None, *,
@@ -55,7 +56,7 @@ class Model(Protocol):
         """The LM head's rows."""
 
     def param_dtype(self, params) -> Any:
-        """The dtype the model computes in."""
+        """The dtype the weights are stored in."""
 
 
 __all__ = ["Model", "ModelConfig"]

@@ -144,6 +144,7 @@ class Gemma(DecoderParts):
     Follows the contract ``specjax.models.Model``, like ``Llama``."""
 
     config: GemmaConfig
+    compute_dtype: Any = jnp.float32
 
     def embed(self, params: Params, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
         """Token embeddings scaled by ``sqrt(hidden_size)`` (the scale rounded to the
@@ -159,7 +160,7 @@ class Gemma(DecoderParts):
                head: Array | None = None) -> Float[Array, "... V"]:
         """Final norm, LM head (``head`` rows override it) and optional soft-cap; float32."""
         h = self.final_norm(params, hidden)
-        out = head_logits(self.output_head(params) if head is None else head, h)
+        out = head_logits(self.compute(self.output_head(params) if head is None else head), h)
         cap = self.config.final_logit_softcapping
         return out if cap is None else cap * jnp.tanh(out / cap)
 
@@ -186,7 +187,7 @@ class Gemma(DecoderParts):
         for i in range(n):
             kind = cfg.layer_types[i]
             vis, m = (None, mask) if kind == FULL else local
-            x, ks[i], vs[i] = _layer(cfg, params["layers"][i], x, ks[i], vs[i],
+            x, ks[i], vs[i] = _layer(cfg, self.compute(params["layers"][i]), x, ks[i], vs[i],
                                      cache.length, m, positions, inv[kind], vis)
             if i + 1 in return_layers:
                 hidden[i + 1] = x

@@ -106,12 +106,11 @@ def fast_width(n: int) -> int:
 
 
 def project(w: Float[Array, "O I"], x: Float[Array, "I N"]) -> Float[Array, "f32 O N"]:
-    """``w @ x`` in float32, with the weights as the left operand and ``N`` padded to
-    ``fast_width(N)`` zero columns that are dropped again. With bfloat16 weights the inputs
-    are bfloat16 and the products accumulate in float32 (the TPU recipe), so the residual
-    stream and logits stay float32 and only weights and the KV cache are stored in
-    bfloat16; a column's result then does not depend on how wide the forward was beyond
-    float32 rounding, which keeps speculative verification equal to one-token decoding."""
+    """``w @ x`` accumulated in float32, with the weights as the left operand and ``N``
+    padded to ``fast_width(N)`` zero columns that are dropped again. ``x`` is cast to
+    ``w``'s dtype: the models hand ``w`` in their ``compute_dtype`` (``DecoderParts``), so
+    with float32 compute a column's result depends on how wide the forward was by float32
+    rounding only, which keeps speculative verification equal to one-token decoding."""
     n = x.shape[1]
     m = fast_width(n)
     x = x.astype(w.dtype)
@@ -247,7 +246,7 @@ def layer(cfg: LlamaConfig, lp: Params, x: Float[Array, "B T D"], k_cache, v_cac
 
 def head_logits(head: Float[Array, "V D"], h: Float[Array, "... D"]) -> Float[Array, "... V"]:
     """``h @ head.T`` as float32 logits (accumulated in float32 for bfloat16 weights too),
-    computed weights-left (``project``).
+    computed weights-left (``project``): ``h`` is cast to ``head``'s dtype.
 
     The barrier keeps XLA from folding the final transpose into the product's output
     layout, which made an 8-column LM head cost twice as much on XLA:CPU."""
@@ -258,15 +257,43 @@ def head_logits(head: Float[Array, "V D"], h: Float[Array, "... D"]) -> Float[Ar
 
 
 class DecoderParts:
-    """What every decoder port here shares: its cache, dtype, LM head rows and the check of
-    which layers a forward runs. Needs ``self.config``."""
+    """What every decoder port here shares: its cache, dtypes, LM head rows and the check of
+    which layers a forward runs. Needs the fields ``config`` and ``compute_dtype``.
 
-    def init_cache(self, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
+    ``compute_dtype`` is the dtype every weight product takes its inputs in and the KV
+    cache's default dtype; products accumulate in float32 and logits are float32 either
+    way. The default, float32, multiplies bfloat16-stored weights as float32 and caches in
+    float32, so a verification forward differs from one-token decoding by float32 rounding
+    only, as with float32 weights, and greedy speculative output stays ``ar``'s.
+    ``jnp.bfloat16`` rounds activations, keys and values to bfloat16 (faster where the
+    hardware multiplies bfloat16, half the cache); that rounding turns the float32
+    differences between a wide and a one-token forward into bfloat16-sized ones, and greedy
+    output can then leave ``ar``'s on near-ties (README, "bfloat16").
+    """
+
+    def __post_init__(self):
+        dt = jnp.dtype(self.compute_dtype)
+        if not jnp.issubdtype(dt, jnp.floating):
+            raise ValueError(f"compute_dtype must be a floating dtype, got {dt}")
+        object.__setattr__(self, "compute_dtype", dt)  # hashable and comparable as a static
+
+    def compute(self, weights):
+        """``weights``' floating-point arrays in ``compute_dtype``: what the products take.
+        Stored weights are unchanged (a cast inside a jitted forward)."""
+        dt = self.compute_dtype
+        return jax.tree.map(
+            lambda a: a.astype(dt) if jnp.issubdtype(a.dtype, jnp.floating) else a, weights)
+
+    def init_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:
+        """An empty KV cache of ``capacity`` slots per row, in ``dtype`` (default: the
+        model's ``compute_dtype``, so keys and values are kept as the products made them)."""
         c = self.config
-        return KVCache.zeros(c.num_layers, batch, capacity, c.num_kv_heads, c.head_dim, dtype)
+        return KVCache.zeros(c.num_layers, batch, capacity, c.num_kv_heads, c.head_dim,
+                             self.compute_dtype if dtype is None else dtype)
 
     def param_dtype(self, params: Params):
-        """The dtype the model computes in (its embedding's)."""
+        """The dtype its weights are stored in (its embedding's). Products, KV caches and
+        draft heads use ``compute_dtype``."""
         return params["embed"].dtype
 
     def output_head(self, params: Params) -> Float[Array, "V D"]:
@@ -291,6 +318,7 @@ class Llama(DecoderParts):
     """A Llama-family model bound to its configuration. Hashable, so it can be static."""
 
     config: LlamaConfig
+    compute_dtype: Any = jnp.float32
 
     def embed(self, params: Params, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
         """The input embeddings of ``tokens``."""
@@ -305,7 +333,7 @@ class Llama(DecoderParts):
         """Final norm and LM head (float32 logits). ``head`` ([V', D] rows) overrides the
         model's ``[V, D]`` head."""
         h = self.final_norm(params, hidden)
-        return head_logits(self.output_head(params) if head is None else head, h)
+        return head_logits(self.compute(self.output_head(params) if head is None else head), h)
 
     def forward(
         self,
@@ -344,8 +372,8 @@ class Llama(DecoderParts):
         hidden = {0: x} if 0 in return_layers else {}
         ks, vs = list(cache.k), list(cache.v)
         for i in range(n):
-            x, ks[i], vs[i] = _layer(cfg, params["layers"][i], x, ks[i], vs[i], cache.length,
-                                     mask, positions)
+            x, ks[i], vs[i] = _layer(cfg, self.compute(params["layers"][i]), x, ks[i], vs[i],
+                                     cache.length, mask, positions)
             if i + 1 in return_layers:
                 hidden[i + 1] = x
         hidden[n] = x

@@ -28,13 +28,14 @@ def family(cfg: Config) -> str:
     return "Gemma" if isinstance(cfg, GemmaConfig) else "Llama"
 
 
-def model_for(cfg: Config):
-    """The model class instance for a config: ``Llama``, ``Gemma`` or ``T5``."""
+def model_for(cfg: Config, compute_dtype=jnp.float32):
+    """The model class instance for a config: ``Llama``, ``Gemma`` or ``T5``, multiplying
+    in ``compute_dtype``."""
     from specjax.models.gemma import Gemma
     from specjax.models.llama import Llama
     from specjax.models.t5 import T5
 
-    return {"T5": T5, "Gemma": Gemma, "Llama": Llama}[family(cfg)](cfg)
+    return {"T5": T5, "Gemma": Gemma, "Llama": Llama}[family(cfg)](cfg, compute_dtype)
 
 
 class WeightLoadError(ValueError):

@@ -68,7 +68,7 @@ class LanguageModel(nnx.Module):
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty KV cache in the model's dtype."""
-        return self.arch.init_cache(batch, capacity, self.arch.param_dtype(self.params))
+        return self.arch.init_cache(batch, capacity)
 
     def __call__(
         self,

@@ -162,8 +162,14 @@ def _gguf_tokenizer(path: Path):
 
 
 def load(name_or_path: str, dtype=jnp.float32, tokenizer: bool = True,
-         check: Callable[[Any, LlamaConfig], None] | None = None) -> LoadedModel:
+         check: Callable[[Any, LlamaConfig], None] | None = None,
+         compute_dtype=jnp.float32) -> LoadedModel:
     """Loads a registered model, a ``.gguf`` file, or an HF directory, with its tokenizer.
+
+    Weights and KV caches are stored in ``dtype``; products take ``compute_dtype`` inputs
+    (``DecoderParts``). The default float32 keeps bfloat16 weights' speculative greedy
+    output equal to ``ar``'s as in float32; ``compute_dtype=jnp.bfloat16`` is faster on
+    bfloat16 hardware, and its greedy output can leave ``ar``'s on near-ties.
 
     ``check(tokenizer, config)`` runs before the weights are read, so input that does not
     fit the model (a prompt longer than the context) fails in seconds.
@@ -186,7 +192,7 @@ def load(name_or_path: str, dtype=jnp.float32, tokenizer: bool = True,
     eos = stop_ids(tok)
     if not eos and getattr(cfg, "eos_token_id", None) is not None:  # T5 without a tokenizer
         eos = (int(cfg.eos_token_id),)
-    return LoadedModel(name=name_or_path, model=loading.model_for(cfg), params=params,
+    return LoadedModel(name=name_or_path, model=loading.model_for(cfg, compute_dtype), params=params,
                        tokenizer=tok, eos_ids=eos, source=path)
 
 

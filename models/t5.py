@@ -200,6 +200,7 @@ class T5(DecoderParts):
     """
 
     config: T5Config
+    compute_dtype: Any = jnp.float32
     is_encoder_decoder = True
 
     # ------------------------------------------------------------------ the encoder
@@ -215,7 +216,7 @@ class T5(DecoderParts):
         bias = _bias(enc["rel_bias"], rel, cfg, bidirectional=True)
         x = params["embed"][jnp.where(valid, source, 0)].transpose(2, 0, 1)  # [D,B,S]
         see = jnp.broadcast_to(valid[:, None, :], (b, s, s))
-        for lp in enc["layers"]:
+        for lp in map(self.compute, enc["layers"]):
             h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, axis=0)
             q, k, v = _self_qkv(lp, h, cfg.num_heads)
             att = _dense_attention(q, k.transpose(0, 1, 3, 2), v, see, bias)
@@ -230,7 +231,7 @@ class T5(DecoderParts):
         out = self.encoder_output(params, source, source_len).transpose(2, 0, 1)  # [D,B,S]
         valid = jnp.arange(source.shape[1])[None] < source_len[:, None]
         ks, vs = [], []
-        for lp in params["layers"]:
+        for lp in map(self.compute, params["layers"]):
             k, v = _cross_kv(lp, out)
             ks.append(_heads(k, self.config.num_heads).transpose(0, 1, 3, 2))
             vs.append(_heads(v, self.config.num_heads))
@@ -259,7 +260,7 @@ class T5(DecoderParts):
                head: Array | None = None) -> Float[Array, "... V"]:
         """Float32 logits of decoder hidden states; ``head`` rows override the LM head."""
         h = self.final_norm(params, hidden)
-        return head_logits(self.output_head(params) if head is None else head, h)
+        return head_logits(self.compute(self.output_head(params) if head is None else head), h)
 
     def forward(self, params: Params, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
                 cache: KVCache, mask: Bool[Array, "B T T"] | None = None, *,
@@ -288,7 +289,7 @@ class T5(DecoderParts):
         ks, vs = list(cache.k), list(cache.v)
         nh = cfg.num_heads
         for i in range(n):
-            lp = params["layers"][i]
+            lp = self.compute(params["layers"][i])
             h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, axis=0)
             q, k, v = _self_qkv(lp, h, nh)
             att = _attention(q[:, :, None], k, v, ks[i], vs[i], cache.length, mask, scale=1.0,

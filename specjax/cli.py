@@ -34,10 +34,12 @@ def _check_args(args) -> None:
         raise UsageError("--prompt is empty")
 
 
-def _dtype(name: str):
+def _dtypes(args) -> dict:
+    """``load``'s storage and compute dtypes from ``--dtype`` and ``--compute-dtype``."""
     import jax.numpy as jnp
 
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+    names = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+    return {"dtype": names[args.dtype], "compute_dtype": names[args.compute_dtype]}
 
 
 def _sampler(args):
@@ -88,7 +90,7 @@ def _exit_heads(lm, args, layers=None) -> tuple[dict, list[int], str | None]:
 
     path = args.exit_heads or exit_heads.shipped_heads(args.model)
     if path is not None:
-        heads, _ = exit_heads.load_heads(lm.model, path, lm.model.param_dtype(lm.params))
+        heads, _ = exit_heads.load_heads(lm.model, path, lm.model.compute_dtype)
         return heads, sorted(heads), str(path)
     if layers is None:
         layers = [int(x) for x in args.layers.split(",")]
@@ -149,6 +151,7 @@ def _generate_once(lm, ids, args) -> dict:
     dt = time.perf_counter() - t
     toks = out.to_lists()[0]
     res = {"method": args.method, "drafter": drafter, "model": args.model, "dtype": args.dtype,
+           "compute_dtype": args.compute_dtype,
            "text": lm.decode(toks), "token_ids": toks,
            "prompt_tokens": len(ids), "new_tokens": len(toks), "seconds": dt,
            "tokens_per_s": len(toks) / dt, "compile_s": compile_s, "tau": 1.0,
@@ -248,10 +251,10 @@ def cmd_generate(args) -> int:
     mesh = _mesh(args)
     if args.prompt_ids is not None:
         ids = _prompt_ids(args.prompt_ids)
-        lm = load(args.model, _dtype(args.dtype))
+        lm = load(args.model, **_dtypes(args))
         _check_ids(lm, ids, args)
     else:
-        lm = load(args.model, _dtype(args.dtype),
+        lm = load(args.model, **_dtypes(args),
                   check=_fits_context(args, args.prompt, args.chat))
         if lm.tokenizer is None:
             raise UsageError(f"{args.model} has no tokenizer files: give the prompt as "
@@ -283,7 +286,7 @@ def cmd_demo(args) -> int:
     print(f"loading {args.model} ...", flush=True)
     prompt = args.prompt or next(q.text for q in bench.load_questions()
                                  if q.category == "summarization")
-    lm = load(args.model, _dtype(args.dtype), check=_fits_context(args, prompt, None))
+    lm = load(args.model, **_dtypes(args), check=_fits_context(args, prompt, None))
     ids = lm.encode(prompt, chat=lm.has_chat_template)
     print(f"prompt ({len(ids)} tokens): {prompt[:200]}{'...' if len(prompt) > 200 else ''}")
     heads = {"eagle2": eagle.shipped_head, "redrafter": redrafter.shipped_head}
@@ -346,7 +349,7 @@ def cmd_calibrate(args) -> int:
     if args.draft_temperature is not None and args.draft_temperature < 0:
         raise UsageError(f"--draft-temperature must be >= 0, got {args.draft_temperature}")
     qs = bench.load_questions(args.prompts, None, args.limit)  # checked before the model loads
-    lm = load(args.model, _dtype(args.dtype))
+    lm = load(args.model, **_dtypes(args))
     heads, layers, source = _exit_heads(lm, args)
     sampler = _sampler(args)
     seqs, pls = [], []
@@ -364,7 +367,8 @@ def cmd_calibrate(args) -> int:
     widths = [int(w) for w in args.widths.split(",")]
     with tqdm(total=len(widths) * (len(layers) + 1), desc="costs", unit="forward") as bar:
         cost = calibrate.forward_costs(lm.model, lm.params, heads, layers, widths, progress=bar)
-    res = {"model": args.model, "dtype": args.dtype, "layers": layers, "exit_heads": source,
+    res = {"model": args.model, "dtype": args.dtype, "compute_dtype": args.compute_dtype,
+           "layers": layers, "exit_heads": source,
            "candidates": calibrate.names(layers), "alpha": alpha.tolist(), "positions": n,
            "prompts": len(seqs), "temperature": max(args.temperature, 0.0),
            "draft_temperature": args.draft_temperature, "top_k": args.top_k, "top_p": args.top_p,
@@ -431,7 +435,8 @@ def cmd_tune(args) -> int:
 
 def _bench_settings(args, methods) -> dict:
     """What makes two bench runs comparable, question by question (a resume must match)."""
-    return {"model": args.model, "dtype": args.dtype, "methods": methods,
+    return {"model": args.model, "dtype": args.dtype, "compute_dtype": args.compute_dtype,
+            "methods": methods,
             **({"mesh": args.mesh} if args.mesh else {}),
             "temperature": max(args.temperature, 0.0), "top_k": args.top_k, "top_p": args.top_p,
             "max_new_tokens": args.max_new_tokens, "draft_len": args.draft_len,
@@ -498,7 +503,7 @@ def cmd_bench(args) -> int:
     mesh = _mesh(args)
     settings = _bench_settings(args, methods)
     done = bench.restore_runs(args.out, settings)  # an interrupted bench resumes here
-    lm = _on_mesh(load(args.model, _dtype(args.dtype), tokenizer=not args.random_prompts), mesh,
+    lm = _on_mesh(load(args.model, **_dtypes(args), tokenizer=not args.random_prompts), mesh,
                   args)
     if args.random_prompts:
         questions = bench.random_questions(args.random_prompts, args.prompt_len,
@@ -511,7 +516,8 @@ def cmd_bench(args) -> int:
     run = _bench_runners(args, lm, methods, threads, hierarchies)
     results = {m: [] for m in methods}
     mismatches = []
-    report = {"model": args.model, "dtype": args.dtype, "batch": 1, "greedy": greedy,
+    report = {"model": args.model, "dtype": args.dtype, "compute_dtype": args.compute_dtype,
+              "batch": 1, "greedy": greedy,
               "temperature": max(args.temperature, 0.0),
               "max_new_tokens": args.max_new_tokens, "threads": threads,
               "questions": settings["questions"], "n_questions": len(questions),
@@ -778,7 +784,12 @@ def build_parser() -> argparse.ArgumentParser:
     def common(s, max_new=128):
         s.add_argument("--model", default="smollm2-135m",
                        help="registered name, .gguf file or HF directory")
-        s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+        s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                       help="weights and KV cache")
+        s.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"],
+                       help="inputs of every product (default float32: bfloat16 weights "
+                            "then keep greedy output equal to ar's as in float32; bfloat16 "
+                            "is faster on bfloat16 hardware and can leave ar on near-ties)")
         s.add_argument("--max-new-tokens", type=int, default=max_new)
 
     def mesh_option(s):

@@ -28,7 +28,8 @@ def test_both_families_implement_the_contract():
         toks = jax.numpy.asarray([[1, 2, 3]])
         assert model.embed(params, toks).shape == (1, 3, 32)
         assert model.output_head(params).shape == (16, 32)
-        assert model.param_dtype(params) == jax.numpy.float32
+        assert model.param_dtype(params) == jax.numpy.float32 == model.compute_dtype
+        assert model.init_cache(1, 4).k[0].dtype == jax.numpy.float32
         h = model.final_norm(params, model.embed(params, toks))
         assert model.logits(params, h).shape == (1, 3, 16)
 

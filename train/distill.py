@@ -101,7 +101,7 @@ def _answer(params, prompt, prompt_len, budget, eos_ids, *, model, capacity: int
             max_out: int, chunk: int):
     """Greedy answers and the hidden state at every prompt and answer position."""
     b = prompt.shape[0]
-    cache = model.init_cache(b, capacity, model.param_dtype(params))
+    cache = model.init_cache(b, capacity)
     h_last, cache, h_prompt = prefill(model, params, prompt, prompt_len, cache, chunk, True)
     first = jnp.argmax(model.logits(params, h_last), -1).astype(jnp.int32)
     one = jnp.ones((b,), jnp.int32)

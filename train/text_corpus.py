@@ -85,7 +85,7 @@ def _prefill_fn(model):
 
     def run(params, tokens):
         b, t = tokens.shape
-        return fwd(params, tokens, model.init_cache(b, t, model.param_dtype(params)))
+        return fwd(params, tokens, model.init_cache(b, t))
     return run
 
 

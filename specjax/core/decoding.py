@@ -123,7 +123,7 @@ class AR:
              budget: Int[Array, "B"], key: Array, eos_ids: Int[Array, "E"],
              sampler: sampling.Sampler = sampling.Greedy()) -> DecodeState:
         model, b = self.model, prompt.shape[0]
-        cache = constrain_cache(model.init_cache(b, self.capacity, model.param_dtype(params)),
+        cache = constrain_cache(model.init_cache(b, self.capacity),
                                 self.mesh)
         h_last, cache = prefill(model, params, prompt, prompt_len, cache, self.chunk)
         key, sub = jax.random.split(key)

@@ -150,7 +150,7 @@ class Speculative:
              budget: Int[Array, "B"], key: Array, eos_ids: Int[Array, "E"],
              sampler: sampling.Sampler = sampling.Greedy()) -> SpecState:
         target, drafter, b = self.target, self.drafter, prompt.shape[0]
-        cache = constrain_cache(target.init_cache(b, self.capacity, target.param_dtype(tparams)),
+        cache = constrain_cache(target.init_cache(b, self.capacity),
                                 self.mesh)
         h_all = None
         if getattr(drafter, "needs_features", False):

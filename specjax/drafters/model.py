@@ -31,8 +31,7 @@ class ModelDrafter(TopKTree):
                              f"{target.config.vocab_size}; drafts must use the target's ids")
 
     def init(self, dparams, ctx: Context, chunk: int):
-        cache = self.model.init_cache(ctx.tokens.shape[0], ctx.cache.capacity,
-                                      self.model.param_dtype(dparams))
+        cache = self.model.init_cache(ctx.tokens.shape[0], ctx.cache.capacity)
         return prefill(self.model, dparams, ctx.tokens, ctx.prompt_len, cache, chunk)[1]
 
     def propose(self, dparams, cache: KVCache, ctx: Context, key, sampler):

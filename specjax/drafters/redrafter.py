@@ -303,7 +303,7 @@ def load_drafter(spec: str, lm, model_name: str, checkpoint_dir=None):
     like = exportable(init_head(cfg.hidden_size, meta["draft_vocab"], jax.random.key(0),
                                 meta["blocks"]))
     head, meta = export.load_head(path, "redrafter", like=like)
-    dtype = lm.model.param_dtype(lm.params)
+    dtype = lm.model.compute_dtype
     head = jax.tree.map(lambda x: jnp.asarray(x, dtype), head)
     ids = meta.get("vocab_ids")
     drafter = RedrafterDrafter(lm.model, **opts)

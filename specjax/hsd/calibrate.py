@@ -41,7 +41,7 @@ def _layer_logits(target, tparams, heads: dict, toks: np.ndarray, layers: Sequen
     """``{layer: logits [T, V]}`` and the target's ``[T, V]``, teacher-forced on ``toks``."""
     t = toks[None]
     pos = jnp.arange(t.shape[1])[None]
-    cache = target.init_cache(1, t.shape[1], target.param_dtype(tparams))
+    cache = target.init_cache(1, t.shape[1])
     logits, hid, _ = target.forward(tparams, t, pos, cache, return_layers=tuple(layers))
     return ({l: exit_head(target, tparams, heads.get(l), hid[l])[0] for l in layers},
             logits[0])
@@ -102,7 +102,7 @@ def forward_costs(target, tparams, heads: dict, layers: Sequence[int], widths: S
                   ngram: NGramDrafter = NGramDrafter(), progress=None) -> dict:
     """``{name: {width: ms}}``: the median time of one forward (exit head included) at each
     width with ``filled`` tokens in a cache of ``capacity``; ``ngram``: one lookup."""
-    cache = target.init_cache(1, capacity, target.param_dtype(tparams))
+    cache = target.init_cache(1, capacity)
     cache = cache.replace(length=jnp.asarray([filled], jnp.int32))
     out: dict = {}
     for name, layer in zip(names(layers)[1:], list(layers) + [None]):

@@ -395,7 +395,7 @@ class HSD:
              budget: Int[Array, "B"], key: Array, eos_ids: Int[Array, "E"],
              sampler: sampling.Sampler = sampling.Greedy()) -> HSDState:
         target, hierarchy, top, b = self.target, self.hierarchy, self.top, prompt.shape[0]
-        cache = constrain_cache(target.init_cache(b, self.capacity, target.param_dtype(tparams)),
+        cache = constrain_cache(target.init_cache(b, self.capacity),
                                 self.mesh)
         h_last, cache = prefill(target, tparams, prompt, prompt_len, cache, self.chunk)
         key, sub = jax.random.split(key)
