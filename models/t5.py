@@ -37,7 +37,7 @@ from jaxtyping import Array, Bool, Float, Int
 from specjax.models import kv_cache
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import (DecoderParts, RopeScaling, _attention, _proj, head_logits,
-                                  rms_norm)
+                                  qkv_heads, rms_norm)
 
 Params = Mapping[str, Any]
 
@@ -152,12 +152,11 @@ def _ffn(cfg: T5Config, lp: Params, x: Float[Array, "D B T"]) -> Float[Array, "D
     return x + _proj(lp["wo"], a)
 
 
-def _self_qkv(lp: Params, h: Float[Array, "D B T"], n: int):
+def _self_qkv(cfg: T5Config, lp: Params, h: Float[Array, "D B T"]):
     """Self-attention queries, keys and values ``[B, N, T, Dh]`` from fused (``qkv``) or
-    split (``q``, ``k``, ``v``: the layout sharded by heads) weights; the same numbers."""
-    ys = (jnp.split(_proj(lp["qkv"], h), 3, axis=0) if "qkv" in lp
-          else [_proj(lp[name], h) for name in ("q", "k", "v")])
-    return tuple(_heads(y, n) for y in ys)
+    split (``q``, ``k``, ``v``) weights: ``llama.qkv_heads`` with a K/V head per query head."""
+    n = cfg.num_heads
+    return tuple(y.transpose(2, 0, 3, 1) for y in qkv_heads(lp, h, n, n, cfg.head_dim))
 
 
 def _cross_kv(lp: Params, out: Float[Array, "D B S"]):
@@ -218,7 +217,7 @@ class T5(DecoderParts):
         see = jnp.broadcast_to(valid[:, None, :], (b, s, s))
         for lp in map(self.compute, enc["layers"]):
             h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, axis=0)
-            q, k, v = _self_qkv(lp, h, cfg.num_heads)
+            q, k, v = _self_qkv(cfg, lp, h)
             att = _dense_attention(q, k.transpose(0, 1, 3, 2), v, see, bias)
             x = x + _proj(lp["o"], _merge(att))
             x = _ffn(cfg, lp, x)
@@ -291,7 +290,7 @@ class T5(DecoderParts):
         for i in range(n):
             lp = self.compute(params["layers"][i])
             h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, axis=0)
-            q, k, v = _self_qkv(lp, h, nh)
+            q, k, v = _self_qkv(cfg, lp, h)
             att = _attention(q[:, :, None], k, v, ks[i], vs[i], cache.length, mask, scale=1.0,
                              bias=bias)[:, :, 0]
             ks[i] = kv_cache.write(ks[i], cache.length, k.transpose(0, 1, 3, 2), axis=3)

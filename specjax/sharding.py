@@ -166,11 +166,15 @@ def shard_params(config, params: Any, mesh: Mesh) -> Any:
         params = {k: v for k, v in params.items() if k != "source"}
     params = split_layout(config, params)
     specs = param_specs(config, params, mesh)
-    put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
-    placed = jax.tree.map(put, params, specs, is_leaf=lambda x: x is None)
-    if source is None:
-        return placed
-    return {**placed, "source": jax.tree.map(put, source, source_spec(source, mesh))}
+    placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params,
+                          specs, is_leaf=lambda x: x is None)
+    return placed if source is None else {**placed, "source": place_source(source, mesh)}
+
+
+def place_source(source, mesh: Mesh):
+    """An encoded source (``T5.encode``) placed on ``mesh`` by :func:`source_spec`."""
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), source,
+                        source_spec(source, mesh))
 
 
 def source_spec(source, mesh: Mesh):
@@ -218,6 +222,6 @@ def replicated(mesh: Mesh | None, x):
 
 
 __all__ = ["DATA", "MODEL", "make_mesh", "mesh_from_spec", "parse_mesh", "check_model",
-           "check_batch", "split_layout", "param_specs", "shard_params", "source_spec",
+           "check_batch", "split_layout", "param_specs", "shard_params", "place_source", "source_spec",
            "cache_spec",
            "constrain_cache", "rows", "replicated"]

@@ -249,13 +249,6 @@ def prepare(model, prompts: Sequence[Sequence[int]], max_new_tokens: int | Seque
                  capacity=capacity, max_out=max_out)
 
 
-def place(model, params, mesh):
-    """``params`` on ``mesh`` (``specjax.sharding.shard_params``); unchanged without one.
-    The host wrappers place the weights before an encoder-decoder encodes its sources (so
-    the encoder runs sharded) and again after (to place the bound source)."""
-    return params if mesh is None else sharding.shard_params(model.config, params, mesh)
-
-
 def generate(model, params, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int | Sequence[int], sampler: sampling.Sampler = sampling.Greedy(),
              key: Array | None = None, eos_ids: Sequence[int] = (),
@@ -275,11 +268,9 @@ def generate(model, params, prompts: Sequence[Sequence[int]], *,
     With a ``mesh`` (``specjax.sharding.make_mesh``), rows are split over its ``data`` axis
     and the weights over ``model`` (``shard_params``; already placed weights are kept).
     """
-    params, prompts = encdec.bind_sources(model, place(model, params, mesh), prompts,
-                                          source_size)
+    params, prompts = encdec.bind_sources(model, params, prompts, source_size, mesh)
     x = prepare(model, prompts, max_new_tokens, sampler=sampler, key=key, eos_ids=eos_ids,
                 cache_size=cache_size, chunk=chunk, mesh=mesh)
-    params = place(model, params, mesh)
     dec = AR(model, x.capacity, x.max_out, chunk, mesh)
     out, compile_s = _DECODE(params, x.tokens, x.lengths, x.budgets, sampler, x.key, x.eos,
                              dec=dec)

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import sharding
+
 _SOURCE_BUCKET = 128  # source buffers are padded to a multiple of this: no per-length compile
 
 
@@ -61,13 +63,19 @@ _ENCODE = jax.jit(lambda model, params, src, lens: model.encode(params, src, len
 
 
 def bind_sources(model, params, sources: Sequence[Sequence[int]],
-                 source_size: int | None = None) -> tuple[Any, list[list[int]]]:
+                 source_size: int | None = None, mesh=None) -> tuple[Any, list[list[int]]]:
     """``(bound params, decoder prompts)`` for an encoder-decoder ``model``; for any other
-    model, ``(params, sources)`` unchanged."""
+    model, ``(params, sources)``. With a ``mesh`` the weights are placed on it first
+    (``sharding.shard_params``, so the encoder runs sharded) and the bound source after."""
+    if mesh is not None:
+        params = sharding.shard_params(model.config, params, mesh)
     if not is_encoder_decoder(model):
         return params, [list(s) for s in sources]
     start = model.config.decoder_start_token_id
-    return encode(model, params, sources, source_size), [[start] for _ in sources]
+    bound = encode(model, params, sources, source_size)
+    if mesh is not None:
+        bound = {**bound, "source": sharding.place_source(bound["source"], mesh)}
+    return bound, [[start] for _ in sources]
 
 
 def bind_drafter(drafter, dparams, target, sources: Sequence[Sequence[int]],

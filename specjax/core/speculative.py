@@ -22,7 +22,7 @@ from jaxtyping import Array, Bool, Int
 from specjax import sharding
 from specjax.core import encdec, sampling, tree
 from specjax._compile import AotCache
-from specjax.core.decoding import PAD, Rows, place, prefill, prepare, stops
+from specjax.core.decoding import PAD, Rows, prefill, prepare, stops
 from specjax.sharding import constrain_cache
 from specjax.drafters.base import Context
 from specjax.models.kv_cache import KVCache
@@ -256,13 +256,12 @@ def speculative_generate(target, tparams, drafter, dparams, prompts: Sequence[Se
     """
     dparams = encdec.bind_drafter(drafter, dparams, target, prompts, source_size)
     drafter.check(target)
-    tparams, prompts = encdec.bind_sources(target, place(target, tparams, mesh), prompts,
-                                           source_size)
+    tparams, prompts = encdec.bind_sources(target, tparams, prompts, source_size, mesh)
     n = drafter.num_nodes
     Speculative(target, drafter, 1, 1, widths)  # checks the widths before any other work
     x = prepare(target, prompts, max_new_tokens, sampler=sampler, key=key, eos_ids=eos_ids,
                 cache_size=cache_size, chunk=chunk, extra=n + 1, mesh=mesh)
-    tparams, dparams = place(target, tparams, mesh), sharding.replicated(mesh, dparams)
+    dparams = sharding.replicated(mesh, dparams)
     spec = Speculative(target, drafter, x.capacity, x.max_out, widths, rule, chunk, mesh)
     out, compile_s = _SPECULATE(tparams, dparams, x.tokens, x.lengths, x.budgets, sampler, x.key,
                                 x.eos, spec=spec)

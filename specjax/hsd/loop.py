@@ -35,7 +35,7 @@ from jaxtyping import Array, Bool, Int
 from specjax import sharding
 from specjax.core import encdec, sampling
 from specjax._compile import AotCache
-from specjax.core.decoding import PAD, Rows, place, prefill, prepare
+from specjax.core.decoding import PAD, Rows, prefill, prepare
 from specjax.sharding import constrain_cache
 from specjax.drafters import Context, NGramDrafter, target_head
 from specjax.models.kv_cache import KVCache
@@ -474,8 +474,7 @@ def hsd_generate(target, tparams, hierarchy: Hierarchy, prompts: Sequence[Sequen
     (``specjax.sharding``); head parameters are replicated.
     """
     hierarchy.check(target)
-    tparams, prompts = encdec.bind_sources(target, place(target, tparams, mesh), prompts,
-                                           source_size)
+    tparams, prompts = encdec.bind_sources(target, tparams, prompts, source_size, mesh)
     top = len(hierarchy.levels) - 1
     hparams = tuple(hparams) if hparams is not None else (None,) * (top + 1)
     if len(hparams) != top + 1:
@@ -483,7 +482,7 @@ def hsd_generate(target, tparams, hierarchy: Hierarchy, prompts: Sequence[Sequen
     extra = sum(m + 1 for m in hierarchy.buffer) + 2 * top + 2  # lower levels run ahead
     x = prepare(target, prompts, max_new_tokens, sampler=sampler, key=key, eos_ids=eos_ids,
                 cache_size=cache_size, chunk=chunk, extra=extra, mesh=mesh)
-    tparams, hparams = place(target, tparams, mesh), sharding.replicated(mesh, hparams)
+    hparams = sharding.replicated(mesh, hparams)
     dec = HSD(target, hierarchy, x.capacity, x.max_out, chunk, mesh)
     out, compile_s = _DECODE(tparams, hparams, x.tokens, x.lengths, x.budgets, sampler, x.key,
                              x.eos, dec=dec)
