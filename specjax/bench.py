@@ -235,6 +235,23 @@ def _hf_new_tokens(lm, ids: list[int], y) -> list[int]:
     return y[0, 1 if lm.is_encoder_decoder else len(ids):].tolist()
 
 
+def _hf_stops(hf, lm) -> dict:
+    """``generate``'s stop settings for ``lm``: its EOS ids; or, for a model without any (an
+    HF directory without tokenizer files, random weights), none at all, so that
+    ``generate`` emits exactly ``max_new_tokens`` as specjax does. transformers fills an
+    unset ``eos_token_id`` from the model's own ``generation_config`` (e.g. a config's
+    default ``eos_token_id=2``), so that is cleared on ``hf`` too."""
+    eos = list(lm.eos_ids)
+    if eos:
+        return {"eos_token_id": eos, "pad_token_id": eos[0]}
+    gc = hf.generation_config
+    pad = gc.pad_token_id if isinstance(gc.pad_token_id, int) else 0
+    gc.eos_token_id = None
+    if getattr(gc, "forced_eos_token_id", None) is not None:
+        gc.forced_eos_token_id = None
+    return {"eos_token_id": None, "pad_token_id": pad}
+
+
 def _warm_up_ids(lm) -> list[int]:
     return lm.encode("warm up") if lm.tokenizer is not None else [5, 6, 7]
 
@@ -246,14 +263,14 @@ def hf_pld_method(lm, threads: int, hf=None, num_tokens: int = 10) -> Method:
 
     torch.set_num_threads(threads)
     hf = load_hf(lm) if hf is None else hf
-    eos = list(lm.eos_ids)
+    stops = _hf_stops(hf, lm)
     calls = [0]
     hf.model.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
 
     def run(ids: list[int], n: int) -> Run:
         calls[0] = 0
-        y, dt = _hf_generate(hf, ids, max_new_tokens=n, do_sample=False, eos_token_id=eos,
-                             pad_token_id=eos[0], prompt_lookup_num_tokens=num_tokens)
+        y, dt = _hf_generate(hf, ids, max_new_tokens=n, do_sample=False,
+                             prompt_lookup_num_tokens=num_tokens, **stops)
         toks = _hf_new_tokens(lm, ids, y)
         return Run(toks, dt, calls[0])
 
@@ -268,14 +285,16 @@ def hf_method(lm, threads: int, hf=None, temperature: float = 0.0) -> Method:
 
     torch.set_num_threads(threads)
     hf = load_hf(lm) if hf is None else hf
-    eos = list(lm.eos_ids)
+    stops = _hf_stops(hf, lm)
 
     def run(ids: list[int], n: int) -> Run:
         samp = dict(do_sample=True, temperature=temperature, top_k=0) if temperature > 0 \
             else dict(do_sample=False)
-        y, dt = _hf_generate(hf, ids, max_new_tokens=n, eos_token_id=eos, pad_token_id=eos[0],
-                             **samp)
+        y, dt = _hf_generate(hf, ids, max_new_tokens=n, **stops, **samp)
         toks = _hf_new_tokens(lm, ids, y)
+        if stops["eos_token_id"] is None and len(toks) != n:
+            raise RuntimeError(f"transformers stopped after {len(toks)} of {n} tokens on a "
+                               f"model without EOS ids (its generation config stops it)")
         return Run(toks, dt, len(toks))
 
     run(_warm_up_ids(lm), 4)

@@ -72,3 +72,48 @@ def test_method_list_keeps_eagle_sizes_and_options_together():
     got = split_methods("ar, eagle2:4,4,8:conf,vocab=4096,hf,hf-pld,sd-early-exit:12,eagle2")
     assert got == ["ar", "eagle2:4,4,8:conf,vocab=4096", "hf", "hf-pld", "sd-early-exit:12",
                    "eagle2"]
+
+
+def _save_random_llama(path, eos: int | None = None, seed: int = 0):
+    """A random 2-layer transformers Llama saved as safetensors + config.json, without
+    tokenizer files (as random-weight directories of real shapes are); ``eos`` goes into
+    its config and generation config."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(2)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2 if eos is None else eos)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # sharp logits: no near-ties between float32 implementations
+        for p in model.parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if p.ndim == 1 else 0.2 * torch.randn_like(p))
+    model.generation_config.eos_token_id = cfg.eos_token_id
+    model.save_pretrained(str(path))
+    return path
+
+
+def test_hf_peer_without_eos_ids_generates_the_whole_budget(tmp_path):
+    """A model without EOS ids (an HF directory without tokenizer files): the hf peer runs to
+    max_new_tokens, although the directory's generation config names an EOS id that the
+    model emits early, and its greedy tokens are specjax ar's."""
+    from specjax.models import load
+
+    n, prompt = 12, [5, 9, 17, 33, 4, 60, 7]
+    lm = load(str(_save_random_llama(tmp_path / "probe")), tokenizer=False)
+    assert lm.tokenizer is None and lm.eos_ids == ()
+    ar = bench.ar_method(lm)(prompt, n).tokens
+    early = ar[2]  # an id greedy decoding emits third: a config EOS stops HF there
+    assert early not in ar[:2]
+    lm = load(str(_save_random_llama(tmp_path / "m", eos=early)), tokenizer=False)
+    assert lm.eos_ids == ()
+    hf = bench.load_hf(lm)
+    assert hf.generation_config.eos_token_id == early  # the trap the peer must avoid
+    run = bench.hf_method(lm, threads=2, hf=hf)(prompt, n)
+    assert len(run.tokens) == n and run.target_forwards == n
+    assert run.tokens == ar
+    pld = bench.hf_pld_method(lm, threads=2, hf=hf)(prompt, n)
+    assert pld.tokens == ar
