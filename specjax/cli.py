@@ -365,14 +365,18 @@ def cmd_calibrate(args) -> int:
         alpha, n = calibrate.agreement(lm.model, lm.params, heads, layers, seqs, pls, sampler,
                                        progress=bar, draft_sampler=draft)
     widths = [int(w) for w in args.widths.split(",")]
+    filled = calibrate.decode_position(seqs, pls)  # costs at the decode's own cache length
     with tqdm(total=len(widths) * (len(layers) + 1), desc="costs", unit="forward") as bar:
-        cost = calibrate.forward_costs(lm.model, lm.params, heads, layers, widths, progress=bar)
+        cost = calibrate.forward_costs(lm.model, lm.params, heads, layers, widths,
+                                       filled=filled, progress=bar)
+    round_ = calibrate.round_overhead(lm.model, lm.params, filled=filled)
     res = {"model": args.model, "dtype": args.dtype, "compute_dtype": args.compute_dtype,
            "layers": layers, "exit_heads": source,
            "candidates": calibrate.names(layers), "alpha": alpha.tolist(), "positions": n,
            "prompts": len(seqs), "temperature": max(args.temperature, 0.0),
            "draft_temperature": args.draft_temperature, "top_k": args.top_k, "top_p": args.top_p,
-           "cost_ms": cost, "machine": {"platform": platform.platform(),
+           "cost_ms": cost, "filled": filled, "round": round_,
+           "machine": {"platform": platform.platform(),
                                         "cpu_count": os.cpu_count()}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
@@ -384,6 +388,8 @@ def cmd_calibrate(args) -> int:
     print("cost (ms) at width 1 / 5 / 17: " + "; ".join(
         f"{k} " + "/".join(f"{calibrate._cost_at(v, w):.1f}" for w in (1, 5, 17))
         for k, v in cost.items() if k != "ngram") + f"; ngram lookup {cost['ngram'][1]:.2f}")
+    print(f"at cache length {filled}; a round adds {round_['round_ms']:.2f} ms beyond its "
+          f"forwards")
     print(f"wrote {args.out}")
     return 0
 

@@ -85,6 +85,28 @@ def test_costs_are_measured_for_every_candidate_and_width(toy):
     assert set(c["target"]) == {1, 3} and set(c["ngram"]) == {1}
 
 
+def test_round_overhead_is_the_step_beyond_its_forward(toy):
+    model, tp, _, _, _ = toy
+    r = calibrate.round_overhead(model, tp, filled=40, T=3, repeats=3)
+    assert r["filled"] == 40 and r["T"] == 3
+    assert r["step_ms"] > 0 and r["forward_ms"] > 0 and r["lookup_ms"] > 0
+    assert r["round_ms"] == pytest.approx(max(r["step_ms"] - r["forward_ms"] - r["lookup_ms"],
+                                              0.0))
+    # the overhead enters every verifying level's cost, not the bottom's
+    flat = {k: {"1": v["1"]} for k, v in CALIB["cost_ms"].items()}
+    base = calibrate.level_costs(flat, (1, 2, 3), (3, 2), CALIB["layers"])
+    more = calibrate.level_costs(flat, (1, 2, 3), (3, 2), CALIB["layers"], round_ms=0.5)
+    assert more == pytest.approx([base[0], base[1] + 0.5, base[2] + 0.5])
+    assert calibrate.predicted_latency({**CALIB, "round": {"round_ms": 0.5}}, (0, 3), (4,)) > \
+        calibrate.predicted_latency(CALIB, (0, 3), (4,))
+
+
+def test_decode_position_is_the_mean_cache_length_of_decoded_tokens():
+    # positions 3, 4 (prompt 3, 5 tokens) and 1, 2, 3 (prompt 1, 4 tokens)
+    assert calibrate.decode_position([[0] * 5, [0] * 4], [3, 1]) == round((3 + 4 + 1 + 2 + 3) / 5)
+    assert calibrate.decode_position([[0] * 3], [3]) == 0
+
+
 CALIB = {"layers": [1, 2],
          "alpha": [[0, 0.3, 0.35, 0.3], [0, 0, 0.8, 0.6], [0, 0, 0, 0.85], [0, 0, 0, 0]],
          "cost_ms": {"ngram": {"1": 0.2}, "exit 1": {"1": 2.0, "4": 3.0, "16": 6.0},

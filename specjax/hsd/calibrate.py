@@ -11,6 +11,9 @@ that order, as ``specjax.hsd.hierarchy`` expects.
   is a one-hot on its first proposed token, and zero where it proposes nothing.
 * ``cost[name][w]`` is the median wall time of one forward of ``w`` tokens (for ``ngram``,
   one lookup) with a filled cache, in milliseconds.
+* ``round_overhead`` is what a round spends beyond its forwards (verification and
+  bookkeeping), measured on one ``HSD.step``; ``decode_position`` is the mean cache length
+  of the calibration's decoded positions, at which the costs are measured.
 * ``level_costs`` turns those into the scalar costs of ``hierarchy.latency`` for one
   hierarchy, at the widths ``specjax.hsd`` actually runs each level.
 """
@@ -101,7 +104,9 @@ def forward_costs(target, tparams, heads: dict, layers: Sequence[int], widths: S
                   *, capacity: int = 1024, filled: int = 512, repeats: int = 9,
                   ngram: NGramDrafter = NGramDrafter(), progress=None) -> dict:
     """``{name: {width: ms}}``: the median time of one forward (exit head included) at each
-    width with ``filled`` tokens in a cache of ``capacity``; ``ngram``: one lookup."""
+    width with ``filled`` tokens in a cache of ``capacity`` (grown to hold them);
+    ``ngram``: one lookup."""
+    capacity = max(capacity, -(-(filled + max(widths) + 1) // 64) * 64)
     cache = target.init_cache(1, capacity)
     cache = cache.replace(length=jnp.asarray([filled], jnp.int32))
     out: dict = {}
@@ -122,6 +127,43 @@ def forward_costs(target, tparams, heads: dict, layers: Sequence[int], widths: S
     look = jax.jit(lambda c: ngram.propose(None, (), c, None, sampling.Greedy())[0].tokens)
     out["ngram"] = {1: _median_ms(look, ctx, repeats=repeats)}
     return out
+
+
+def decode_position(seqs, prompt_lens) -> int:
+    """The mean cache length over every decoded position of ``seqs`` (each token list's
+    first ``prompt_lens[b]`` tokens are its prompt): the cache length at which a
+    calibration's costs describe the decode they predict."""
+    pos = [p for seq, pl in zip(seqs, prompt_lens) for p in range(pl, len(seq))]
+    return int(round(float(np.mean(pos)))) if pos else 0
+
+
+def round_overhead(target, tparams, *, filled: int = 512, T: int = 4, repeats: int = 9,
+                   seed: int = 0) -> dict:
+    """What one decoding round spends beyond its model forwards, in milliseconds.
+
+    Times one jitted ``specjax.hsd.HSD.step`` of the hierarchy ``ngram:T,target`` on a
+    prompt of ``filled`` tokens that repeats a period of 16, so every lookup proposes ``T``
+    tokens and the target verifies ``T + 1``; subtracts the target's forward of that width
+    and one lookup, both timed the same way. The rest (verification, cache and buffer
+    bookkeeping, the loop's own control) is what every verifying level adds per forward.
+    Returns ``{"round_ms", "step_ms", "forward_ms", "lookup_ms", "filled", "T"}``."""
+    rng = np.random.default_rng(seed)
+    period = rng.integers(3, target.config.vocab_size, 16)
+    h = hsd.Hierarchy((hsd.NGram(), hsd.Exit()), (T,))
+    dec = hsd.HSD(target, h, capacity=-(-(filled + 4 * (T + 2) + 64) // 64) * 64, max_out=64)
+    prompt = np.zeros((1, dec.capacity), np.int32)  # the token buffer, as decoding lays it out
+    prompt[0, :filled] = np.resize(period, filled)
+    prompt = jnp.asarray(prompt)
+    one = jnp.ones((1,), jnp.int32)
+    state = jax.jit(dec.init)(tparams, (None, None), prompt, one * filled, one * 64,
+                              jax.random.key(0), jnp.asarray([-1], jnp.int32))
+    step = jax.jit(dec.step)
+    step_ms = _median_ms(step, tparams, (None, None), state, repeats=repeats)
+    cost = forward_costs(target, tparams, {}, [], [T + 1], capacity=dec.capacity,
+                         filled=filled, repeats=repeats)
+    fwd, look = cost["target"][T + 1], cost["ngram"][1]
+    return {"round_ms": max(step_ms - fwd - look, 0.0), "step_ms": step_ms,
+            "forward_ms": fwd, "lookup_ms": look, "filled": int(filled), "T": int(T)}
 
 
 def _median_ms(fn, *args, repeats: int) -> float:
@@ -147,12 +189,14 @@ def _cost_at(table: dict, width: int) -> float:
 
 
 def level_costs(costs: dict, sigma: Sequence[int], T: Sequence[int],
-                layers: Sequence[int], horizontal: int = 0) -> list[float]:
+                layers: Sequence[int], horizontal: int = 0,
+                round_ms: float = 0.0) -> list[float]:
     """Scalar costs for ``hierarchy.latency`` of ``sigma`` (candidate indices) with ``T``:
     the bottom's cost per drafted token (a width-1 forward, plus the catch-up forward of
     width ``1 + top`` spread over ``T[0]`` tokens), and for each verifying level one forward
     at the width ``specjax.hsd`` runs it (its buffer ``M[k]`` plus ``1 + top - k``; ``M[k]``
-    holds the ``horizontal`` tokens above level 1)."""
+    holds the ``horizontal`` tokens above level 1) plus ``round_ms``, the round's own
+    overhead (``round_overhead``)."""
     cand = names(layers)
     costs = _int_widths(costs)
     top = len(sigma) - 1
@@ -168,7 +212,7 @@ def level_costs(costs: dict, sigma: Sequence[int], T: Sequence[int],
             out.append(table[1] / T[0] if cand[i] == "ngram" else  # one lookup per fill
                        _cost_at(table, 1) + _cost_at(table, 1 + top) / T[0])
         else:
-            out.append(_cost_at(table, buf[k] + 1 + top - k))
+            out.append(_cost_at(table, buf[k] + 1 + top - k) + round_ms)
     return out
 
 
@@ -189,10 +233,12 @@ def _int_widths(costs: dict) -> dict:
 def predicted_latency(calib: dict, sigma: Sequence[int], T: Sequence[int],
                       model: hier.Model = "exact", horizontal: int = 0) -> float:
     """Predicted milliseconds per target token of one hierarchy under ``calib``, with the
-    horizontal heuristic's ``horizontal`` tokens (they act from three levels up)."""
+    horizontal heuristic's ``horizontal`` tokens (they act from three levels up), and the
+    measured round overhead (``calib["round"]["round_ms"]``, 0 in older calibrations)."""
     sigma, T = tuple(sigma), tuple(T)
     h = horizontal if len(sigma) > 2 else 0
-    c = level_costs(calib["cost_ms"], sigma, T, calib["layers"], h)
+    c = level_costs(calib["cost_ms"], sigma, T, calib["layers"], h,
+                    float(calib.get("round", {}).get("round_ms", 0.0)))
     alpha = np.asarray(calib["alpha"], float)[np.ix_(sigma, sigma)]
     c_h = horizontal_cost(calib["cost_ms"], sigma[0], len(sigma) - 1, h, calib["layers"]) \
         if h else 0.0
@@ -326,7 +372,8 @@ def format_hierarchy(sigma: Sequence[int], T: Sequence[int], layers: Sequence[in
     return ",".join(parts + ["target"]) + (f"+h{horizontal}" if horizontal else "")
 
 
-__all__ = ["names", "agreement", "forward_costs", "level_costs", "horizontal_cost",
+__all__ = ["names", "agreement", "forward_costs", "decode_position", "round_overhead",
+           "level_costs", "horizontal_cost",
            "predicted_latency", "tune",
            "hierarchy_from", "parse_hierarchy", "format_hierarchy", "level_temperatures",
            "horizontal_of"]
