@@ -328,6 +328,90 @@ def copy_bandwidth(nbytes: int = 256 << 20, threads: int | None = None, repeats:
     return 2 * src.nbytes / best
 
 
+def device_copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, steps: int = 8,
+                          device=None) -> float:
+    """Best-of-``repeats`` memory bandwidth of ``device`` (default: JAX's first device) in
+    bytes/s, counting bytes read + written, measured on the device itself.
+
+    One jitted call adds 1 to a float32 array of ``nbytes`` ``steps`` times in a
+    ``fori_loop`` (a loop, so XLA cannot fuse the passes into one): each pass streams the
+    whole array in and out of device memory. Timed with ``block_until_ready`` after a
+    compiling, warming call. On the CPU this measures host memory through XLA:CPU."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    device = device or jax.devices()[0]
+    x = jax.device_put(jnp.zeros((max(nbytes // 4, 1),), jnp.float32), device)
+    passes = jax.jit(lambda x: lax.fori_loop(0, steps, lambda i, y: y + 1.0, x))
+    jax.block_until_ready(passes(x))
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(passes(x))
+        best = min(best, time.perf_counter() - t)
+    return 2 * steps * x.nbytes / best
+
+
+def device_info() -> dict:
+    """The JAX device that decodes: platform, kind (e.g. ``NVIDIA H100 80GB HBM3``), count."""
+    import jax
+
+    d = jax.devices()[0]
+    return {"platform": d.platform, "device_kind": d.device_kind, "count": jax.device_count(),
+            "backend": jax.default_backend()}
+
+
+def device_tag(info: dict | None = None) -> str:
+    """A short file-name tag for the device: ``h100``, ``h200``, ``a100``, ``v5e``...;
+    ``cpu`` on the host."""
+    import re
+
+    info = info or device_info()
+    if info["platform"] == "cpu":
+        return "cpu"
+    kind = info["device_kind"].lower()
+    m = re.search(r"\b([a-z]{1,2}\d{1,4}[a-z]?)\b", kind.replace("nvidia", ""))
+    if info["platform"] == "tpu":
+        m = re.search(r"v\d+[a-z]*( ?lite| ?[ep])?", kind) or m
+    tag = m.group(0) if m else kind
+    return re.sub(r"[^a-z0-9]+", "_", tag).strip("_") or info["platform"]
+
+
+def bandwidth_probe(nbytes: int | None = None, repeats: int = 5) -> dict:
+    """The memory bandwidth that bounds decoding on the device JAX decodes on.
+
+    On a GPU or TPU: ``device_copy_bandwidth`` on the device (1 GiB by default), the bound
+    of a bandwidth-bound forward there. On the CPU: ``copy_bandwidth``, threaded NumPy
+    copies of host memory (256 MiB by default). Returns ``{"GBps", "method", "device"}``."""
+    info = device_info()
+    if info["platform"] == "cpu":
+        nbytes = nbytes or 256 << 20
+        bw = copy_bandwidth(nbytes, repeats=repeats)
+        method = (f"host: best of {repeats} multi-threaded numpy copies of {nbytes >> 20} MiB, "
+                  f"read + written bytes")
+    else:
+        nbytes = nbytes or 1 << 30
+        bw = device_copy_bandwidth(nbytes, repeats=repeats)
+        method = (f"device: best of {repeats} jitted calls of 8 passes of x + 1 over "
+                  f"{nbytes >> 20} MiB of float32 in device memory, read + written bytes")
+    return {"GBps": bw / 1e9, "method": method, "device": info}
+
+
+def bandwidth_bound(params, ar_tokens_per_s: float, probe: dict | None = None) -> dict:
+    """``ar`` against the bandwidth bound of the device it ran on: every weight read once
+    per token at the ``bandwidth_probe`` rate (KV cache reads not counted)."""
+    import jax
+
+    probe = probe or bandwidth_probe()
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    bound = probe["GBps"] * 1e9 / weight_bytes
+    return {"copy_GBps": probe["GBps"], "weight_bytes": int(weight_bytes),
+            "bound_tokens_per_s": bound, "bound_ms_per_token": 1e3 / bound,
+            "ar_tokens_per_s": ar_tokens_per_s, "ar_fraction_of_bound": ar_tokens_per_s / bound,
+            "method": probe["method"], "device": probe["device"]}
+
+
 def _summary(runs: list[tuple[Question, Run]]) -> dict:
     toks = sum(len(r.tokens) for _, r in runs)
     secs = sum(r.seconds for _, r in runs)
@@ -395,7 +479,7 @@ def machine_info() -> dict:
     return {"platform": platform.platform(), "processor": platform.processor(),
             "cpu_count": os.cpu_count(), "jax": jax.__version__,
             "jax_devices": [str(d) for d in jax.devices()], "backend": jax.default_backend(),
-            "device_kind": jax.devices()[0].device_kind}
+            "device_kind": jax.devices()[0].device_kind, "device": device_info()}
 
 
 def run_records(results: dict[str, list[tuple[Question, Run]]]) -> dict[str, list[dict]]:

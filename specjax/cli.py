@@ -568,19 +568,16 @@ def cmd_bench(args) -> int:
 
 
 def _bandwidth(lm, ar_tokens_per_s: float) -> dict:
-    """Copy bandwidth, bytes of weights per token, and ``ar``'s share of that bound."""
-    import jax
-
+    """The device's memory bandwidth (measured on a GPU/TPU itself; host copies on the CPU),
+    bytes of weights per token, and ``ar``'s share of that bound."""
     from specjax import bench
 
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(lm.params))
-    bw = bench.copy_bandwidth()
-    bound = bw / weight_bytes
-    print(f"\nbandwidth: {bw / 1e9:.1f} GB/s copy; weights {weight_bytes / 1e6:.0f} MB/token "
-          f"-> bound {bound:.1f} tok/s; ar reaches {100 * ar_tokens_per_s / bound:.0f}%")
-    return {"copy_GBps": bw / 1e9, "weight_bytes": int(weight_bytes),
-            "bound_tokens_per_s": bound, "ar_fraction_of_bound": ar_tokens_per_s / bound,
-            "method": "best of 5 multi-threaded numpy copies of 256 MiB, read + written bytes"}
+    b = bench.bandwidth_bound(lm.params, ar_tokens_per_s)
+    print(f"\nbandwidth: {b['copy_GBps']:.1f} GB/s on {b['device']['device_kind']} "
+          f"({b['method'].split(':')[0]}); weights {b['weight_bytes'] / 1e6:.0f} MB/token "
+          f"-> bound {b['bound_tokens_per_s']:.1f} tok/s; ar reaches "
+          f"{100 * b['ar_fraction_of_bound']:.0f}%")
+    return b
 
 
 def _spec_bench_texts(path: str) -> list[str]:

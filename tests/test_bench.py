@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from specjax import bench
@@ -117,3 +118,40 @@ def test_hf_peer_without_eos_ids_generates_the_whole_budget(tmp_path):
     assert run.tokens == ar
     pld = bench.hf_pld_method(lm, threads=2, hf=hf)(prompt, n)
     assert pld.tokens == ar
+
+
+def test_device_copy_bandwidth_runs_on_the_device():
+    """The accelerator probe (a jitted on-device copy loop) gives a CPU number here."""
+    assert bench.device_copy_bandwidth(nbytes=8 << 20, repeats=2, steps=2) > 1e8
+
+
+@pytest.mark.parametrize("platform,kind,probe,tag", [
+    ("cpu", "cpu", "host", "cpu"),
+    ("gpu", "NVIDIA H100 80GB HBM3", "device", "h100"),
+    ("gpu", "NVIDIA H200", "device", "h200"),
+    ("tpu", "TPU v5 lite", "device", "v5_lite")])
+def test_bandwidth_probe_measures_the_device_that_decodes(monkeypatch, platform, kind, probe,
+                                                          tag):
+    """On an accelerator the bound is the device's own memory, never host copies; the report
+    names the device and the probe."""
+    info = {"platform": platform, "device_kind": kind, "count": 1, "backend": platform}
+    called = []
+    monkeypatch.setattr(bench, "device_info", lambda: info)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda *a, **k: called.append("host") or 20e9)
+    monkeypatch.setattr(bench, "device_copy_bandwidth",
+                        lambda *a, **k: called.append("device") or 3000e9)
+    p = bench.bandwidth_probe()
+    assert called == [probe] and p["method"].startswith(probe) and p["device"] == info
+    assert p["GBps"] == (20.0 if probe == "host" else 3000.0)
+    assert bench.device_tag(info) == tag
+    params = {"w": np.zeros((1000, 1000), np.float32)}  # 4 MB per token
+    b = bench.bandwidth_bound(params, 100.0, p)
+    assert b["weight_bytes"] == 4_000_000 and b["device"] == info
+    assert b["bound_tokens_per_s"] == pytest.approx(p["GBps"] * 1e9 / 4e6)
+    assert b["ar_fraction_of_bound"] == pytest.approx(100.0 / b["bound_tokens_per_s"])
+
+
+def test_bandwidth_probe_on_this_cpu_is_the_host_copy():
+    p = bench.bandwidth_probe(nbytes=8 << 20, repeats=2)
+    assert p["device"]["platform"] == "cpu" and p["method"].startswith("host")
+    assert p["GBps"] > 0.1
