@@ -20,7 +20,7 @@ from jax import lax
 from jaxtyping import Array, Bool, Int
 
 from specjax import sharding
-from specjax.core import encdec, sampling, tree
+from specjax.core import encdec, sampling, tree, widths as width_policy
 from specjax._compile import AotCache
 from specjax.core.decoding import PAD, Rows, prefill, prepare, stops
 from specjax.sharding import constrain_cache
@@ -120,7 +120,10 @@ class Speculative:
     rows are left unchanged), ``loop`` rounds until every row is done, ``output`` packs
     the result. Lossless as ``speculative_generate`` (which runs exactly these).
 
-    ``widths``: the verification widths compiled (ascending, the last being
+    ``widths``: which verification widths are compiled, one target forward each: a
+    policy of ``specjax.core.widths`` (default ``Auto()``: the drafter's widths on CPU,
+    one padded width ``num_nodes + 1`` on accelerators), its name, or the widths
+    themselves. It is resolved here to the ascending tuple (the last being
     ``drafter.num_nodes + 1``); each round runs the narrowest that holds its valid nodes.
     With ``mesh``, the cache is pinned to ``specjax.sharding.cache_spec``."""
 
@@ -128,15 +131,14 @@ class Speculative:
     drafter: Any
     capacity: int
     max_out: int
-    widths: tuple[int, ...] | None = None  # default: drafter.verify_widths
+    widths: Any = None  # a width policy, its name or widths; resolved to a tuple
     rule: Rule = Rejection()
     chunk: int = 64
     mesh: Any = None
 
     def __post_init__(self):
         n = self.drafter.num_nodes
-        widths = tuple(sorted(set(self.drafter.verify_widths if self.widths is None
-                                  else self.widths)))
+        widths = width_policy.resolve(self.drafter, self.widths)
         if widths[0] < 1 or widths[-1] != n + 1:
             raise ValueError(f"verification widths {widths} must lie in [1, {n + 1}] and "
                              f"include {n + 1} (the root and all {n} draft nodes)")
@@ -184,7 +186,8 @@ class Speculative:
         # the narrowest verify width that holds every row's valid nodes (trees are ordered
         # parents first, so a prefix of the nodes is a consistent subtree)
         live = draft.valid & ~s.done[:, None]
-        need = 1 + jnp.max(jnp.where(live, jnp.arange(draft.tokens.shape[1])[None] + 1, 0))
+        need = 1 + jnp.max(jnp.where(live, jnp.arange(draft.tokens.shape[1])[None] + 1, 0),
+                           initial=0)  # a drafter may propose no nodes at all
         branch = jnp.minimum(jnp.sum(jnp.asarray(widths)[None, :] < need), len(widths) - 1)
         fns = [functools.partial(_verify_width, w, target, self.rule, depth) for w in widths]
         res, cache, hidden = lax.switch(branch, fns, tparams, draft, root, s.length, cache,
@@ -235,7 +238,8 @@ def speculative_generate(target, tparams, drafter, dparams, prompts: Sequence[Se
                          sampler: sampling.Sampler = sampling.Greedy(),
                          key: Array | None = None, eos_ids: Sequence[int] = (),
                          rule: Rule = Rejection(), cache_size: int | None = None,
-                         chunk: int = 64, widths: Sequence[int] | None = None,
+                         chunk: int = 64,
+                         widths: "width_policy.WidthPolicy | Sequence[int] | str | None" = None,
                          source_size: int | None = None, mesh=None) -> SpecOutput:
     """Decodes a batch of prompts with ``drafter`` proposing and ``target`` verifying.
 
@@ -244,9 +248,11 @@ def speculative_generate(target, tparams, drafter, dparams, prompts: Sequence[Se
     lossy. Each row stops after an EOS id (kept) or its budget. The cache needs room for
     the prompt, the budget and one round's draft; this is checked before compiling.
 
-    ``widths`` are the verification widths compiled (default ``drafter.verify_widths``):
-    each round runs the narrowest one that holds the root and every valid node, so a round
-    without a draft costs one ordinary decoding step.
+    ``widths`` picks the verification widths compiled, one target forward each
+    (``specjax.core.widths``; default ``Auto()``): each round runs the narrowest one that
+    holds the root and every valid node. ``"padded"`` compiles one forward at
+    ``num_nodes + 1`` (what accelerators want); ``"per-width"`` the drafter's own
+    ``verify_widths``, so that on CPU a round without a draft costs one decoding step.
 
     For an encoder-decoder ``target`` (T5) the prompts are the sources, encoded once by the
     target and, for a draft encoder-decoder model, by the draft (``specjax.core.encdec``).
