@@ -1,13 +1,28 @@
 """Exported draft heads on disk: a directory with ``head.json`` (kind, target, shapes,
-metadata) and the parameters as an Orbax checkpoint in ``params/``.
+training metadata) and the parameters in ``params.safetensors``.
 
-The inference side (``specjax.drafters.eagle``, ``specjax.drafters.exit_heads``) loads heads from here and
-never imports the training package; training writes them with ``export_head``.
+The inference side (``specjax.drafters.eagle``, ``specjax.drafters.exit_heads``,
+``specjax.drafters.redrafter``) loads heads from here and never imports the training
+package; training writes them with ``export_head``.
+
+A head is placed on the devices in use when it loads (``load_head``): the file records
+no device, so a head exported on a CPU loads on a GPU or TPU, on one device or on a mesh.
+Heads exported before this format (an Orbax checkpoint in ``params/``) still load, onto
+this host's devices whatever device they were saved from.
+
+Parameter names: a head's parameters are a pytree of dicts (string or int keys), lists and
+tuples with array leaves; each leaf is stored under its path joined with ``/``, where a
+string key stands for itself, an int key ``k`` is written ``#k``, a list index ``i`` is
+``[i]`` and a tuple index ``(i)``: ``{"blocks": [{"w": a}], "layer": {"qkv": b}}`` is
+stored as ``blocks/[0]/w`` and ``layer/qkv``. ``flatten`` and ``unflatten`` are exact
+inverses on such trees.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -15,7 +30,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+HEAD_JSON = "head.json"
+PARAMS = "params.safetensors"
+LEGACY_PARAMS = "params"  # the Orbax checkpoint of heads exported before safetensors
+FORMAT = {"format": "specjax-head", "version": "1"}  # the safetensors header's metadata
 
 
 class CheckpointError(ValueError):
@@ -30,71 +50,236 @@ def shipped_dir(rel: str | None):
     if rel is None:
         return None
     p = resources.files("specjax").joinpath(rel)
-    return p if p.joinpath("head.json").is_file() else None
+    return p if p.joinpath(HEAD_JSON).is_file() else None
 
+
+# ----------------------------------------------------------------------------- names
+
+_INDEX = re.compile(r"^(#(-?\d+)|\[(\d+)\]|\((\d+)\))$")
+
+
+def _segment(key) -> str:
+    if isinstance(key, str):
+        if not key or "/" in key or key[0] in "#[(":
+            raise ValueError(f"parameter key {key!r} cannot be stored: keys must be non-empty, "
+                             f"without '/', and not start with '#', '[' or '('")
+        return key
+    if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+        return f"#{int(key)}"
+    raise ValueError(f"parameter key {key!r}: only str and int dict keys can be stored")
+
+
+def flatten(tree: Any) -> dict[str, np.ndarray]:
+    """``{name: host array}`` for every leaf of ``tree`` (dicts with str or int keys, lists,
+    tuples; array-like leaves), named as the module docstring says. ``ValueError`` for
+    what ``unflatten`` could not rebuild: other containers, None, empty containers."""
+    out: dict[str, np.ndarray] = {}
+
+    def walk(x, prefix: str):
+        if isinstance(x, dict):
+            items = [(_segment(k), v) for k, v in x.items()]
+        elif isinstance(x, (list, tuple)):
+            fmt = "[{}]" if isinstance(x, list) else "({})"
+            items = [(fmt.format(i), v) for i, v in enumerate(x)]
+        else:
+            a = None if x is None else np.asarray(x)
+            if a is None or a.dtype == object:
+                raise ValueError(f"parameter {prefix or '<root>'!r} is {type(x).__name__}: "
+                                 f"only dicts, lists, tuples and arrays can be stored")
+            out[prefix] = a
+            return
+        if not items:
+            raise ValueError(f"parameter {prefix or '<root>'!r} is an empty container")
+        for seg, v in items:
+            walk(v, f"{prefix}/{seg}" if prefix else seg)
+
+    if not isinstance(tree, (dict, list, tuple)):
+        raise ValueError("a head's parameters must be a dict, list or tuple of arrays")
+    walk(tree, "")
+    return out
+
+
+def unflatten(flat: dict[str, Any]) -> Any:
+    """The pytree that ``flatten`` turned into ``flat`` (leaves as given). ``ValueError``
+    when the names are not such a tree's (mixed container kinds, gaps in list indices)."""
+    root: dict = {}
+    for name, leaf in flat.items():
+        *parents, last = name.split("/")
+        node = root
+        for seg in parents:
+            node = node.setdefault(seg, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"parameter {name!r} lies under an array")
+        if last in node:
+            raise ValueError(f"parameter {name!r} is stored twice")
+        node[last] = leaf
+    return _rebuild(root, "")
+
+
+def _rebuild(node, where: str):
+    if not isinstance(node, dict):
+        return node
+    kinds = {_kind(s) for s in node}
+    if len(kinds) != 1:
+        raise ValueError(f"parameters under {where or '<root>'!r} mix dict keys and indices")
+    kind = kinds.pop()
+    items = {_key(s): _rebuild(v, f"{where}/{s}") for s, v in node.items()}
+    if kind == "dict":
+        return items
+    if sorted(items) != list(range(len(items))):
+        raise ValueError(f"parameters under {where or '<root>'!r} have gaps in their indices")
+    seq = [items[i] for i in range(len(items))]
+    return seq if kind == "list" else tuple(seq)
+
+
+def _kind(seg: str) -> str:
+    m = _INDEX.match(seg)
+    if not m or m.group(2) is not None:
+        return "dict"
+    return "list" if m.group(3) is not None else "tuple"
+
+
+def _key(seg: str):
+    m = _INDEX.match(seg)
+    return seg if not m else int(next(g for g in m.groups()[1:] if g is not None))
+
+
+# ----------------------------------------------------------------------------- writing
 
 def export_head(params: Any, out_dir: str | Path, meta: dict, dtype=jnp.bfloat16) -> Path:
-    """Writes a head for inference: parameters cast to ``dtype`` and ``head.json``."""
+    """Writes a head for inference into ``out_dir`` (replacing a head there): floating
+    parameters cast to ``dtype`` (others as they are) in ``params.safetensors``, and
+    ``meta`` with ``shapes`` and ``dtypes`` added in ``head.json``, written last. Returns
+    the absolute directory. ``CheckpointError`` when ``out_dir`` holds something else."""
     out = Path(out_dir).absolute()
     if out.exists():
-        if any(out.iterdir()) and not (out / "head.json").exists():
+        ours = {HEAD_JSON, PARAMS, LEGACY_PARAMS, PARAMS + ".tmp"}
+        if any(p.name not in ours for p in out.iterdir()):
             raise CheckpointError(f"{out} exists and is not an exported head; refusing to "
                                   f"overwrite it")
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    cast = jax.tree.map(lambda x: jnp.asarray(x, dtype) if jnp.issubdtype(
-        jnp.asarray(x).dtype, jnp.floating) else jnp.asarray(x), params)
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(out / "params", cast)
-    done = out / "params" / "commit_success.txt"
-    if done.exists():  # Orbax writes this machine's absolute path into it; keep heads portable
-        done.write_text("Checkpoint commit was successful.\n")
+    cast = jax.tree.map(lambda x: np.asarray(jnp.asarray(x, dtype) if jnp.issubdtype(
+        jnp.asarray(x).dtype, jnp.floating) else x), params)
+    flat = flatten(cast)
+    from safetensors.numpy import save_file
+
+    tmp = out / (PARAMS + ".tmp")
+    save_file(flat, tmp, metadata=FORMAT)
+    os.replace(tmp, out / PARAMS)
     shapes = jax.tree.map(lambda x: list(np.shape(x)), cast)
-    (out / "head.json").write_text(json.dumps(
+    (out / HEAD_JSON).write_text(json.dumps(
         {**meta, "shapes": shapes, "dtypes": {"float": jnp.dtype(dtype).name}}, indent=1))
     return out
 
 
+# ----------------------------------------------------------------------------- reading
+
 def read_meta(path: str | Path, kind: str) -> dict:
     """``head.json`` of an exported head of ``kind``; a clear error otherwise."""
     p = Path(path).absolute()
-    meta_f = p / "head.json"
+    meta_f = p / HEAD_JSON
     if not meta_f.exists():
-        raise CheckpointError(f"{p} is not an exported head (no head.json)")
+        raise CheckpointError(f"{p} is not an exported head (no {HEAD_JSON})")
     try:
         meta = json.loads(meta_f.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{meta_f} is corrupt: {e}") from e
-    if meta.get("kind") != kind:
-        raise CheckpointError(f"{p} holds a {meta.get('kind')!r} head, not {kind!r}")
+    if not isinstance(meta, dict) or meta.get("kind") != kind:
+        got = meta.get("kind") if isinstance(meta, dict) else None
+        raise CheckpointError(f"{p} holds a {got!r} head, not {kind!r}")
     return meta
 
 
-def load_head(path: str | Path, kind: str, like: Any | None = None) -> tuple[Any, dict]:
-    """Parameters and metadata of an exported head of ``kind``; clear errors when the
-    directory is not one, is corrupt, or does not match ``like``'s shapes."""
+def load_head(path: str | Path, kind: str, like: Any | None = None, *,
+              mesh: Mesh | None = None, specs: Any | None = None) -> tuple[Any, dict]:
+    """``(params, meta)`` of the exported head of ``kind`` in ``path``: the parameters in
+    the dtypes they were saved in, with the tree structure they were saved with.
+
+    Placement: without ``mesh`` every array is on JAX's default device (uncommitted, so
+    it follows the arrays it is used with); with ``mesh`` each array is placed with
+    ``NamedSharding(mesh, spec)``, ``spec`` taken from ``specs`` (a ``PartitionSpec``
+    pytree shaped like the parameters, e.g. ``sharding.param_specs``' output) or ``P()``
+    (replicated on every device of the mesh) when ``specs`` is None.
+
+    ``CheckpointError`` when ``path`` is not a head of ``kind``, its files are corrupt or
+    truncated, or (given ``like``) its parameter names and shapes differ from ``like``'s."""
     p = Path(path).absolute()
     meta = read_meta(p, kind)
-    if like is not None:
-        want = jax.tree.map(lambda x: list(np.shape(x)), like)
-        if want != meta.get("shapes"):
-            raise CheckpointError(f"{p} was exported for another model: its shapes differ "
-                                  f"from what this target needs")
+    if (p / PARAMS).is_file():
+        params = _read_safetensors(p / PARAMS)
+    elif (p / LEGACY_PARAMS).is_dir():
+        params = _read_orbax(p / LEGACY_PARAMS)
+    else:
+        raise CheckpointError(f"{p} has {HEAD_JSON} but no parameters ({PARAMS})")
+    _check_shapes(p, params, like)
+    return place(params, mesh, specs), meta
+
+
+def place(params: Any, mesh: Mesh | None = None, specs: Any | None = None) -> Any:
+    """Host arrays ``params`` on devices, as ``load_head`` documents."""
+    if mesh is None:
+        return jax.tree.map(jax.device_put, params)
+    if specs is None:
+        return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), params)
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+
+
+def _shapes(tree) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(np.shape(v)) for k, v in flatten(tree).items()}
+
+
+def _check_shapes(p: Path, params: Any, like: Any | None) -> None:
+    if like is None:
+        return
+    want, got = _shapes(like), _shapes(params)
+    if want != got:
+        diff = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+        raise CheckpointError(
+            f"{p} was exported for another model: its shapes differ from what this target "
+            f"needs (" + ", ".join(f"{k}: saved {got.get(k)}, needed {want.get(k)}"
+                                   for k in diff[:4]) + ")")
+
+
+def _read_safetensors(f: Path) -> Any:
+    """The parameter tree in ``f`` as host arrays; ``CheckpointError`` when ``f`` is not a
+    complete safetensors file of a head."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(f, framework="np") as st:
+            flat = {k: np.array(st.get_tensor(k)) for k in st.keys()}
+        if not flat:
+            raise ValueError("it holds no tensors")
+        return unflatten(flat)
+    except Exception as e:  # safetensors raises its own error type for corrupt headers
+        raise CheckpointError(f"cannot read the parameters in {f}: corrupt or truncated "
+                              f"({type(e).__name__}: {str(e)[:300]})") from e
+
+
+def _read_orbax(d: Path) -> Any:
+    """The parameters of a head exported as an Orbax checkpoint, as host arrays. Restored
+    onto this host's CPU with an explicit sharding, so the device the head was saved from
+    (recorded in ``_sharding``, e.g. ``cuda:0``) does not matter."""
+    import orbax.checkpoint as ocp
+
+    d = Path(d).absolute()  # Orbax needs an absolute path
+    try:
+        host = jax.devices("cpu")[0]
+    except RuntimeError:  # JAX_PLATFORMS without cpu
+        host = jax.devices()[0]
+    cpu = jax.sharding.SingleDeviceSharding(host)
     try:
         with ocp.StandardCheckpointer() as ckpt:
-            if like is None:
-                params = ckpt.restore(p / "params")
-            else:  # restore onto this host's default device, in the saved dtypes
-                saved = meta.get("dtypes") or {}
-                target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-                    np.shape(x), jnp.dtype(saved.get("float", "bfloat16"))
-                    if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
-                    else jnp.asarray(x).dtype), like)
-                params = ckpt.restore(p / "params", target)
-    except Exception as e:
-        raise CheckpointError(f"cannot read the parameters in {p / 'params'}: corrupt or "
-                              f"incomplete ({type(e).__name__}: {str(e)[:300]})") from e
-    return params, meta
+            saved = ckpt.metadata(d).item_metadata.tree
+            target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu),
+                                  saved)
+            restored = ckpt.restore(d, target)
+        return jax.tree.map(np.asarray, restored)
+    except Exception as e:  # Orbax raises many types for corrupt or incomplete trees
+        raise CheckpointError(f"cannot read the parameters in {d}: corrupt or incomplete "
+                              f"({type(e).__name__}: {str(e)[:300]})") from e
 
 
-__all__ = ["CheckpointError", "export_head", "read_meta", "load_head"]
+__all__ = ["CheckpointError", "export_head", "read_meta", "load_head", "place", "flatten",
+           "unflatten", "shipped_dir"]

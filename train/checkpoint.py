@@ -22,7 +22,15 @@ from specjax.export import CheckpointError, export_head, load_head, read_meta  #
 
 
 def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype), tree)
+    """The restore target of ``tree``: each leaf's shape, dtype and sharding (a ``jax.Array``'s
+    own, else the default device's). Orbax needs the sharding: without it, it falls back to
+    the one recorded at save time, and a run saved on another device (``cpu:0`` read on a
+    GPU) fails with a topology mismatch."""
+    def leaf(x):
+        a = x if isinstance(x, jax.Array) else jnp.asarray(x)
+        return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=a.sharding)
+
+    return jax.tree.map(leaf, tree)
 
 
 def check_run(run_dir: Path, meta: dict) -> None:
