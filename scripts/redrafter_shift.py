@@ -30,7 +30,8 @@ from specjax.train.text_corpus import _prefill_fn
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--head", help="exported head (default: the shipped one)")
+    ap.add_argument("--head", required=True,
+                    help="exported head (`specjax train redrafter ... --export DIR`)")
     ap.add_argument("--questions")
     ap.add_argument("--limit", type=int, default=12)
     ap.add_argument("--unroll", type=int, default=3)
@@ -68,7 +69,7 @@ def main() -> None:
     print("teacher-forced on the target's answers: "
           + ", ".join(f"{k} {x:.3f}" for k, x in mean.items()))
     with open(args.out, "w") as f:
-        json.dump({"model": args.model, "head": args.head or "shipped", "unroll": args.unroll,
+        json.dump({"model": args.model, "head": args.head, "unroll": args.unroll,
                    "max_new_tokens": args.max_new_tokens, "mean_weighted_by_tokens": mean,
                    "per_question": per_q}, f, indent=1)
     print(f"wrote {args.out}")

@@ -38,6 +38,8 @@ class Candidate:
 CANDIDATES = (
     Candidate("sd", "ngram:3"),
     Candidate("sd", "ngram:7"),
+    # runs only where a ReDrafter head ships for the model (``cmd_demo`` drops candidates
+    # whose head does not ship); none ships now, since both trained heads were slower than ar
     Candidate("redrafter", redrafter="redrafter:1,3"),
     Candidate("eagle2", eagle="eagle2:2,2,3"),
     Candidate("eagle2", eagle="eagle2:3,4,7"),
