@@ -174,6 +174,9 @@ class Gemma(DecoderParts):
         ``> p - sliding_window``. Returns ``(logits [B,T,V] float32 or None, hidden, cache)``."""
         cfg = self.config
         n = self.layers_to_run(exit_layer, return_layers)
+        if isinstance(params["layers"], Mapping):
+            raise ValueError("Gemma runs its layers unrolled (its local and global layers "
+                             "differ): give per-layer weights, llama.unstack_layers(params)")
         b, t = tokens.shape
         if mask is None:
             mask = kv_cache.causal_mask(b, t)

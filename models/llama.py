@@ -5,6 +5,11 @@ unrolled: on CPU, XLA copies each layer's weights out of a stacked array inside 
 before its matmuls, which measured twice as slow per token for SmolLM2-135M (see
 docs/design.md). An early exit after layer ``l`` runs the first ``l`` layer dicts. See
 ``Llama.forward`` for the model contract shared by every specjax model.
+
+``Llama(config, scan_layers=True)`` is the accelerator layout (MaxText's and the gemma
+library's default): ``params["layers"]`` is one dict of arrays with a leading layer axis
+(``stack_layers``), the KV cache is stacked the same way, and a forward is one
+``lax.scan`` over the layers, so it compiles one layer body instead of ``num_layers``.
 """
 
 from __future__ import annotations
@@ -219,6 +224,16 @@ def _layer(cfg: LlamaConfig, lp: Params, x: Float[Array, "D B T"], k_cache, v_ca
     New K/V are written at slot ``length``; ``visible`` ([B,T,S]) replaces the default
     cache visibility (slots ``< length``), which lets a draft tree see its ancestors' scratch
     entries. Every weight is ``[out, in]`` and the left operand of its product (``project``)."""
+    x, k, v = _block(cfg, lp, x, k_cache, v_cache, length, mask, positions, visible)
+    return (x, kv_cache.write(k_cache, length, k, axis=3),
+            kv_cache.write(v_cache, length, v, axis=2))
+
+
+def _block(cfg: LlamaConfig, lp: Params, x: Float[Array, "D B T"], k_cache, v_cache, length,
+           mask, positions, visible=None):
+    """``_layer`` without the cache write: the new stream and the new tokens' keys
+    ``[B, K, H, T]`` and values ``[B, K, T, H]`` (the cache's layouts), for the caller to
+    write (per layer, or into a stacked cache)."""
     _, b, t = x.shape
     nq, nk, hd, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -232,8 +247,7 @@ def _layer(cfg: LlamaConfig, lp: Params, x: Float[Array, "D B T"], k_cache, v_ca
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, axis=0)
     gate, up = gate_up(lp, h, f)
     x = x + _proj(lp["down"], jax.nn.silu(gate) * up)
-    return (x, kv_cache.write(k_cache, length, k.transpose(2, 0, 1, 3), axis=3),
-            kv_cache.write(v_cache, length, v, axis=2))
+    return x, k.transpose(2, 0, 1, 3), v
 
 
 def layer(cfg: LlamaConfig, lp: Params, x: Float[Array, "B T D"], k_cache, v_cache, length,
@@ -286,10 +300,12 @@ class DecoderParts:
 
     def init_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:
         """An empty KV cache of ``capacity`` slots per row, in ``dtype`` (default: the
-        model's ``compute_dtype``, so keys and values are kept as the products made them)."""
+        model's ``compute_dtype``, so keys and values are kept as the products made them);
+        stacked (one array with a leading layer axis) for a model with ``scan_layers``."""
         c = self.config
         return KVCache.zeros(c.num_layers, batch, capacity, c.num_kv_heads, c.head_dim,
-                             self.compute_dtype if dtype is None else dtype)
+                             self.compute_dtype if dtype is None else dtype,
+                             stacked=getattr(self, "scan_layers", False))
 
     def param_dtype(self, params: Params):
         """The dtype its weights are stored in (its embedding's). Products, KV caches and
@@ -315,10 +331,17 @@ class DecoderParts:
 
 @dataclasses.dataclass(frozen=True)
 class Llama(DecoderParts):
-    """A Llama-family model bound to its configuration. Hashable, so it can be static."""
+    """A Llama-family model bound to its configuration. Hashable, so it can be static.
+
+    ``scan_layers``: run the layers under one ``lax.scan`` over stacked weights
+    (``stack_layers(params)``) and a stacked KV cache (``init_cache``), which compiles one
+    layer body, not ``num_layers`` (the layout accelerators want). The default unrolls
+    per-layer dicts, which measured twice as fast per token on XLA:CPU. Both compute the
+    same numbers (``tests/test_scan.py``)."""
 
     config: LlamaConfig
     compute_dtype: Any = jnp.float32
+    scan_layers: bool = False
 
     def embed(self, params: Params, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
         """The input embeddings of ``tokens``."""
@@ -369,19 +392,88 @@ class Llama(DecoderParts):
         if mask is None:
             mask = kv_cache.causal_mask(b, t)
         x = self.embed(params, tokens).astype(jnp.float32).transpose(2, 0, 1)  # [D,B,T] f32
+        check_layout(params, cache, self.scan_layers)
+        run = self._scanned if self.scan_layers else self._unrolled
+        hidden, cache = run(params, x, cache, mask, positions, n, return_layers)
+        hidden = {l: h.transpose(1, 2, 0) for l, h in hidden.items()}
+        x = hidden[n]
+        logits = self.logits(params, x) if compute_logits else None
+        return logits, hidden, cache
+
+    def _unrolled(self, params, x, cache: KVCache, mask, positions, n: int,
+                  return_layers) -> tuple[dict[int, Array], KVCache]:
+        """The first ``n`` layers, one traced copy each; ``hidden`` as ``forward``'s, [D,B,T]."""
         hidden = {0: x} if 0 in return_layers else {}
         ks, vs = list(cache.k), list(cache.v)
         for i in range(n):
-            x, ks[i], vs[i] = _layer(cfg, self.compute(params["layers"][i]), x, ks[i], vs[i],
-                                     cache.length, mask, positions)
+            x, ks[i], vs[i] = _layer(self.config, self.compute(params["layers"][i]), x, ks[i],
+                                     vs[i], cache.length, mask, positions)
             if i + 1 in return_layers:
                 hidden[i + 1] = x
         hidden[n] = x
-        hidden = {l: h.transpose(1, 2, 0) for l, h in hidden.items()}
-        x = hidden[n]
-        cache = cache.replace(k=tuple(ks), v=tuple(vs))
-        logits = self.logits(params, x) if compute_logits else None
-        return logits, hidden, cache
+        return hidden, cache.replace(k=tuple(ks), v=tuple(vs))
+
+    def _scanned(self, params, x, cache: KVCache, mask, positions, n: int,
+                 return_layers) -> tuple[dict[int, Array], KVCache]:
+        """The first ``n`` layers as one ``lax.scan`` over layer indices: each step reads its
+        weights and cache at index ``i`` of the stacked arrays and writes only its new K/V
+        into the stacked cache (carried, so updated in place). The streams after the
+        ``return_layers`` inside ``(0, n)`` come from the scan's outputs."""
+        cfg, layers, length = self.config, params["layers"], cache.length
+        inner = sorted(l for l in set(return_layers) if 0 < l < n)
+
+        def body(carry, i):
+            x, ks, vs = carry
+            lp = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), layers)
+            x, k, v = _block(cfg, self.compute(lp), x,
+                             lax.dynamic_index_in_dim(ks, i, keepdims=False),
+                             lax.dynamic_index_in_dim(vs, i, keepdims=False), length, mask,
+                             positions)
+            ks = kv_cache.write_layer(ks, i, length, k, axis=3)
+            vs = kv_cache.write_layer(vs, i, length, v, axis=2)
+            return (x, ks, vs), (x if inner else None)
+
+        x0 = x
+        (x, ks, vs), xs = lax.scan(body, (x, cache.k, cache.v), jnp.arange(n))
+        hidden = {l: xs[l - 1] for l in inner}
+        if 0 in return_layers:
+            hidden[0] = x0
+        hidden[n] = x
+        return hidden, cache.replace(k=ks, v=vs)
+
+
+def check_layout(params: Params, cache: KVCache, scan_layers: bool) -> None:
+    """``ValueError`` unless the weights and the cache are laid out as the model runs them:
+    stacked (a dict of ``[L, ...]`` arrays, a stacked cache) for ``scan_layers``, per-layer
+    (a list of dicts, per-layer cache arrays) otherwise."""
+    stacked = isinstance(params["layers"], Mapping)
+    if stacked != scan_layers:
+        raise ValueError(
+            "the model runs its layers " + ("under lax.scan (scan_layers=True) and needs "
+            "stacked weights: stack_layers(params)" if scan_layers else "unrolled "
+            "(scan_layers=False) and needs a list of layer dicts: unstack_layers(params)"))
+    if cache.stacked != scan_layers:
+        raise ValueError(f"the KV cache is {'stacked' if cache.stacked else 'per layer'}, but "
+                         f"the model has scan_layers={scan_layers}: build it with the "
+                         f"model's init_cache")
+
+
+def stack_layers(params: Params) -> Params:
+    """``params`` with ``"layers"`` as one dict of arrays with a leading layer axis (what
+    ``scan_layers=True`` runs), from a list of per-layer dicts. Idempotent."""
+    layers = params["layers"]
+    if isinstance(layers, Mapping):
+        return params
+    return {**params, "layers": jax.tree.map(lambda *a: jnp.stack(a), *layers)}
+
+
+def unstack_layers(params: Params) -> Params:
+    """The inverse of ``stack_layers``: ``"layers"`` as a list of per-layer dicts."""
+    layers = params["layers"]
+    if not isinstance(layers, Mapping):
+        return params
+    n = len(next(iter(jax.tree.leaves(layers))))
+    return {**params, "layers": [jax.tree.map(lambda a: a[i], layers) for i in range(n)]}
 
 
 def init_params(cfg: LlamaConfig, key: Array, dtype=jnp.float32) -> Params:

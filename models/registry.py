@@ -163,7 +163,7 @@ def _gguf_tokenizer(path: Path):
 
 def load(name_or_path: str, dtype=jnp.float32, tokenizer: bool = True,
          check: Callable[[Any, LlamaConfig], None] | None = None,
-         compute_dtype=jnp.float32) -> LoadedModel:
+         compute_dtype=jnp.float32, scan_layers: bool = False) -> LoadedModel:
     """Loads a registered model, a ``.gguf`` file, or an HF directory, with its tokenizer.
 
     Weights and KV caches are stored in ``dtype``; products take ``compute_dtype`` inputs
@@ -173,6 +173,10 @@ def load(name_or_path: str, dtype=jnp.float32, tokenizer: bool = True,
 
     ``check(tokenizer, config)`` runs before the weights are read, so input that does not
     fit the model (a prompt longer than the context) fails in seconds.
+
+    ``scan_layers=True`` (Llama-family models only; ``ValueError`` otherwise) returns the
+    model that runs its layers under one ``lax.scan``, with the weights stacked
+    (``llama.stack_layers``): one layer body compiles instead of ``num_layers``.
     """
     from transformers import AutoTokenizer
 
@@ -192,7 +196,15 @@ def load(name_or_path: str, dtype=jnp.float32, tokenizer: bool = True,
     eos = stop_ids(tok)
     if not eos and getattr(cfg, "eos_token_id", None) is not None:  # T5 without a tokenizer
         eos = (int(cfg.eos_token_id),)
-    return LoadedModel(name=name_or_path, model=loading.model_for(cfg, compute_dtype), params=params,
+    model = loading.model_for(cfg, compute_dtype)
+    if scan_layers:
+        from specjax.models import llama
+
+        if not isinstance(model, llama.Llama):
+            raise ValueError(f"scan_layers is available for Llama-family models only, not "
+                             f"{type(model).__name__} (which runs its layers unrolled)")
+        model, params = dataclasses.replace(model, scan_layers=True), llama.stack_layers(params)
+    return LoadedModel(name=name_or_path, model=model, params=params,
                        tokenizer=tok, eos_ids=eos, source=path)
 
 

@@ -122,7 +122,8 @@ def split_layout(config, params: Any) -> Any:
 
 
 def _split_rows(w, at):
-    return tuple(w[a:b] for a, b in zip([0] + at, at + [w.shape[0]]))
+    """Row blocks of an ``[out, in]`` weight (or a stacked ``[L, out, in]`` one)."""
+    return tuple(w[..., a:b, :] for a, b in zip([0] + at, at + [w.shape[-2]]))
 
 
 def param_specs(config, params: Any, mesh: Mesh) -> Any:
@@ -137,10 +138,11 @@ def param_specs(config, params: Any, mesh: Mesh) -> Any:
     cols = {"o": div(nq), "down": div(f), "cross_o": div(nq), "wo": div(f)}
 
     def leaf(name, x):
-        if np.ndim(x) == 2 and rows.get(name):
-            return P(MODEL, None)
-        if np.ndim(x) == 2 and cols.get(name):
-            return P(None, MODEL)
+        lead = (None,) * (np.ndim(x) - 2)  # a stacked layer axis (scan_layers) stays whole
+        if np.ndim(x) >= 2 and rows.get(name):
+            return P(*lead, MODEL, None)
+        if np.ndim(x) >= 2 and cols.get(name):
+            return P(*lead, None, MODEL)
         if name in ("embed", "lm_head", "out_embed") and np.ndim(x) == 2 and div(x.shape[0]):
             return P(MODEL, None)
         return P()
@@ -192,6 +194,9 @@ def cache_spec(cache, mesh: Mesh):
     ``model`` where they divide."""
     m = axis_size(mesh, MODEL)
     heads = MODEL if m > 1 and cache.v[0].shape[1] % m == 0 else None
+    if getattr(cache, "stacked", False):  # [L, B, K, ., .]: the layer axis stays whole
+        return cache.replace(k=P(None, DATA, heads, None, None),
+                             v=P(None, DATA, heads, None, None), length=P(DATA))
     return cache.replace(k=tuple(P(DATA, heads, None, None) for _ in cache.k),
                          v=tuple(P(DATA, heads, None, None) for _ in cache.v),
                          length=P(DATA))
