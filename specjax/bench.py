@@ -163,12 +163,14 @@ def ar_method(lm, sampler=None) -> Method:
     return run
 
 
-def sd_method(lm, drafter, dparams=None, sampler=None) -> Method:
-    """specjax speculative decoding with ``drafter``; greedy by default."""
+def sd_method(lm, drafter, dparams=None, sampler=None, widths=None) -> Method:
+    """specjax speculative decoding with ``drafter``; greedy by default. ``widths``: the
+    verification-width policy (``specjax.core.widths``; default ``auto``)."""
     from specjax.core.speculative import speculative_generate
 
     def run(ids: list[int], n: int) -> Run:
-        kw = dict(max_new_tokens=n, eos_ids=lm.eos_ids, mesh=lm.mesh, **_sampling_kw(sampler))
+        kw = dict(max_new_tokens=n, eos_ids=lm.eos_ids, mesh=lm.mesh, widths=widths,
+                  **_sampling_kw(sampler))
         out, dt, compile_s = _timed(
             lambda: speculative_generate(lm.model, lm.params, drafter, dparams, [ids], **kw))
         return Run(out.to_lists()[0], dt, int(out.target_forwards[0]), compile_s,

@@ -39,7 +39,8 @@ def _dtypes(args) -> dict:
     import jax.numpy as jnp
 
     names = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-    return {"dtype": names[args.dtype], "compute_dtype": names[args.compute_dtype]}
+    scan = {"scan_layers": True} if getattr(args, "scan_layers", False) else {}
+    return {"dtype": names[args.dtype], "compute_dtype": names[args.compute_dtype], **scan}
 
 
 def _sampler(args):
@@ -78,8 +79,10 @@ def _decoder(lm, args):
     else:
         drafter, dparams = drafters.from_spec(args.drafter, lm.model, args.draft_len), None
         name = args.drafter
+    widths = getattr(args, "verify_widths", None)
     run = lambda ids, **kw: specjax.speculative_generate(lm.model, lm.params, drafter, dparams,
-                                                         [ids], mesh=lm.mesh, **kw)
+                                                         [ids], mesh=lm.mesh, widths=widths,
+                                                         **kw)
     return run, name
 
 
@@ -444,6 +447,9 @@ def _bench_settings(args, methods) -> dict:
     return {"model": args.model, "dtype": args.dtype, "compute_dtype": args.compute_dtype,
             "methods": methods,
             **({"mesh": args.mesh} if args.mesh else {}),
+            **({"verify_widths": args.verify_widths}
+               if getattr(args, "verify_widths", "auto") != "auto" else {}),
+            **({"scan_layers": True} if getattr(args, "scan_layers", False) else {}),
             "temperature": max(args.temperature, 0.0), "top_k": args.top_k, "top_p": args.top_p,
             "max_new_tokens": args.max_new_tokens, "draft_len": args.draft_len,
             "draft_checkpoint": args.draft_checkpoint, "calibration": args.calibration,
@@ -460,6 +466,7 @@ def _bench_runners(args, lm, methods, threads, hierarchies) -> dict:
 
     hf = bench.load_hf(lm) if {"hf", "hf-pld"} & set(methods) else None
     sampler = _sampler(args)
+    widths = getattr(args, "verify_widths", None)  # specjax.core.widths; None: auto
     runners = {"ar": lambda: bench.ar_method(lm, sampler),
                "hf": lambda: bench.hf_method(lm, threads, hf, max(args.temperature, 0.0)),
                "hf-pld": lambda: bench.hf_pld_method(lm, threads, hf)}
@@ -467,18 +474,18 @@ def _bench_runners(args, lm, methods, threads, hierarchies) -> dict:
         if m.startswith("sd-"):
             d = drafters.from_spec(m[3:], lm.model, args.draft_len)
             d.check(lm.model)
-            runners[m] = lambda d=d: bench.sd_method(lm, d, None, sampler)
+            runners[m] = lambda d=d: bench.sd_method(lm, d, None, sampler, widths)
         elif m.startswith("eagle2"):
             from specjax.drafters import eagle
 
             d, dp = eagle.load_drafter(m, lm, args.model, args.draft_checkpoint)
             d.check(lm.model)
-            runners[m] = lambda d=d, dp=dp: bench.sd_method(lm, d, dp, sampler)
+            runners[m] = lambda d=d, dp=dp: bench.sd_method(lm, d, dp, sampler, widths)
         elif m.startswith("redrafter"):
             from specjax.drafters import redrafter
 
             d, dp = redrafter.load_drafter(m, lm, args.model, args.redrafter_checkpoint)
-            runners[m] = lambda d=d, dp=dp: bench.sd_method(lm, d, dp, sampler)
+            runners[m] = lambda d=d, dp=dp: bench.sd_method(lm, d, dp, sampler, widths)
         elif m.startswith("hsd"):
             h, hp, hierarchies[m] = _hsd(lm, args, m.partition(":")[2] or "auto")
             runners[m] = lambda h=h, hp=hp: bench.hsd_method(lm, h, hp, sampler)
@@ -794,6 +801,17 @@ def build_parser() -> argparse.ArgumentParser:
                             "then keep greedy output equal to ar's as in float32; bfloat16 "
                             "is faster on bfloat16 hardware and can leave ar on near-ties)")
         s.add_argument("--max-new-tokens", type=int, default=max_new)
+        s.add_argument("--scan-layers", action="store_true",
+                       help="Llama models: run the layers under one lax.scan over stacked "
+                            "weights (one layer compiles, not all; the accelerator layout; "
+                            "slower per token on CPU)")
+
+    def verify_widths_option(s):
+        s.add_argument("--verify-widths", default="auto",
+                       help="verification widths compiled for speculative methods: auto "
+                            "(padded off CPU, merged on CPU), padded (one forward at the "
+                            "full draft), per-width (the drafter's own), merged (per-width, "
+                            "widths with equal product padding merged) or widths, e.g. 1,8")
 
     def mesh_option(s):
         s.add_argument("--mesh", help="run on a device mesh, e.g. model=3: weights split by "
@@ -827,6 +845,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--hierarchy", default="auto", help="for hsd: auto (tuned from "
                        "--calibration) or a spec such as ngram:4,12:3,target")
         hsd_options(s)
+        verify_widths_option(s)
 
     def exit_options(s):
         s.add_argument("--exit-heads", help="exported exit heads (default: the ones shipped "
@@ -874,6 +893,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "eagle2[:depth,topk,total][:conf,norerank,fullvocab,vocab=N], "
                         "redrafter[:W,L][:nodedup]")
     b.add_argument("--draft-len", type=int, help="draft tokens per round for sd-* methods")
+    verify_widths_option(b)
     b.add_argument("--draft-checkpoint", help="exported EAGLE head for eagle2 methods "
                                               "(default: the shipped one)")
     redrafter_checkpoint(b)
