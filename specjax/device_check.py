@@ -1,0 +1,782 @@
+"""One prepared check of a GPU or TPU host: every figure the CPU cannot give, in one run
+that fits a few minutes of accelerator time, offline, on random weights of real shapes.
+
+    python -m specjax.device_check                       # on the accelerator host
+    python -m specjax.device_check --small --out /tmp/dc # the same code path on a CPU
+
+For each model shape (SmolLM2-135M, Llama-3.1-8B, Gemma-3-270M; tiny ones with ``--small``)
+it measures, in priority order and within a time budget per phase:
+
+* the width curve: one target forward over ``W`` new tokens with ~800 cached, against
+  ``W = 1``;
+* ``ar`` end to end, and against the device's memory-bandwidth bound
+  (``specjax.bench.bandwidth_probe``: a copy in device memory on a GPU/TPU);
+* transformers' greedy ``generate`` on the same device, same shape and prompts (a random
+  model built from the config with torch; its weights are not ours, so only speed compares);
+* every method end to end (``sd-ngram``, EAGLE-2 and ReDrafter with random heads, HSD),
+  its greedy output against ``ar``'s, its compile time, its time per round against an
+  ``ar`` step;
+* a kernel-count proxy of a round's cost from the compiled programs (``hlo_stats``):
+  kernels (fusions, library calls, unfused ops) per decoding round against a target
+  forward's, loops and conditionals per round, and host transfers (infeed/outfeed,
+  send/recv, host callbacks), which must be none inside the decoding loop.
+
+Results go to ``OUT/device_check_<device>.json`` (``h100``, ``cpu``, ...), rewritten after
+every measurement, so a run cut short keeps what it measured, and a plot beside it.
+Methods are built by the same code as ``specjax bench`` (``specjax.cli._bench_runners``;
+EAGLE and ReDrafter with random heads, since no trained head fits a random target).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import re
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+from specjax import _xla_flags  # noqa: F401  (before JAX picks a backend)
+
+# --------------------------------------------------------------------------- HLO statistics
+
+#: instructions that launch nothing: views, tuples, parameters, constants, bookkeeping
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+         "opt-barrier", "partition-id", "replica-id", "add-dependency", "domain",
+         "get-dimension-size", "iota"}
+_HOST_OPS = {"infeed", "outfeed", "send", "recv", "send-done", "recv-done"}
+_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
+                    r"=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+def _opcode(line: str) -> str | None:
+    """The opcode of one HLO instruction line (``%x = f32[2]{0} add(...)``), else None."""
+    head, sep, rest = line.partition(" = ")
+    if not sep or not head.lstrip().lstrip("ROOT ").startswith("%"):
+        return None
+    rest = rest.lstrip()
+    if rest.startswith("("):  # a tuple type: skip its balanced parentheses
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                rest = rest[i + 1:]
+                break
+    else:
+        rest = rest.split(" ", 1)[1] if " " in rest else ""
+    m = re.match(r"\s*([\w\-$]+)\(", rest)
+    return m.group(1) if m else None
+
+
+def parse_hlo(text: str) -> tuple[dict[str, list[tuple[str, str]]], str]:
+    """``({computation: [(opcode, line)]}, entry name)`` of an HLO module's text."""
+    comps: dict[str, list[tuple[str, str]]] = {}
+    entry, cur = None, None
+    for line in text.splitlines():
+        if not line.startswith(" ") and line.rstrip().endswith("{") and "->" in line:
+            m = re.match(r"(ENTRY )?%?([\w.\-]+)", line)
+            cur = m.group(2)
+            comps[cur] = []
+            if m.group(1):
+                entry = cur
+        elif line.startswith("}"):
+            cur = None
+        elif cur is not None:
+            op = _opcode(line)
+            if op is not None:
+                comps[cur].append((op, line))
+    if entry is None:
+        raise ValueError("no ENTRY computation in this HLO text")
+    return comps, entry
+
+
+@dataclasses.dataclass
+class Counts:
+    """What one execution of a computation launches (loops at their known trip counts,
+    else once; the largest branch of each conditional)."""
+
+    kernels: int = 0  # fusions + library calls + unfused ops
+    fusions: int = 0
+    custom_calls: int = 0
+    whiles: int = 0
+    conditionals: int = 0
+    host_transfers: int = 0
+    loops_unknown_trip: int = 0  # loops without a known trip count (counted once)
+
+    def add(self, o: "Counts", times: int = 1) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + times * getattr(o, f.name))
+
+
+def _is_host(op: str, line: str) -> bool:
+    return op in _HOST_OPS or (op == "custom-call" and "callback" in line.lower())
+
+
+def count(comps: dict, name: str, _memo: dict | None = None) -> Counts:
+    """``Counts`` of one execution of computation ``name`` (fusion bodies count as one
+    kernel; calls, loop bodies and branches are followed)."""
+    memo = {} if _memo is None else _memo
+    if name in memo:
+        return memo[name]
+    c = Counts()
+    for op, line in comps.get(name, []):
+        if op in _FREE or op.endswith(("-done", "-update")) and not _is_host(op, line):
+            continue
+        if _is_host(op, line):
+            c.host_transfers += 1
+            c.kernels += 1
+            continue
+        if op == "fusion":
+            c.kernels += 1
+            c.fusions += 1
+        elif op == "custom-call":
+            c.kernels += 1
+            c.custom_calls += 1
+        elif op == "while":
+            c.whiles += 1
+            trip = _TRIP.search(line)
+            body = re.search(r"\bbody=%([\w.\-]+)", line).group(1)
+            cond = re.search(r"\bcondition=%([\w.\-]+)", line).group(1)
+            n = int(trip.group(1)) if trip else 1
+            c.loops_unknown_trip += trip is None
+            c.add(count(comps, body, memo), n)
+            c.add(count(comps, cond, memo), n + 1)
+        elif op == "conditional":
+            c.conditionals += 1
+            m = _BRANCHES.search(line)
+            names = (re.findall(r"%([\w.\-]+)", m.group(1)) if m else
+                     re.findall(r"(?:true|false)_computation=%([\w.\-]+)", line))
+            branches = [count(comps, b, memo) for b in names]
+            if branches:
+                c.add(max(branches, key=lambda b: b.kernels))
+        elif op in ("call", "async-start") or op.endswith("-start"):
+            for callee in _CALLS.findall(line):
+                c.add(count(comps, callee, memo))
+        else:  # an unfused op: a kernel of its own (copy, dot, sort, scatter, ...)
+            c.kernels += 1
+    memo[name] = c
+    return c
+
+
+def _top_whiles(comps: dict, name: str) -> list[str]:
+    """The ``while`` lines of computation ``name`` in program order, through calls."""
+    out = []
+    for op, line in comps.get(name, []):
+        if op == "while":
+            out.append(line)
+        elif op == "call":
+            for callee in _CALLS.findall(line):
+                out.extend(_top_whiles(comps, callee))
+    return out
+
+
+def hlo_stats(text: str) -> dict:
+    """Kernel-count statistics of a compiled program (``compiled.as_text()``).
+
+    ``program``: one execution of the entry computation. ``round``: one iteration of the
+    decoding loop, the last top-level ``while`` (a decode program prefills, then loops,
+    then packs its output): kernels per round, nested loops, conditionals (each one, like
+    each loop iteration, reads a predicate on the host under XLA:GPU) and host transfers.
+    ``host_transfers_in_module`` counts infeed/outfeed/send/recv and host callbacks
+    anywhere in the module."""
+    comps, entry = parse_hlo(text)
+    out = {"program": dataclasses.asdict(count(comps, entry)), "round": None}
+    loops = _top_whiles(comps, entry)
+    if loops:
+        line = loops[-1]
+        body = re.search(r"\bbody=%([\w.\-]+)", line).group(1)
+        cond = re.search(r"\bcondition=%([\w.\-]+)", line).group(1)
+        r = count(comps, body)
+        r = dataclasses.replace(r)
+        r.add(count(comps, cond))
+        out["round"] = dataclasses.asdict(r)
+    out["host_transfers_in_module"] = sum(_is_host(op, line) for ops in comps.values()
+                                          for op, line in ops)
+    return out
+
+
+# --------------------------------------------------------------------------- shapes
+
+def _shapes(small: bool) -> dict[str, dict]:
+    """Model shapes to check: name -> family, config, storage and product dtypes."""
+    import jax.numpy as jnp
+
+    from specjax.models import gemma, llama
+
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    if small:
+        tl = llama.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                               num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                               max_position_embeddings=1024)
+        tg = gemma.GemmaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                               num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
+                               layer_types=gemma.gemma3_layer_types(2, pattern=2),
+                               sliding_window=32, query_pre_attn_scalar=32.0,
+                               max_position_embeddings=1024)
+        return {"tiny-llama": dict(family="llama", cfg=tl, dtype=f32, compute=f32,
+                                   methods="all", hf=True),
+                "tiny-gemma": dict(family="gemma", cfg=tg, dtype=f32, compute=f32,
+                                   methods="ar,sd-ngram:7,eagle2:2,2,3", hf=True)}
+    llama31_8b = llama.LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+        rope_scaling=llama.RopeScaling("llama3", 8.0, 1.0, 4.0, 8192), rms_norm_eps=1e-5,
+        tie_embeddings=False, max_position_embeddings=131072)
+    return {
+        # float32 as the CPU benchmarks; products at "highest" precision (no TF32)
+        "smollm2-135m": dict(family="llama", cfg=llama.SMOLLM2_135M, dtype=f32, compute=f32,
+                             methods="all", hf=True),
+        # bfloat16 storage and bfloat16 products: the usual accelerator recipe, a timing
+        # (README "bfloat16": greedy output can then leave ar's on near-ties)
+        "llama3.1-8b": dict(family="llama", cfg=llama31_8b, dtype=bf16, compute=bf16,
+                            methods="ar,sd-ngram:7,eagle2:3,4,7", hf=True),
+        "gemma3-270m": dict(family="gemma", cfg=gemma.GEMMA3_270M, dtype=f32, compute=f32,
+                            methods="all", hf=True),
+    }
+
+
+ALL_METHODS = ("ar", "sd-ngram:7", "eagle2:3,4,7", "eagle2:2,2,3", "redrafter:1,3",
+               "redrafter:4,4", "hsd")
+
+
+def random_model(name: str, shape: dict, seed: int = 0, scale: float = 1.0,
+                 scan_layers: bool = False):
+    """A ``LoadedModel`` of random weights in ``shape``, made on JAX's default device (no
+    file, no tokenizer, no EOS: every decode runs to its budget). ``scan_layers``: a Llama
+    runs its layers under one ``lax.scan`` over stacked weights (as ``load`` makes it)."""
+    import jax
+
+    from specjax.models import gemma, llama, loading
+    from specjax.models.registry import LoadedModel
+
+    init = {"llama": llama.init_params, "gemma": gemma.init_params}[shape["family"]]
+    params = init(shape["cfg"], jax.random.key(seed), shape["dtype"])
+    if scale != 1.0:  # sharper logits: no near-ties between widths on tiny models
+        params = jax.tree.map(lambda x: (x * scale).astype(x.dtype), params)
+    jax.block_until_ready(params)
+    model = loading.model_for(shape["cfg"], shape["compute"])
+    if scan_layers:
+        model, params = dataclasses.replace(model, scan_layers=True), llama.stack_layers(params)
+    return LoadedModel(name=f"random-{name}", model=model, params=params, tokenizer=None,
+                       eos_ids=(), source=Path(f"random-{name}"))
+
+
+def hf_random_model(shape: dict):
+    """transformers' model of the same shape, random weights, on the torch device in the
+    storage dtype."""
+    import torch
+    import transformers
+
+    from specjax import bench
+
+    cfg = shape["cfg"]
+    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                  intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                  num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                  head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
+                  rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    rs = cfg.rope_scaling
+    rope = {"rope_type": rs.rope_type, "rope_theta": cfg.rope_theta}
+    if rs.rope_type == "llama3":
+        rope.update(factor=rs.factor, low_freq_factor=rs.low_freq_factor,
+                    high_freq_factor=rs.high_freq_factor,
+                    original_max_position_embeddings=rs.original_max_position_embeddings)
+    if shape["family"] == "llama":
+        tc = transformers.LlamaConfig(**common, rope_parameters=rope)
+    else:
+        types = ["full_attention" if t == "full" else "sliding_attention"
+                 for t in cfg.layer_types]
+        tc = transformers.Gemma3TextConfig(**common, layer_types=types,
+                                           sliding_window=cfg.sliding_window,
+                                           query_pre_attn_scalar=int(cfg.query_pre_attn_scalar))
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[np.dtype(shape["dtype"]).name]
+    with torch.device(bench._torch_device()):
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(tc, dtype=dtype)
+        except TypeError:  # transformers < 4.56 names it torch_dtype
+            model = transformers.AutoModelForCausalLM.from_config(tc, torch_dtype=dtype)
+    return model.eval()
+
+
+# --------------------------------------------------------------------------- the run
+
+class Budget:
+    """A global deadline and one per phase; ``left()`` is the smaller remainder."""
+
+    def __init__(self, total: float):
+        self.t0 = time.perf_counter()
+        self.end = self.t0 + total
+        self.phase_end = self.end
+
+    def phase(self, seconds: float) -> None:
+        self.phase_end = min(self.end, time.perf_counter() + seconds)
+
+    def left(self) -> float:
+        return min(self.end, self.phase_end) - time.perf_counter()
+
+    def remaining(self) -> float:
+        """Of the whole run."""
+        return self.end - time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+class Report:
+    """The results JSON, rewritten after every measurement."""
+
+    def __init__(self, path: Path, data: dict):
+        self.path, self.data = path, data
+        self.save()
+
+    def save(self) -> None:
+        from specjax import bench
+
+        bench.write_json(self.path, self.data)
+
+
+def _log(msg: str) -> None:
+    print(f"[device_check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _executables() -> dict[int, object]:
+    """Every executable the host wrappers compiled so far (``specjax._compile``)."""
+    from specjax import _compile
+
+    return {id(e): e for c in list(_compile._CACHES) for e in c._exes.values()}
+
+
+def _forward_fn(model):
+    """One target forward over ``W`` new tokens as a chain (what a verification of a
+    ``W - 1``-token draft computes), logits included."""
+    from specjax.core import tree
+
+    def fwd(params, toks, cache):
+        parents = tree.chain(1, toks.shape[1] - 1)
+        logits, _, c = model.forward(params, toks, tree.positions(cache.length, parents),
+                                     cache, tree.attention_mask(parents))
+        return logits, c.length
+    return fwd
+
+
+def width_curve(lm, widths, capacity: int, filled: int, repeats: int, budget: Budget,
+                out: dict, save) -> None:
+    """ms of one forward over each width with ``filled`` tokens cached (median of
+    ``repeats``); the 1-token forward's compiled program gives ``kernels_forward``."""
+    import jax
+    import jax.numpy as jnp
+
+    cache = lm.model.init_cache(1, capacity).replace(length=jnp.asarray([filled], jnp.int32))
+    fwd = jax.jit(_forward_fn(lm.model))
+    out.update(capacity=capacity, filled=filled, ms={}, compile_s={}, relative_to_1={})
+    first = [w for w in (1, 8, 64, 16, 32, 4, 2, 48, 24) if w in widths]
+    for w in first + [w for w in widths if w not in first]:  # the telling widths first
+        if budget.left() <= 0:
+            out["stopped"] = f"out of time before width {w}"
+            break
+        toks = jnp.ones((1, w), jnp.int32)
+        t = time.perf_counter()
+        exe = fwd.lower(lm.params, toks, cache).compile()
+        out["compile_s"][w] = time.perf_counter() - t
+        if w == 1:
+            out["kernels_forward"] = hlo_stats(exe.as_text())["program"]
+        jax.block_until_ready(exe(lm.params, toks, cache))
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            jax.block_until_ready(exe(lm.params, toks, cache))
+            times.append(time.perf_counter() - t)
+        out["ms"][w] = 1e3 * float(np.median(times))
+        out["ms"] = dict(sorted(out["ms"].items()))
+        if 1 in out["ms"]:
+            out["relative_to_1"] = {k: v / out["ms"][1] for k, v in out["ms"].items()}
+        _log(f"  width {w:>2}: {out['ms'][w]:.3f} ms (compile {out['compile_s'][w]:.1f} s)")
+        save()
+
+
+def _bench_args(lm, shape: dict, opts):
+    """The ``specjax bench`` arguments these runs correspond to (what builds the methods)
+    and the exit layer of ``hsd``."""
+    from specjax import cli
+
+    layers = max(1, shape["cfg"].num_layers * 2 // 5)
+    argv = ["bench", "--model", lm.name, "--dtype", np.dtype(shape["dtype"]).name,
+            "--compute-dtype", np.dtype(shape["compute"]).name, "--max-new-tokens",
+            str(opts.max_new_tokens), "--random-prompts", str(opts.prompts), "--prompt-len",
+            str(opts.prompt_len), "--layers", str(layers)]
+    if opts.verify_widths is not None:
+        argv += ["--verify-widths", opts.verify_widths]
+    if getattr(lm.model, "scan_layers", False):
+        argv += ["--scan-layers"]
+    return cli.build_parser().parse_args(argv), layers
+
+
+def _runner(lm, args, method: str, layers: int, seed: int = 1):
+    """``(bench Method, method as run)``: ``specjax bench``'s runner; EAGLE-2 and ReDrafter
+    with a random head (no trained head fits random targets); ``hsd`` as an n-gram, an
+    early exit at ``layers`` and the target."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax import bench, cli
+    from specjax.drafters import eagle, redrafter
+
+    if method.startswith("eagle2"):
+        opts = eagle.parse_spec(method)
+        vocab = opts.pop("vocab", None)
+        head = eagle.init_head(lm.model.config, jax.random.key(seed))
+        head = jax.tree.map(lambda x: jnp.asarray(x, lm.model.compute_dtype), head)
+        sub = None if not vocab else np.arange(vocab)
+        d = eagle.EagleDrafter(lm.model, **opts)
+        dp = eagle.draft_params(head, lm.model, lm.params, sub)
+        d.check(lm.model)
+        return bench.sd_method(lm, d, dp, None, getattr(args, "verify_widths", None)), method
+    if method.startswith("redrafter"):
+        cfg = lm.model.config
+        dv = min(8192, cfg.vocab_size)
+        head = redrafter.init_head(cfg.hidden_size, dv, jax.random.key(seed))
+        head = jax.tree.map(lambda x: jnp.asarray(x, lm.model.compute_dtype), head)
+        d = redrafter.RedrafterDrafter(lm.model, **redrafter.parse_spec(method))
+        dp = redrafter.draft_params(head, np.arange(dv, dtype=np.int32))
+        d.check(lm.model)
+        return bench.sd_method(lm, d, dp, None, getattr(args, "verify_widths", None)), method
+    if method == "hsd":
+        method = f"hsd:ngram:4,{layers}:3,target"
+    hier: dict = {}
+    threads = os.cpu_count() or 1
+    return cli._bench_runners(args, lm, [method], threads, hier)[method], method
+
+
+def _settings_of(args) -> dict:
+    """The verification-width policy and the layer layout the methods ran with."""
+    return {"verify_widths": getattr(args, "verify_widths", None),
+            "scan_layers": bool(getattr(args, "scan_layers", False))}
+
+
+def run_methods(lm, questions, args, layers: int, methods, budget: Budget, out: dict,
+                ref: dict, save) -> None:
+    """Every method end to end on ``questions``: tokens against ``ar``'s (kept in ``ref``,
+    ``ar`` first), compile time, time per round against an ``ar`` step, kernels per
+    round."""
+    for m in methods:
+        if budget.left() <= 0:
+            out.setdefault("skipped", []).append(m)
+            continue
+        try:
+            before = _executables()
+            run, label = _runner(lm, args, m, layers)
+            runs = [run(list(q.ids), args.max_new_tokens) for q in questions]
+        except Exception as e:  # noqa: BLE001 -- one method's failure is a result too
+            out[m] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+            _log(f"  {m}: FAILED {out[m]['error']}")
+            traceback.print_exc()
+            save()
+            continue
+        new = [e for k, e in _executables().items() if k not in before]
+        toks = sum(len(r.tokens) for r in runs)
+        secs = sum(r.seconds for r in runs)
+        rounds = sum(r.target_forwards for r in runs)
+        rec = {"spec": label, "n_prompts": len(runs), "new_tokens": toks,
+               "tokens_per_s": toks / secs, "compile_s": sum(r.compile_s for r in runs),
+               "target_forwards": rounds, "tau": toks / rounds,
+               "ms_per_round": 1e3 * secs / rounds}
+        if m == "ar":
+            ref.update(tokens=[r.tokens for r in runs], step_ms=1e3 * secs / toks,
+                       tokens_per_s=toks / secs)
+        if "tokens" in ref:
+            rec["equal_to_ar"] = [r.tokens for r in runs] == ref["tokens"]
+            rec["prompts_equal_to_ar"] = sum(r.tokens == a for r, a in zip(runs, ref["tokens"]))
+            rec["round_vs_ar_step"] = rec["ms_per_round"] / ref["step_ms"]
+            rec["speedup_vs_ar"] = rec["tokens_per_s"] / ref["tokens_per_s"]
+        if new:  # the method's decode program: its loop's kernels per round
+            stats = hlo_stats(new[-1].as_text())
+            rec["kernels"] = stats
+            rec["kernels_per_round"] = (stats["round"] or {}).get("kernels")
+            rec["host_transfers_in_loop"] = (stats["round"] or {}).get("host_transfers")
+            if rec["kernels_per_round"] and ref.get("kernels_forward"):
+                rec["kernels_round_vs_forward"] = rec["kernels_per_round"] / ref["kernels_forward"]
+        out[m] = rec
+        _log(f"  {m:<14} {rec['tokens_per_s']:8.1f} tok/s  tau {rec['tau']:.2f}  "
+             f"{rec['ms_per_round']:.2f} ms/round ({rec.get('round_vs_ar_step', 1):.2f}x ar "
+             f"step)  compile {rec['compile_s']:.1f} s  equal to ar: "
+             f"{rec.get('equal_to_ar')}  kernels/round {rec.get('kernels_per_round')}")
+        save()
+
+
+def run_hf(lm, shape: dict, questions, n_new: int, out: dict, save) -> None:
+    """transformers' greedy ``generate`` (random weights of the same shape, same device)."""
+    from specjax import bench
+
+    t = time.perf_counter()
+    hf = hf_random_model(shape)
+    build_s = time.perf_counter() - t
+    run = bench.hf_method(lm, os.cpu_count() or 1, hf=hf)
+    runs = [run(list(q.ids), n_new) for q in questions]
+    toks = sum(len(r.tokens) for r in runs)
+    secs = sum(r.seconds for r in runs)
+    out.update(tokens_per_s=toks / secs, new_tokens=toks, ms_per_token=1e3 * secs / toks,
+               build_s=build_s, device=bench._torch_device(), same_weights=False,
+               dtype=str(next(hf.parameters()).dtype))
+    _log(f"  hf (transformers) {out['tokens_per_s']:.1f} tok/s")
+    del hf, run
+    _free_torch()
+    save()
+
+
+def _free_torch() -> None:
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+
+
+def check_shape(name: str, shape: dict, opts, budget: Budget, probe: dict, out: dict,
+                save) -> None:
+    """``_check_shape`` at ``--precision`` for float32 products (no TF32 or bfloat16 passes:
+    the lossless setting); bfloat16 products at JAX's default."""
+    import contextlib
+
+    import jax
+
+    f32 = np.dtype(shape["compute"]) == np.float32 and opts.precision != "default"
+    out["matmul_precision"] = opts.precision if f32 else "default"
+    with jax.default_matmul_precision(opts.precision) if f32 else contextlib.nullcontext():
+        _check_shape(name, shape, opts, budget, probe, out, save)
+
+
+def _check_shape(name: str, shape: dict, opts, budget: Budget, probe: dict, out: dict,
+                 save) -> None:
+    """Everything measured on one model shape, in priority order, within the phase's time:
+    the width curve (a third of it at most), ``ar`` and its bound, transformers, then the
+    other methods."""
+    import jax
+
+    from specjax import _compile, bench
+
+    cfg = shape["cfg"]
+    shape_end = budget.phase_end
+    out.update(config=dataclasses.asdict(cfg), dtype=np.dtype(shape["dtype"]).name,
+               compute_dtype=np.dtype(shape["compute"]).name)
+    t = time.perf_counter()
+    scan = opts.scan_layers and shape["family"] == "llama"  # Gemma stays unrolled
+    lm = random_model(name, shape, scale=3.0 if opts.small else 1.0, scan_layers=scan)
+    out["init_s"] = time.perf_counter() - t
+    out["weight_bytes"] = int(sum(x.nbytes for x in jax.tree.leaves(lm.params)))
+    _log(f"{name}: {out['weight_bytes'] / 1e6:.0f} MB of random weights in "
+         f"{out['init_s']:.1f} s")
+    save()
+    widths = [int(w) for w in opts.widths.split(",")]
+    budget.phase_end = min(shape_end, time.perf_counter() + 0.33 * max(budget.left(), 0.0))
+    _log(f"{name}: width curve")
+    width_curve(lm, widths, opts.capacity, opts.filled, opts.repeats, budget,
+                out.setdefault("width_curve", {}), save)
+    out["kernels_forward"] = out["width_curve"].get("kernels_forward")
+    budget.phase_end = shape_end  # the rest of this shape's time
+    questions = bench.random_questions(opts.prompts, opts.prompt_len, cfg.vocab_size)
+    args, layers = _bench_args(lm, shape, opts)
+    out["settings"] = {"prompts": opts.prompts, "prompt_len": opts.prompt_len,
+                       "max_new_tokens": opts.max_new_tokens, **_settings_of(args)}
+    methods = list(ALL_METHODS) if shape["methods"] == "all" else _split(shape["methods"])
+    if opts.methods:
+        methods = [m for m in methods if m in _split(opts.methods)]
+    methods = ["ar"] + [m for m in methods if m != "ar"]  # ar first: the reference
+    ms = out.setdefault("methods", {})
+    ref = {"kernels_forward": (out["kernels_forward"] or {}).get("kernels")}
+    _log(f"{name}: methods {methods}")
+    run_methods(lm, questions, args, layers, methods[:1], budget, ms, ref, save)
+    if "tokens_per_s" in ref:
+        out["ar_vs_bound"] = bench.bandwidth_bound(lm.params, ref["tokens_per_s"], probe)
+        _log(f"  ar: {ms['ar']['tokens_per_s']:.1f} tok/s = "
+             f"{100 * out['ar_vs_bound']['ar_fraction_of_bound']:.0f}% of the bound "
+             f"{out['ar_vs_bound']['bound_tokens_per_s']:.1f} tok/s")
+        save()
+    if shape["hf"] and not opts.no_hf and budget.left() > 0:
+        try:
+            run_hf(lm, shape, questions, opts.max_new_tokens, out.setdefault("hf", {}), save)
+            if "tokens_per_s" in ms.get("ar", {}):
+                out["hf"]["ar_vs_hf"] = ms["ar"]["tokens_per_s"] / out["hf"]["tokens_per_s"]
+        except Exception as e:  # noqa: BLE001
+            out["hf"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+            traceback.print_exc()
+        save()
+    run_methods(lm, questions, args, layers, methods[1:], budget, ms, ref, save)
+    del lm
+    _compile.clear_all()
+    gc.collect()
+
+
+def _split(spec: str) -> list[str]:
+    from specjax.cli import split_methods
+
+    return split_methods(spec)
+
+
+def plot(res: dict, path: Path) -> None:
+    """Width curves, and each method's round against an ``ar`` step, per shape."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = {k: v for k, v in res["shapes"].items() if isinstance(v, dict)}
+    fig, (a, b, k) = plt.subplots(1, 3, figsize=(17, 4.8))
+    for name, s in shapes.items():
+        rel = s.get("width_curve", {}).get("relative_to_1") or {}
+        ws = sorted(int(w) for w in rel)
+        if ws:
+            a.plot(ws, [rel[w] if w in rel else rel[str(w)] for w in ws], marker="o", ms=3,
+                   label=name)
+    a.set_xlabel("new tokens in the forward (width)")
+    a.set_ylabel("cost / 1-token forward")
+    a.set_title(f"width curve, {res['device']['device_kind']}")
+    a.legend(fontsize=8)
+    names = sorted({m for s in shapes.values() for m, r in s.get("methods", {}).items()
+                    if "round_vs_ar_step" in r and m != "ar"}, key=list(ALL_METHODS).index
+                   if all(m in ALL_METHODS for s in shapes.values() for m in s.get("methods", {}))
+                   else str)
+    width = 0.8 / max(len(shapes), 1)
+    for ax, key, label, title in (
+            (b, "round_vs_ar_step", "time per round / ar step",
+             "a speculative round against an ar step (random weights)"),
+            (k, "kernels_round_vs_forward", "kernels per round / kernels of a forward",
+             "kernel launches per round (compiled HLO)")):
+        for i, (name, s) in enumerate(shapes.items()):
+            v = [s.get("methods", {}).get(m, {}).get(key) or 0.0 for m in ["ar"] + names]
+            ax.bar(np.arange(len(names) + 1) + i * width, v, width, label=name)
+        ax.axhline(1.0, color="gray", ls="--", lw=1)
+        ax.set_xticks(np.arange(len(names) + 1) + width * (len(shapes) - 1) / 2)
+        ax.set_xticklabels(["ar"] + names, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(label)
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m specjax.device_check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--small", action="store_true",
+                   help="tiny shapes and few tokens: the same code path on a CPU in a minute")
+    p.add_argument("--out", default="docs/results", help="directory of the JSON and plot")
+    p.add_argument("--budget", type=float, help="seconds for all phases (default 300; "
+                                                "--small 75); a run cut short keeps its JSON")
+    p.add_argument("--shapes", help="comma-separated subset of the shapes")
+    p.add_argument("--methods", help="subset of the methods (default: all)")
+    p.add_argument("--widths", help="width curve (default 1,2,4,8,16,24,32,48,64)")
+    p.add_argument("--prompts", type=int, help="random prompts per method (default 2)")
+    p.add_argument("--prompt-len", type=int, help="tokens per random prompt (default 128)")
+    p.add_argument("--max-new-tokens", type=int, help="default 128 (--small: 16)")
+    p.add_argument("--repeats", type=int, help="timed forwards per width (default 20)")
+    p.add_argument("--precision", default="highest", choices=["highest", "default"],
+                   help="JAX matmul precision of float32 products (highest: they stay "
+                        "float32 on GPU/TPU, the lossless setting; default: TF32 or bfloat16 "
+                        "passes); bfloat16 products always run at the default")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    p.add_argument("--verify-widths", default="auto",
+                   help="verification widths of speculative methods, as `specjax bench "
+                        "--verify-widths` (default auto: one padded width off CPU)")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="Llama shapes run their layers under one lax.scan (one layer "
+                        "compiles; Gemma stays unrolled), as `specjax bench --scan-layers`")
+    opts = p.parse_args(argv)
+    small = opts.small
+    defaults = dict(budget=75.0 if small else 300.0, prompts=2 if small else 2,
+                    prompt_len=24 if small else 128, max_new_tokens=16 if small else 128,
+                    repeats=3 if small else 20,
+                    widths="1,4,16" if small else "1,2,4,8,16,24,32,48,64")
+    for k, v in defaults.items():
+        if getattr(opts, k) is None:
+            setattr(opts, k, v)
+    opts.capacity, opts.filled = (128, 64) if small else (1024, 800)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the device
+
+    import jax
+
+    from specjax import bench
+
+    budget = Budget(opts.budget)
+    info = bench.device_info()
+    tag = bench.device_tag(info)
+    path = Path(opts.out) / f"device_check_{tag}.json"
+    shapes = _shapes(small)
+    if opts.shapes:
+        unknown = set(opts.shapes.split(",")) - set(shapes)
+        if unknown:
+            p.error(f"unknown shapes {sorted(unknown)}; available: {sorted(shapes)}")
+        shapes = {k: v for k, v in shapes.items() if k in opts.shapes.split(",")}
+    data = {"device": info, "machine": bench.machine_info(), "small": small,
+            "settings": {k: getattr(opts, k) for k in ("budget", "prompts", "prompt_len",
+                                                       "max_new_tokens", "repeats", "widths",
+                                                       "capacity", "filled", "precision",
+                                                       "verify_widths", "scan_layers")},
+            "weights": "random, real shapes (no trained weights or heads): speed only; tau "
+                       "and acceptance are not meaningful",
+            "shapes": {}, "phases": [], "complete": False}
+    rep = Report(path, data)
+    _log(f"device {info['device_kind']} ({info['platform']} x{info['count']}) -> {path}")
+
+    def phase(name: str, seconds: float, fn) -> None:
+        budget.phase(seconds)
+        t = time.perf_counter()
+        status = "done"
+        if budget.left() <= 0:
+            status = "skipped: out of time"
+        else:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 -- record it, go on with the next phase
+                status = f"error: {type(e).__name__}: {str(e)[:400]}"
+                traceback.print_exc()
+        data["phases"].append({"name": name, "seconds": time.perf_counter() - t,
+                               "status": status})
+        data["elapsed_s"] = budget.elapsed()
+        rep.save()
+        _log(f"phase {name}: {status} ({time.perf_counter() - t:.1f} s)")
+
+    def probe():
+        data["bandwidth"] = bench.bandwidth_probe(nbytes=(16 << 20) if small else None)
+        _log(f"bandwidth {data['bandwidth']['GBps']:.1f} GB/s ({data['bandwidth']['method']})")
+
+    share = {"smollm2-135m": 0.4, "llama3.1-8b": 0.35, "gemma3-270m": 0.25}
+    try:
+        phase("bandwidth", 30, probe)
+        for i, (name, shape) in enumerate(shapes.items()):
+            rest = list(shapes)[i:]
+            frac = share.get(name, 1.0) / sum(share.get(n, 1.0) for n in rest)
+            phase(name, max(budget.remaining(), 0.0) * frac,
+                  lambda name=name, shape=shape: check_shape(
+                      name, shape, opts, budget,
+                      data.get("bandwidth") or bench.bandwidth_probe(),
+                      data["shapes"].setdefault(name, {}), rep.save))
+    except KeyboardInterrupt:  # the hard time limit (SIGINT): keep what was measured
+        data["phases"].append({"name": "interrupted", "seconds": 0.0,
+                               "status": "interrupted at the hard time limit"})
+        _log("interrupted: writing what was measured")
+    data["complete"] = all(ph["status"] == "done" for ph in data["phases"])
+    data["elapsed_s"] = budget.elapsed()
+    rep.save()
+    try:
+        plot(data, path.with_suffix(".png"))
+        _log(f"wrote {path} and {path.with_suffix('.png')}")
+    except Exception as e:  # noqa: BLE001 -- the JSON is the result; the plot is a view
+        _log(f"wrote {path}; no plot ({type(e).__name__}: {e})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
