@@ -1,59 +1,79 @@
 #!/usr/bin/env bash
 # The prepared check of a GPU or TPU host (specjax/device_check.py): random weights of real
 # shapes (SmolLM2-135M, Llama-3.1-8B, Gemma-3-270M), offline, within a time budget (default
-# 300 s of phases; compiles included), results rewritten after every measurement to
-# docs/results/device_check_<device>.json with a plot beside it.
+# 300 s of phases, compiles included; a hard stop 90 s later), results rewritten after
+# every measurement to docs/results/device_check_<device>.json with a plot beside it.
 #
 #   bash scripts/device_check.sh                       # on the accelerator host
 #   bash scripts/device_check.sh --small --out DIR     # the same code path on a CPU (~1 min)
+#   bash scripts/device_check.sh --out "$OUT"          # results elsewhere (relative: to the tree)
 #   bash scripts/device_check.sh --budget 200 --shapes smollm2-135m,llama3.1-8b
 #   bash scripts/device_check.sh --specbench [N]       # real weights only (not on random-
 #       # weight hosts): Spec-Bench's N questions (default 60) with ar, hf, sd-ngram, eagle2,
 #       # redrafter on this device, then bfloat16 against float32; files named by the device
 #
 # specjax is installed without dependencies and without the network (jax with its GPU/TPU
-# plugin, transformers, torch and matplotlib must be there already): a run from a fresh
-# copy of the tree reinstalls it so that the check runs this tree's code. PYTHON picks the
-# interpreter (default: .venv/bin/python if present, else python3).
+# plugin, transformers, torch and matplotlib must be there already), unless the
+# interpreter's specjax is already this tree (an editable install). PYTHON picks the
+# interpreter (default: .venv/bin/python, else the first of python3, python with jax).
+# Python runs outside the tree, so that the tree's specjax/ folder does not shadow the
+# installed package (whose specjax.models lives in models/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+HERE=$(pwd -P)
 PY=${PYTHON:-}
 if [ -z "$PY" ]; then
-  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+  for cand in .venv/bin/python python3 python; do
+    if command -v "$cand" >/dev/null 2>&1 && "$cand" -c "import jax" >/dev/null 2>&1; then
+      PY=$cand; break
+    fi
+  done
 fi
-HERE=$(pwd -P)
-INSTALLED=$($PY -c "import pathlib, specjax; print(pathlib.Path(specjax.__file__).resolve().parent.parent)" 2>/dev/null || true)
-if [ "$INSTALLED" != "$HERE" ]; then  # not this tree (absent, or a copy from another tree)
+[ -n "$PY" ] || { echo "no python with jax found (set PYTHON)" >&2; exit 1; }
+PY=$(command -v "$PY")
+case "$PY" in /*) ;; *) PY="$HERE/$PY";; esac
+ELSEWHERE=$(mktemp -d)
+trap 'rm -rf "$ELSEWHERE"' EXIT
+INSTALLED=$(cd "$ELSEWHERE" && "$PY" -c "import pathlib, specjax; print(pathlib.Path(specjax.__file__).resolve().parent.parent)" 2>/dev/null || true)
+if [ "$INSTALLED" != "$HERE" ]; then  # absent, or installed from another copy of the tree
   echo "installing specjax from $HERE (no dependencies, offline)" >&2
-  $PY -m pip install -q --no-deps --no-build-isolation . >&2
+  "$PY" -m pip install -q --no-deps --no-build-isolation . >&2
 fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX and torch share the device
 
 if [ "${1:-}" = "--specbench" ]; then
   N=${2:-60}
-  TAG=$($PY -c "from specjax import bench; i = bench.device_info(); print(bench.device_tag(i))")
+  TAG=$(cd "$ELSEWHERE" && "$PY" -c "from specjax import bench; print(bench.device_tag())")
   if [ "$TAG" = cpu ]; then
     echo "no accelerator visible to JAX; use the CPU benchmarks (README)" >&2
     exit 1
   fi
   echo "Spec-Bench on $TAG -> docs/results/*_${TAG}.json" >&2
-  $PY -m specjax.cli bench --methods "ar,hf,sd-ngram:7,eagle2:3,4,7,redrafter:1,3" \
-      --questions ../shared/data/spec_bench/question.jsonl --limit "$N" --max-new-tokens 128 \
-      --out "docs/results/specbench_${TAG}.json"
-  $PY scripts/plot_bench.py "docs/results/specbench_${TAG}.json" "docs/results/specbench_${TAG}"
-  $PY scripts/dtype_bench.py --limit 12 --out "docs/results/bf16_${TAG}.json"
+  (cd "$ELSEWHERE" && "$PY" -m specjax.cli bench --methods "ar,hf,sd-ngram:7,eagle2:3,4,7" \
+      --questions "$HERE/../shared/data/spec_bench/question.jsonl" --limit "$N" \
+      --max-new-tokens 128 --out "$HERE/docs/results/specbench_${TAG}.json")
+  "$PY" scripts/plot_bench.py "docs/results/specbench_${TAG}.json" "docs/results/specbench_${TAG}"
+  "$PY" scripts/dtype_bench.py --limit 12 --out "docs/results/bf16_${TAG}.json"
   exit 0
 fi
 
 # A hard limit above the phases' budget: a compile that overruns its phase still ends, and
 # the JSON written so far stays (SIGINT lets the check record that it was cut short).
 BUDGET=300
+OUT="$HERE/docs/results"
+ARGS=()
 PREV=
 for a in "$@"; do
   if [ "$a" = "--small" ]; then BUDGET=75; fi
   if [ "$PREV" = "--budget" ]; then EXPLICIT=$a; fi
+  if [ "$PREV" = "--out" ]; then
+    case "$a" in /*) OUT=$a;; *) OUT="$HERE/$a";; esac
+  elif [ "$a" != "--out" ]; then
+    ARGS+=("$a")
+  fi
   PREV=$a
 done
 BUDGET=${EXPLICIT:-$BUDGET}
-HARD=$(( ${BUDGET%.*} + 150 ))
-exec timeout --signal=INT --kill-after=30 "$HARD" $PY -m specjax.device_check "$@"
+HARD=$(( ${BUDGET%.*} + 90 ))
+cd "$ELSEWHERE"
+timeout --signal=INT --kill-after=30 "$HARD" "$PY" -m specjax.device_check ${ARGS[@]+"${ARGS[@]}"} --out "$OUT"

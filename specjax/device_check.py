@@ -498,8 +498,8 @@ def run_methods(lm, questions, args, layers: int, methods, budget: Budget, out: 
             rec["prompts_equal_to_ar"] = sum(r.tokens == a for r, a in zip(runs, ref["tokens"]))
             rec["round_vs_ar_step"] = rec["ms_per_round"] / ref["step_ms"]
             rec["speedup_vs_ar"] = rec["tokens_per_s"] / ref["tokens_per_s"]
-        if new:  # the method's decode program: its loop's kernels per round
-            stats = hlo_stats(new[-1].as_text())
+        if new:  # the method's decode program (its largest new one): kernels per round
+            stats = hlo_stats(max((e.as_text() for e in new), key=len))
             rec["kernels"] = stats
             rec["kernels_per_round"] = (stats["round"] or {}).get("kernels")
             rec["host_transfers_in_loop"] = (stats["round"] or {}).get("host_transfers")
@@ -726,6 +726,18 @@ def main(argv=None) -> int:
                                                        "verify_widths", "scan_layers")},
             "weights": "random, real shapes (no trained weights or heads): speed only; tau "
                        "and acceptance are not meaningful",
+            "notes": {
+                "ms_per_round": "end-to-end seconds / target forwards (the prefill counts as "
+                                "one, amortized over the rounds); for ar, one token",
+                "round_vs_ar_step": "ms_per_round / ar's ms per token, same prompts",
+                "kernels": "from the compiled HLO of the method's decode program: kernels "
+                           "= fusions + library calls + unfused ops of one iteration of the "
+                           "decoding loop (inner loops at known trip counts, the largest "
+                           "branch of a conditional); kernels_forward: a 1-token forward",
+                "hf": "transformers greedy generate on the same device: a random model of "
+                      "the same shape and dtype built from its config (not our weights)",
+                "width_curve": "one forward over W new tokens with `filled` cached, median "
+                               "ms, relative to W = 1"},
             "shapes": {}, "phases": [], "complete": False}
     rep = Report(path, data)
     _log(f"device {info['device_kind']} ({info['platform']} x{info['count']}) -> {path}")
