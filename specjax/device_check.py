@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import re
 import sys
@@ -733,7 +732,11 @@ def main(argv=None) -> int:
                 "kernels": "from the compiled HLO of the method's decode program: kernels "
                            "= fusions + library calls + unfused ops of one iteration of the "
                            "decoding loop (inner loops at known trip counts, the largest "
-                           "branch of a conditional); kernels_forward: a 1-token forward",
+                           "branch of a conditional); kernels_forward: a 1-token forward. "
+                           "host_transfers (infeed/outfeed/send/recv, host callbacks) must be "
+                           "0 in the loop; under XLA:GPU each loop iteration and each "
+                           "conditional (whiles, conditionals) also reads its predicate on "
+                           "the host, a sync per round that the CPU does not show",
                 "hf": "transformers greedy generate on the same device: a random model of "
                       "the same shape and dtype built from its config (not our weights)",
                 "width_curve": "one forward over W new tokens with `filled` cached, median "
