@@ -532,6 +532,17 @@ def run_hf(lm, shape: dict, questions, n_new: int, out: dict, save) -> None:
     save()
 
 
+def _hf_on_another_device() -> bool:
+    """True where transformers would run on the host CPU while JAX decodes on an
+    accelerator (a TPU host, or torch without CUDA): no peer on the same device."""
+    try:
+        from specjax import bench
+
+        return bench.device_info()["platform"] != "cpu" and bench._torch_device() == "cpu"
+    except ImportError:  # no torch: no peer
+        return True
+
+
 def _free_torch() -> None:
     gc.collect()
     try:
@@ -603,7 +614,7 @@ def _check_shape(name: str, shape: dict, opts, budget: Budget, probe: dict, out:
              f"{100 * out['ar_vs_bound']['ar_fraction_of_bound']:.0f}% of the bound "
              f"{out['ar_vs_bound']['bound_tokens_per_s']:.1f} tok/s")
         save()
-    if shape["hf"] and not opts.no_hf and budget.left() > 0:
+    if shape["hf"] and not opts.no_hf and budget.left() > 0 and not _hf_on_another_device():
         try:
             run_hf(lm, shape, questions, opts.max_new_tokens, out.setdefault("hf", {}), save)
             if "tokens_per_s" in ms.get("ar", {}):
@@ -612,6 +623,9 @@ def _check_shape(name: str, shape: dict, opts, budget: Budget, probe: dict, out:
             out["hf"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
             traceback.print_exc()
         save()
+    elif shape["hf"] and not opts.no_hf and _hf_on_another_device():
+        out["hf"] = {"skipped": "torch sees no device of JAX's kind here: transformers would "
+                                "run on the host CPU"}
     run_methods(lm, questions, args, layers, methods[1:], budget, ms, ref, save)
     del lm
     _compile.clear_all()
