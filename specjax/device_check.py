@@ -781,7 +781,7 @@ def main(argv=None) -> int:
         data["bandwidth"] = bench.bandwidth_probe(nbytes=(16 << 20) if small else None)
         _log(f"bandwidth {data['bandwidth']['GBps']:.1f} GB/s ({data['bandwidth']['method']})")
 
-    share = {"smollm2-135m": 0.4, "llama3.1-8b": 0.35, "gemma3-270m": 0.25}
+    share = {"smollm2-135m": 0.45, "llama3.1-8b": 0.3, "gemma3-270m": 0.25}
     try:
         phase("bandwidth", 30, probe)
         for i, (name, shape) in enumerate(shapes.items()):
