@@ -517,18 +517,21 @@ def run_hf(lm, shape: dict, questions, n_new: int, out: dict, save) -> None:
     from specjax import bench
 
     t = time.perf_counter()
-    hf = hf_random_model(shape)
-    build_s = time.perf_counter() - t
-    run = bench.hf_method(lm, os.cpu_count() or 1, hf=hf)
-    runs = [run(list(q.ids), n_new) for q in questions]
-    toks = sum(len(r.tokens) for r in runs)
-    secs = sum(r.seconds for r in runs)
-    out.update(tokens_per_s=toks / secs, new_tokens=toks, ms_per_token=1e3 * secs / toks,
-               build_s=build_s, device=bench._torch_device(), same_weights=False,
-               dtype=str(next(hf.parameters()).dtype))
-    _log(f"  hf (transformers) {out['tokens_per_s']:.1f} tok/s")
-    del hf, run
-    _free_torch()
+    hf = None
+    try:
+        hf = hf_random_model(shape)
+        build_s = time.perf_counter() - t
+        run = bench.hf_method(lm, os.cpu_count() or 1, hf=hf)
+        runs = [run(list(q.ids), n_new) for q in questions]
+        toks = sum(len(r.tokens) for r in runs)
+        secs = sum(r.seconds for r in runs)
+        out.update(tokens_per_s=toks / secs, new_tokens=toks, ms_per_token=1e3 * secs / toks,
+                   build_s=build_s, device=bench._torch_device(), same_weights=False,
+                   dtype=str(next(hf.parameters()).dtype))
+        _log(f"  hf (transformers) {out['tokens_per_s']:.1f} tok/s")
+    finally:  # the device memory goes back to JAX's next shape either way
+        del hf
+        _free_torch()
     save()
 
 
@@ -636,6 +639,38 @@ def _split(spec: str) -> list[str]:
     from specjax.cli import split_methods
 
     return split_methods(spec)
+
+
+def summary(res: dict) -> str:
+    """A few lines per shape: what a reader of the log needs first."""
+    lines = [f"device: {res['device']['device_kind']} ({res['device']['platform']} "
+             f"x{res['device']['count']}); bandwidth "
+             f"{(res.get('bandwidth') or {}).get('GBps', float('nan')):.0f} GB/s; "
+             f"{res.get('elapsed_s', 0):.0f} s; complete: {res['complete']}"]
+    for name, s in res["shapes"].items():
+        rel = s.get("width_curve", {}).get("relative_to_1") or {}
+        b, hf, ms = s.get("ar_vs_bound") or {}, s.get("hf") or {}, s.get("methods") or {}
+        lines.append(f"{name} ({s.get('dtype')}/{s.get('compute_dtype')}): width "
+                     + " ".join(f"{w}:{r:.2f}x" for w, r in rel.items()))
+        if b:
+            lines.append(f"  ar {b['ar_tokens_per_s']:.1f} tok/s = "
+                         f"{100 * b['ar_fraction_of_bound']:.0f}% of the bound "
+                         f"({b['bound_ms_per_token']:.2f} ms/token)"
+                         + (f"; transformers {hf['tokens_per_s']:.1f} tok/s (ar "
+                            f"{hf['ar_vs_hf']:.2f}x)" if "ar_vs_hf" in hf else ""))
+        for m, r in ms.items():
+            if m == "skipped":
+                lines.append(f"  skipped (time): {', '.join(r)}")
+            elif "error" in r:
+                lines.append(f"  {m}: {r['error'][:120]}")
+            else:
+                lines.append(f"  {m:<14} round {r['ms_per_round']:.2f} ms "
+                             f"({r.get('round_vs_ar_step', 1):.2f}x ar step), compile "
+                             f"{r['compile_s']:.1f} s, equal to ar {r.get('equal_to_ar')}, "
+                             f"kernels/round {r.get('kernels_per_round')} "
+                             f"(forward {(s.get('kernels_forward') or {}).get('kernels')}), "
+                             f"host transfers in loop {r.get('host_transfers_in_loop')}")
+    return "\n".join(lines)
 
 
 def plot(res: dict, path: Path) -> None:
@@ -799,6 +834,7 @@ def main(argv=None) -> int:
     data["complete"] = all(ph["status"] == "done" for ph in data["phases"])
     data["elapsed_s"] = budget.elapsed()
     rep.save()
+    print(summary(data), flush=True)
     try:
         plot(data, path.with_suffix(".png"))
         _log(f"wrote {path} and {path.with_suffix('.png')}")
