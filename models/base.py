@@ -32,7 +32,9 @@ class Model(Protocol):
     compute_dtype: Any  # what products multiply in; the KV cache's default dtype
 
     def init_cache(self, batch: int, capacity: int, dtype=...) -> KVCache:
-        """An empty KV cache of ``capacity`` slots per row (default dtype: ``compute_dtype``)."""
+        """An empty KV cache of ``capacity`` slots per row (default dtype: ``compute_dtype``):
+        per-layer arrays, or stacked ones (``KVCache.stacked``) for a model that runs its
+        layers under ``lax.scan``; ``cache.k[i]`` is layer ``i``'s keys either way."""
 
     def forward(self, params, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
                 cache: KVCache, mask: Bool[Array, "B T T"] | None = None, *,

@@ -123,8 +123,8 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--methods", default=METHODS)
     p.add_argument("--widths", default="per-width,padded,auto",
-                   help="width policies for speculative methods (auto is measured only "
-                        "where it differs from both others)")
+                   help="width policies for speculative methods (a policy that resolves to "
+                        "widths already measured for the method is skipped)")
     p.add_argument("--layers", default="unrolled,scan")
     p.add_argument("--prompts", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -152,8 +152,8 @@ def main() -> None:
             for policy in policies:
                 fn, info = runner(method, lm, policy, a.cache_size, a.max_new_tokens)
                 key = tuple(info.get("widths", ()))
-                if policy == "auto" and key in seen:
-                    continue  # auto resolves to a policy already measured
+                if spec_method and key in seen:
+                    continue  # resolves to widths already measured for this method
                 seen.add(key)
                 toks, m = measure(fn, prompts)
                 r = {"method": method, "layers": layers, "widths_policy": policy, **info, **m}
