@@ -180,13 +180,14 @@ def sd_method(lm, drafter, dparams=None, sampler=None, widths=None) -> Method:
     return run
 
 
-def hsd_method(lm, hierarchy, hparams=None, sampler=None) -> Method:
-    """specjax hierarchical speculative decoding (``specjax.hsd``); greedy by default."""
+def hsd_method(lm, hierarchy, hparams=None, sampler=None, widths=None) -> Method:
+    """specjax hierarchical speculative decoding (``specjax.hsd``); greedy by default.
+    ``widths``: the verification-width policy (``specjax.core.widths``; default ``auto``)."""
     from specjax.hsd import hsd_generate
 
     def run(ids: list[int], n: int) -> Run:
         kw = dict(max_new_tokens=n, eos_ids=lm.eos_ids, hparams=hparams, mesh=lm.mesh,
-                  **_sampling_kw(sampler))
+                  widths=widths, **_sampling_kw(sampler))
         out, dt, compile_s = _timed(lambda: hsd_generate(lm.model, lm.params, hierarchy, [ids],
                                                          **kw))
         return Run(out.to_lists()[0], dt, int(out.forwards[-1]), compile_s,

@@ -64,7 +64,9 @@ def _decoder(lm, args):
         from specjax.hsd import hsd_generate
 
         return (lambda ids, **kw: hsd_generate(lm.model, lm.params, h, [ids], hparams=hp,
-                                               mesh=lm.mesh, **kw)), name
+                                               mesh=lm.mesh,
+                                               widths=getattr(args, "verify_widths", None),
+                                               **kw)), name
     if args.method == "eagle2":
         from specjax.drafters import eagle
 
@@ -488,7 +490,7 @@ def _bench_runners(args, lm, methods, threads, hierarchies) -> dict:
             runners[m] = lambda d=d, dp=dp: bench.sd_method(lm, d, dp, sampler, widths)
         elif m.startswith("hsd"):
             h, hp, hierarchies[m] = _hsd(lm, args, m.partition(":")[2] or "auto")
-            runners[m] = lambda h=h, hp=hp: bench.hsd_method(lm, h, hp, sampler)
+            runners[m] = lambda h=h, hp=hp: bench.hsd_method(lm, h, hp, sampler, widths)
     return {m: runners[m]() for m in methods}
 
 

@@ -150,3 +150,28 @@ def test_greedy_three_level_hsd_equals_ar_on_real_model(smollm, shipped):
                            eos_ids=smollm.eos_ids, hparams=hp)
     assert one.to_lists() == ar[:1], "hsd: batch of 1 differs from ar"
     assert out.accepted[1] > 0 and out.accepted[2] > 0
+
+
+def test_verification_width_policies_give_the_same_tokens(toy):
+    """Level 1 over an n-gram bottom compiles (1, M + 1) per width (a miss is one decoding
+    step, as ``sd-ngram``) and one padded width on accelerators; tokens are the same."""
+    model, tp = toy
+    prompts, budgets = [PROMPT, [3, 3, 1], PROMPT * 4, [7]], [20, 7, 33, 12]
+    ar = specjax.generate(model, tp, prompts, max_new_tokens=budgets).to_lists()
+    for levels, T in [((NG, hsd.Exit()), (4,)), ((NG, hsd.Exit(1), hsd.Exit()), (3, 2))]:
+        h = hsd.Hierarchy(levels, T)
+        per = hsd.HSD(model, h, 128, 64, widths="per-width").level_widths()
+        assert per[1] == (1, T[0] + 1) and all(len(w) == 1 for w in per[2:])
+        assert hsd.HSD(model, h, 128, 64, widths="padded").level_widths()[1] == (T[0] + 1,)
+        assert hsd.HSD(model, h, 128, 64, widths=specjax.core.widths.Auto("gpu")
+                       ).level_widths() == hsd.HSD(model, h, 128, 64, widths="padded"
+                                                   ).level_widths()
+        for policy in ("per-width", "padded"):
+            out = hsd.hsd_generate(model, tp, h, prompts, max_new_tokens=budgets, widths=policy)
+            assert out.to_lists() == ar, (levels, policy)
+    exits = hsd.HSD(model, hsd.Hierarchy(*HIERARCHIES["exit-target"]), 128, 64,
+                    widths="per-width")
+    assert exits.level_widths()[1] == (4,), "an exit bottom always hands over T drafts"
+    with pytest.raises(ValueError, match="width policy"):
+        hsd.hsd_generate(model, tp, hsd.Hierarchy((NG, hsd.Exit()), (4,)), [PROMPT],
+                         max_new_tokens=5, widths=(1, 5))

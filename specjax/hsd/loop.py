@@ -33,7 +33,7 @@ from jax import lax
 from jaxtyping import Array, Bool, Int
 
 from specjax import sharding
-from specjax.core import encdec, sampling
+from specjax.core import encdec, sampling, widths as width_policy
 from specjax._compile import AotCache
 from specjax.core.decoding import PAD, Rows, prefill, prepare
 from specjax.sharding import constrain_cache
@@ -224,6 +224,7 @@ class _Run:
     hparams: tuple
     sampler: Any
     prompt_len: Array
+    widths: tuple = ()  # per level: the verification widths compiled (HSD.level_widths)
 
     @property
     def top(self) -> int:
@@ -248,6 +249,24 @@ class _Run:
                                                _take(s.tokens, idx), idx, cache)
         col = (start - 1 - base)[:, None] + jnp.arange(width)[None]
         return jnp.take_along_axis(logits, col[:, :, None], axis=1), cache
+
+    def verify_forward(self, k: int, s: HSDState, start, d, active):
+        """``score(k, s, start, M[k] + 1)``, run at the narrowest of level ``k``'s compiled
+        widths that holds every active row's ``d`` drafts and its bonus token; the logits
+        past that width are zeros. Nothing reads them: verification stops at the first
+        invalid draft, and the level above reads only the tokens this level emits."""
+        full = self.h.buffer[k] + 1
+        ws = self.widths[k] if self.widths else (full,)
+        if len(ws) == 1:
+            return self.score(k, s, start, full)
+
+        def at(w):
+            logits, cache = self.score(k, s, start, w)
+            return jnp.pad(logits, ((0, 0), (0, full - w), (0, 0))), cache
+
+        need = 1 + jnp.max(jnp.where(active, d, 0), initial=0)
+        branch = jnp.minimum(jnp.sum(jnp.asarray(ws) < need), len(ws) - 1)
+        return lax.switch(branch, [lambda w=w: at(w) for w in ws])
 
     def draft0(self, s: HSDState, active) -> HSDState:
         """Level 0 writes ``T[0]`` drafts after ``n[1]`` (fewer for an n-gram miss)."""
@@ -340,7 +359,7 @@ class _Run:
         if self.h.horizontal and k >= 2:
             s, extra = self.extend(k, s, active)
             d = d + extra
-        logits, cache = self.score(k, s, start, m + 1)
+        logits, cache = self.verify_forward(k, s, start, d, active)
         pos = start[:, None] + jnp.arange(m)[None]
         chain = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32) - 1, (b, m))
         draft = Draft(tokens=_take(s.tokens, pos), parents=chain,
@@ -373,6 +392,14 @@ class _Run:
 
 
 @dataclasses.dataclass(frozen=True)
+class _LevelDraft:
+    """What a width policy reads of a drafter, for one verifying level of a hierarchy."""
+
+    num_nodes: int
+    verify_widths: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class HSD:
     """Hierarchical speculative decoding as pure, jittable pieces: ``init`` prefills and
     emits each row's first token, ``step`` runs one round of the target (its levels below
@@ -386,10 +413,32 @@ class HSD:
     max_out: int
     chunk: int = 64
     mesh: Any = None
+    widths: Any = None  # a specjax.core.widths policy or its name; None: Auto()
 
     @property
     def top(self) -> int:
         return len(self.hierarchy.levels) - 1
+
+    def level_widths(self) -> tuple[tuple[int, ...], ...]:
+        """Per level ``k``, the verification widths compiled (``()`` at level 0, which
+        does not verify). Level ``k`` verifies up to ``M[k]`` drafts at width ``M[k] + 1``;
+        only an n-gram bottom can hand level 1 no draft at all (a lookup miss), so under a
+        per-width policy (``PerWidth``, ``Auto`` on CPU) level 1 over an n-gram compiles
+        ``(1, M[1] + 1)``, as ``NGramDrafter.verify_widths`` does for ``Speculative``, and
+        a miss costs one ordinary decoding step; every other level, and every level under
+        ``Padded`` (``Auto`` on accelerators), compiles one width."""
+        policy = width_policy.as_policy(self.widths)
+        if isinstance(policy, width_policy.Fixed):
+            raise ValueError(f"HSD takes a width policy ({', '.join(width_policy.NAMES)}), "
+                             f"not fixed widths {policy.values}: its levels verify at "
+                             f"different widths")
+        out = [()]
+        for k in range(1, self.top + 1):
+            m = self.hierarchy.buffer[k]
+            misses = k == 1 and isinstance(self.hierarchy.levels[0], NGram)
+            level = _LevelDraft(m, (1, m + 1) if misses else (m + 1,))
+            out.append(tuple(policy.widths(level)))
+        return tuple(out)
 
     def init(self, tparams, hparams, prompt: Int[Array, "B C"], prompt_len: Int[Array, "B"],
              budget: Int[Array, "B"], key: Array, eos_ids: Int[Array, "E"],
@@ -419,7 +468,7 @@ class HSD:
 
     def step(self, tparams, hparams, s: HSDState) -> HSDState:
         run = _Run(self.target, self.hierarchy, tparams, tuple(hparams), s.sampler,
-                   s.prompt_len)
+                   s.prompt_len, self.level_widths())
         s = run.step(self.top, s, ~s.done)
         caches = tuple(constrain_cache(c, self.mesh) for c in s.caches)
         return s.replace(caches=caches, done=s.done | _ends(s.tokens, s.prompt_len,
@@ -463,7 +512,8 @@ def hsd_generate(target, tparams, hierarchy: Hierarchy, prompts: Sequence[Sequen
                  max_new_tokens: int | Sequence[int], hparams: Sequence | None = None,
                  sampler: sampling.Sampler = sampling.Greedy(), key: Array | None = None,
                  eos_ids: Sequence[int] = (), cache_size: int | None = None,
-                 chunk: int = 64, source_size: int | None = None, mesh=None) -> HSDOutput:
+                 chunk: int = 64, source_size: int | None = None, mesh=None,
+                 widths: "width_policy.WidthPolicy | str | None" = None) -> HSDOutput:
     """Decodes a batch of prompts with ``hierarchy``; lossless like ``speculative_generate``.
     For an encoder-decoder ``target`` (T5) the prompts are the sources (encoded once).
 
@@ -471,7 +521,9 @@ def hsd_generate(target, tparams, hierarchy: Hierarchy, prompts: Sequence[Sequen
     row stops after an EOS id (kept) or its budget. Invalid hierarchies and prompts that do
     not fit the cache raise ``ValueError`` before anything is compiled. With a ``mesh``,
     rows are split over ``data`` and the target's weights over ``model``
-    (``specjax.sharding``); head parameters are replicated.
+    (``specjax.sharding``); head parameters are replicated. ``widths`` is the
+    verification-width policy (``specjax.core.widths``, see ``HSD.level_widths``; default
+    ``Auto()``); every policy gives the same tokens.
     """
     hierarchy.check(target)
     tparams, prompts = encdec.bind_sources(target, tparams, prompts, source_size, mesh)
@@ -483,7 +535,8 @@ def hsd_generate(target, tparams, hierarchy: Hierarchy, prompts: Sequence[Sequen
     x = prepare(target, prompts, max_new_tokens, sampler=sampler, key=key, eos_ids=eos_ids,
                 cache_size=cache_size, chunk=chunk, extra=extra, mesh=mesh)
     hparams = sharding.replicated(mesh, hparams)
-    dec = HSD(target, hierarchy, x.capacity, x.max_out, chunk, mesh)
+    dec = HSD(target, hierarchy, x.capacity, x.max_out, chunk, mesh, widths)
+    dec.level_widths()  # a bad policy fails before compiling
     out, compile_s = _DECODE(tparams, hparams, x.tokens, x.lengths, x.budgets, sampler, x.key,
                              x.eos, dec=dec)
     return out.replace(compile_s=compile_s)
