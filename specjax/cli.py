@@ -375,12 +375,15 @@ def cmd_calibrate(args) -> int:
         cost = calibrate.forward_costs(lm.model, lm.params, heads, layers, widths,
                                        filled=filled, progress=bar)
     round_ = calibrate.round_overhead(lm.model, lm.params, filled=filled)
+    hit = calibrate.ngram_hit_rate(seqs, pls)
+    per_width = isinstance(specjax.core.widths.Auto().policy(), specjax.core.widths.PerWidth)
     res = {"model": args.model, "dtype": args.dtype, "compute_dtype": args.compute_dtype,
            "layers": layers, "exit_heads": source,
            "candidates": calibrate.names(layers), "alpha": alpha.tolist(), "positions": n,
            "prompts": len(seqs), "temperature": max(args.temperature, 0.0),
            "draft_temperature": args.draft_temperature, "top_k": args.top_k, "top_p": args.top_p,
-           "cost_ms": cost, "filled": filled, "round": round_,
+           "cost_ms": cost, "filled": filled, "round": round_, "ngram_hit": hit,
+           "verify_widths": "per-width" if per_width else "padded",
            "machine": {"platform": platform.platform(),
                                         "cpu_count": os.cpu_count()}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -101,6 +101,21 @@ def test_round_overhead_is_the_step_beyond_its_forward(toy):
         calibrate.predicted_latency(CALIB, (0, 3), (4,))
 
 
+def test_ngram_hit_rate_counts_positions_with_a_proposal():
+    # min_ngram=1: after [1, 2, 1] the suffix 1 recurs (hit); in [5, 6, 7] nothing recurs
+    ng = specjax.NGramDrafter(depth=2, min_ngram=1)
+    assert calibrate.ngram_hit_rate([[1, 2, 1, 2]], [3], ng) == 1.0
+    assert calibrate.ngram_hit_rate([[5, 6, 7, 8]], [3], ng) == 0.0
+    assert calibrate.ngram_hit_rate([[5, 6, 7, 8], [1, 2, 1, 2]], [3, 3], ng) == 0.5
+    # a miss costs level 1 a width-1 forward only under per-width verification
+    cal = {**CALIB, "ngram_hit": 0.25}
+    full = calibrate.predicted_latency(cal, (0, 3), (3,))
+    assert calibrate.predicted_latency({**cal, "verify_widths": "padded"}, (0, 3), (3,)) == full
+    per = calibrate.level_costs(CALIB["cost_ms"], (0, 3), (3,), CALIB["layers"], ngram_hit=0.25)
+    assert per[1] == pytest.approx(0.25 * 12.0 + 0.75 * 8.0)
+    assert calibrate.predicted_latency({**cal, "verify_widths": "per-width"}, (0, 3), (3,)) < full
+
+
 def test_decode_position_is_the_mean_cache_length_of_decoded_tokens():
     # positions 3, 4 (prompt 3, 5 tokens) and 1, 2, 3 (prompt 1, 4 tokens)
     assert calibrate.decode_position([[0] * 5, [0] * 4], [3, 1]) == round((3 + 4 + 1 + 2 + 3) / 5)

@@ -129,6 +129,31 @@ def forward_costs(target, tparams, heads: dict, layers: Sequence[int], widths: S
     return out
 
 
+def ngram_hit_rate(seqs, prompt_lens, ngram: NGramDrafter = NGramDrafter()) -> float:
+    """The fraction of decoded positions of ``seqs`` at which the n-gram drafter proposes a
+    token at all (whatever it proposes). Under per-width verification a miss costs level 1
+    a width-1 forward instead of a full one (``specjax.hsd.HSD.level_widths``)."""
+    hits, count = 0, 0
+    for seq, pl in zip(seqs, prompt_lens):
+        if len(seq) <= pl:
+            continue
+        toks = np.zeros(-(-len(seq) // 64) * 64, np.int32)
+        toks[:len(seq)] = seq
+        c = toks.shape[0]
+        ctx = Context(tokens=jnp.broadcast_to(jnp.asarray(toks), (c, c)),
+                      length=jnp.arange(1, c + 1, dtype=jnp.int32),
+                      prompt_len=jnp.full((c,), pl, jnp.int32), cache=None, params=None)
+        valid = np.asarray(_propose_valid(ngram, ctx))
+        hits += int(valid[pl - 1:len(seq) - 1].sum())  # row i proposes for token i + 1
+        count += len(seq) - pl
+    return hits / max(count, 1)
+
+
+@jax.jit(static_argnums=0)
+def _propose_valid(ngram: NGramDrafter, ctx: Context):
+    return ngram.propose(None, (), ctx, None, sampling.Greedy())[0].valid[:, 0]
+
+
 def decode_position(seqs, prompt_lens) -> int:
     """The mean cache length over every decoded position of ``seqs`` (each token list's
     first ``prompt_lens[b]`` tokens are its prompt): the cache length at which a
@@ -190,13 +215,15 @@ def _cost_at(table: dict, width: int) -> float:
 
 def level_costs(costs: dict, sigma: Sequence[int], T: Sequence[int],
                 layers: Sequence[int], horizontal: int = 0,
-                round_ms: float = 0.0) -> list[float]:
+                round_ms: float = 0.0, ngram_hit: float = 1.0) -> list[float]:
     """Scalar costs for ``hierarchy.latency`` of ``sigma`` (candidate indices) with ``T``:
     the bottom's cost per drafted token (a width-1 forward, plus the catch-up forward of
     width ``1 + top`` spread over ``T[0]`` tokens), and for each verifying level one forward
     at the width ``specjax.hsd`` runs it (its buffer ``M[k]`` plus ``1 + top - k``; ``M[k]``
     holds the ``horizontal`` tokens above level 1) plus ``round_ms``, the round's own
-    overhead (``round_overhead``)."""
+    overhead (``round_overhead``). Level 1 over an n-gram bottom verifies at full width on
+    a fraction ``ngram_hit`` of rounds and at width ``1 + top - 1`` on the others (a lookup
+    miss under per-width verification; pass 1.0 for a padded width)."""
     cand = names(layers)
     costs = _int_widths(costs)
     top = len(sigma) - 1
@@ -212,7 +239,10 @@ def level_costs(costs: dict, sigma: Sequence[int], T: Sequence[int],
             out.append(table[1] / T[0] if cand[i] == "ngram" else  # one lookup per fill
                        _cost_at(table, 1) + _cost_at(table, 1 + top) / T[0])
         else:
-            out.append(_cost_at(table, buf[k] + 1 + top - k) + round_ms)
+            full = _cost_at(table, buf[k] + 1 + top - k)
+            if k == 1 and cand[sigma[0]] == "ngram":
+                full = ngram_hit * full + (1 - ngram_hit) * _cost_at(table, 1 + top - k)
+            out.append(full + round_ms)
     return out
 
 
@@ -233,12 +263,16 @@ def _int_widths(costs: dict) -> dict:
 def predicted_latency(calib: dict, sigma: Sequence[int], T: Sequence[int],
                       model: hier.Model = "exact", horizontal: int = 0) -> float:
     """Predicted milliseconds per target token of one hierarchy under ``calib``, with the
-    horizontal heuristic's ``horizontal`` tokens (they act from three levels up), and the
-    measured round overhead (``calib["round"]["round_ms"]``, 0 in older calibrations)."""
+    horizontal heuristic's ``horizontal`` tokens (they act from three levels up), the
+    measured round overhead (``calib["round"]["round_ms"]``, 0 in older calibrations) and,
+    where the calibration's backend verifies per width (``calib["verify_widths"]``), the
+    n-gram drafter's hit rate (``calib["ngram_hit"]``)."""
     sigma, T = tuple(sigma), tuple(T)
     h = horizontal if len(sigma) > 2 else 0
+    per_width = calib.get("verify_widths", "padded") == "per-width"
     c = level_costs(calib["cost_ms"], sigma, T, calib["layers"], h,
-                    float(calib.get("round", {}).get("round_ms", 0.0)))
+                    float(calib.get("round", {}).get("round_ms", 0.0)),
+                    float(calib.get("ngram_hit", 1.0)) if per_width else 1.0)
     alpha = np.asarray(calib["alpha"], float)[np.ix_(sigma, sigma)]
     c_h = horizontal_cost(calib["cost_ms"], sigma[0], len(sigma) - 1, h, calib["layers"]) \
         if h else 0.0
@@ -373,6 +407,7 @@ def format_hierarchy(sigma: Sequence[int], T: Sequence[int], layers: Sequence[in
 
 
 __all__ = ["names", "agreement", "forward_costs", "decode_position", "round_overhead",
+           "ngram_hit_rate",
            "level_costs", "horizontal_cost",
            "predicted_latency", "tune",
            "hierarchy_from", "parse_hierarchy", "format_hierarchy", "level_temperatures",
