@@ -23,6 +23,7 @@ below restarts from level ``k``'s new length and drops what it had beyond.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -241,32 +242,55 @@ class _Run:
         """Level ``k``'s logits ``[B, width, V]`` for positions ``start - 1 + i`` and its
         cache with those tokens written (length unchanged). A cache that lags behind
         ``start - 1`` (by at most ``top - k``) is caught up in the same forward."""
-        cache = s.caches[k]
+        return self._score(k, s.tokens, s.caches[k], start, width)
+
+    def _score(self, k: int, tokens, cache, start, width: int):
         lag_max = self.top - k
         base = cache.length
         idx = base[:, None] + jnp.arange(width + lag_max)[None]
         logits, cache = self.h.levels[k].score(self.target, self.tparams, self.hparams[k],
-                                               _take(s.tokens, idx), idx, cache)
+                                               _take(tokens, idx), idx, cache)
+        if lag_max == 0:  # the top level's cache never lags: start - 1 == base
+            return logits, cache
         col = (start - 1 - base)[:, None] + jnp.arange(width)[None]
         return jnp.take_along_axis(logits, col[:, :, None], axis=1), cache
 
-    def verify_forward(self, k: int, s: HSDState, start, d, active):
-        """``score(k, s, start, M[k] + 1)``, run at the narrowest of level ``k``'s compiled
-        widths that holds every active row's ``d`` drafts and its bonus token; the logits
-        past that width are zeros. Nothing reads them: verification stops at the first
-        invalid draft, and the level above reads only the tokens this level emits."""
+    def verify_round(self, k: int, s: HSDState, start, draft: Draft, d, active, key):
+        """Level ``k`` scores ``draft`` (its ``M[k]`` chain slots, the first ``d`` valid) in
+        one forward and verifies it: ``(accepted [B], next token [B], p, cache)``, with
+        ``p`` this level's probabilities ``[B, M[k] + 1, V]`` for the level above (None
+        when it verifies deterministically or is the top).
+
+        The forward runs at the narrowest of level ``k``'s compiled widths that holds every
+        active row's drafts and bonus token (``HSD.level_widths``), and verification runs
+        inside it on the slots that width holds: a round whose lookup missed is one
+        ordinary decoding step, as in ``specjax.core.speculative``. ``p`` is zero past the
+        width; the level above reads only the tokens this level emits."""
         full = self.h.buffer[k] + 1
         ws = self.widths[k] if self.widths else (full,)
+        wants_p = k < self.top and s.q[k + 1] is not None
+
+        def at(w, tokens, cache, start, draft, key):
+            logits, cache = self._score(k, tokens, cache, start, w)
+            n = w - 1
+            cut = Draft(tokens=draft.tokens[:, :n], parents=draft.parents[:, :n],
+                        valid=draft.valid[:, :n],
+                        probs=None if draft.probs is None else draft.probs[:, :n])
+            res = verify(logits, cut, key, self.draws(k))
+            p = None
+            if wants_p:
+                b, v = logits.shape[0], logits.shape[-1]
+                p = sampling.probs(logits.reshape(-1, v), self.reports(k)).reshape(b, w, v)
+                p = jnp.pad(p, ((0, 0), (0, full - w), (0, 0)))
+            return res.accepted, res.next_token, p, cache
+
+        fns = [functools.partial(at, w) for w in ws]
+        ops = (s.tokens, s.caches[k], start, draft, key)
         if len(ws) == 1:
-            return self.score(k, s, start, full)
-
-        def at(w):
-            logits, cache = self.score(k, s, start, w)
-            return jnp.pad(logits, ((0, 0), (0, full - w), (0, 0))), cache
-
+            return fns[0](*ops)
         need = 1 + jnp.max(jnp.where(active, d, 0), initial=0)
         branch = jnp.minimum(jnp.sum(jnp.asarray(ws) < need), len(ws) - 1)
-        return lax.switch(branch, [lambda w=w: at(w) for w in ws])
+        return lax.switch(branch, fns, *ops)
 
     def draft0(self, s: HSDState, active) -> HSDState:
         """Level 0 writes ``T[0]`` drafts after ``n[1]`` (fewer for an n-gram miss)."""
@@ -359,20 +383,16 @@ class _Run:
         if self.h.horizontal and k >= 2:
             s, extra = self.extend(k, s, active)
             d = d + extra
-        logits, cache = self.verify_forward(k, s, start, d, active)
         pos = start[:, None] + jnp.arange(m)[None]
         chain = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32) - 1, (b, m))
         draft = Draft(tokens=_take(s.tokens, pos), parents=chain,
                       valid=jnp.arange(m)[None] < d[:, None], probs=s.q[k])
         key, sub = jax.random.split(s.key)
-        res = verify(logits, draft, sub, self.draws(k))
-        new_n = start + res.accepted + 1
-        tokens = _write(s.tokens, (start + res.accepted)[:, None], res.next_token[:, None],
-                        active[:, None])
+        accepted, nxt, p, cache = self.verify_round(k, s, start, draft, d, active, sub)
+        new_n = start + accepted + 1
+        tokens = _write(s.tokens, (start + accepted)[:, None], nxt[:, None], active[:, None])
         q = list(s.q)
-        if k < self.top and q[k + 1] is not None:  # this level's p, for the level above
-            v = logits.shape[-1]
-            p = sampling.probs(logits.reshape(-1, v), self.reports(k)).reshape(b, m + 1, v)
+        if p is not None:  # this level's p, for the level above
             off = start - s.n[k + 1]
             put = jax.vmap(lambda qq, pp, o: lax.dynamic_update_slice_in_dim(qq, pp, o, 0))
             q[k + 1] = _sel(active, put(q[k + 1], p, off), q[k + 1])
@@ -388,7 +408,7 @@ class _Run:
         return s.replace(tokens=tokens, n=n, caches=tuple(caches), q=tuple(q), key=key,
                          forwards=s.forwards.at[k].add(active),
                          drafted=s.drafted.at[k].add(jnp.where(active, d, 0)),
-                         accepted=s.accepted.at[k].add(jnp.where(active, res.accepted, 0)))
+                         accepted=s.accepted.at[k].add(jnp.where(active, accepted, 0)))
 
 
 @dataclasses.dataclass(frozen=True)
