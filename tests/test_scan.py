@@ -156,3 +156,22 @@ def test_load_refuses_scan_for_gemma():
                   jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32),
                   g.init_cache(1, 8))
     assert hasattr(llama, "stack_layers")
+
+
+def test_wide_batches_write_and_commit_alike(toy):
+    """Above 8 rows the cache writes and commits take their batched (vmap) path."""
+    unrolled, tp, scanned, sp, _ = toy
+    b, t = 10, 3
+    toks = jax.random.randint(jax.random.key(4), (b, t), 0, V)
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t)) + jnp.arange(b)[:, None] % 3
+    length = jnp.arange(b, dtype=jnp.int32) % 3
+    cu = unrolled.init_cache(b, 16).replace(length=length)
+    cs = scanned.init_cache(b, 16).replace(length=length)
+    lu, _, cu = jax.jit(unrolled.forward)(tp, toks, pos, cu)
+    ls, _, cs = jax.jit(scanned.forward)(sp, toks, pos, cs)
+    _close(lu, ls)
+    src = jnp.broadcast_to(jnp.asarray([1, 2]), (b, 2))
+    count = jnp.arange(b, dtype=jnp.int32) % 3
+    cu, cs = cu.commit(src, count, t), cs.commit(src, count, t)
+    for i in range(TOY.num_layers):
+        _close(cu.k[i], cs.k[i]), _close(cu.v[i], cs.v[i])
