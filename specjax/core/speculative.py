@@ -182,6 +182,9 @@ class Speculative:
                       params=tparams)
         key, k_draft, k_verify = jax.random.split(s.key, 3)
         draft, dstate, cache = drafter.propose(dparams, s.dstate, ctx, k_draft, s.sampler)
+        chain = bool(getattr(drafter, "chain", False))
+        if chain:  # a chain drafter's parents, as constants (the tree work folds away)
+            draft = draft.replace(parents=tree.chain(b, draft.tokens.shape[1]))
         root = jnp.take_along_axis(s.tokens, (s.length - 1)[:, None], axis=1)
         # the narrowest verify width that holds every row's valid nodes (trees are ordered
         # parents first, so a prefix of the nodes is a consistent subtree)
@@ -198,8 +201,11 @@ class Speculative:
         slot = s.length[:, None] + jnp.arange(depth + 1)[None]
         slot = jnp.where(jnp.arange(depth + 1)[None] < keep[:, None], slot, s.tokens.shape[1])
         tokens = s.tokens.at[jnp.arange(b)[:, None], slot].set(res.tokens, mode="drop")
-        src = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), res.path + 1], axis=1)
-        cache = constrain_cache(cache.commit(src, keep, window=widths[-1]), self.mesh)
+        if chain:  # the accepted path is nodes 0..a-1, already at slots length+1..length+a
+            cache = constrain_cache(cache.advance(keep), self.mesh)
+        else:
+            src = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), res.path + 1], axis=1)
+            cache = constrain_cache(cache.commit(src, keep, window=widths[-1]), self.mesh)
         num = s.num + keep
         kept = jnp.take_along_axis(tokens, (s.length + keep - 1)[:, None], axis=1)[:, 0]
         done = s.done | (active & stops(kept, num, s.budget, s.eos_ids))

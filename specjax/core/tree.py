@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jaxtyping import Array, Bool, Int
 
 
@@ -45,16 +44,18 @@ def chain(batch: int, n: int) -> Int[Array, "B N"]:
 def ancestors(parents: Int[Array, "B N"]) -> Bool[Array, "B N N"]:
     """``out[b, i, j]``: node ``j`` is node ``i`` or one of its ancestors (the root excluded)."""
     b, n = parents.shape
-    eye = jnp.eye(n, dtype=bool)
-    if n == 0:
-        return jnp.zeros((b, 0, 0), bool)
-
-    def body(j, anc):  # anc[:, j] = anc[:, parent] | e_j; parents precede children
-        par = parents[:, j]
-        row = jnp.where((par >= 0)[:, None], anc[jnp.arange(b), jnp.maximum(par, 0)], False)
-        return anc.at[:, j].set(row | eye[j])
-
-    return lax.fori_loop(0, n, body, jnp.zeros((b, n, n), bool))
+    # Pointer doubling, without a loop: after step k, anc[i] holds the ancestors of i less
+    # than 2^k levels up and up[i] the one exactly 2^k up (-1 past the root). A path has at
+    # most n nodes, so ceil(log2 n) unrolled steps of a row gather each suffice; a
+    # sequential loop over nodes would be n iterations, each a host-read predicate on GPU.
+    anc = jnp.broadcast_to(jnp.eye(n, dtype=bool), (b, n, n))
+    up = parents.astype(jnp.int32)
+    for _ in range(max(n - 1, 0).bit_length()):
+        has = (up >= 0)[:, :, None]
+        far = jnp.take_along_axis(anc, jnp.maximum(up, 0)[:, :, None], axis=1)  # rows of up
+        anc = anc | (far & has)
+        up = jnp.where(up >= 0, jnp.take_along_axis(up, jnp.maximum(up, 0), axis=1), -1)
+    return anc
 
 
 def depths(parents: Int[Array, "B N"]) -> Int[Array, "B N"]:

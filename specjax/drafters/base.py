@@ -7,6 +7,11 @@ A drafter is a hashable frozen dataclass (its sizes are static) with three pure 
 * ``propose(dparams, state, ctx, key, sampler) -> (Draft, state, target_cache)``;
 * ``commit(dparams, state, ctx, result) -> state`` once ``ctx`` holds the emitted tokens.
 
+A drafter whose drafts are always chains says so with ``chain = True``: its parents are then
+taken to be ``[-1, 0, 1, ...]``, and since a chain's accepted path is its first nodes, which
+the verification forward already wrote in place, the target cache is committed by moving
+its length alone (no gather of K/V for every layer).
+
 ``ctx`` is a ``Context``: the tokens so far (prompt, then emitted; the root is the last),
 and the target's parameters and committed cache. A drafter may write scratch entries past
 the target cache's length (an early exit does), but must return its length unchanged.
@@ -105,6 +110,11 @@ def _grow(step: Callable, state, first_logits, start_pos, depth: int, width: int
 class TopKTree:
     """Sizes of a drafter that grows a top-``width`` tree of ``depth`` levels (needs
     ``depth`` and ``width``): every round is verified at one width."""
+
+    @property
+    def chain(self) -> bool:
+        """With one token per level the draft is a chain (see the module docstring)."""
+        return self.width == 1
 
     @property
     def num_nodes(self) -> int:

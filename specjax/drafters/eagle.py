@@ -158,7 +158,8 @@ def expand(root_logq: Float[Array, "B V"], step: Callable, carry, depth: int, to
     value (``by_value``) or by the node's own confidence.
 
     ``step(carry, level, tokens[B,K], parent[B,K]) -> (logq[B,K,V], carry)`` runs the head on
-    the chosen nodes of ``level`` (``parent`` indexes the nodes chosen at ``level - 1``).
+    the chosen nodes of ``level`` (a Python int: the levels are unrolled; ``parent`` indexes
+    the nodes chosen at ``level - 1``).
     ``vocab_ids`` maps the draft vocabulary's indices to token ids (default: identity).
     """
     ids = (lambda t: t.astype(jnp.int32)) if vocab_ids is None else (lambda t: vocab_ids[t])
@@ -184,14 +185,16 @@ def expand(root_logq: Float[Array, "B V"], step: Callable, carry, depth: int, to
         cpar = c_pool[:, kk]
         return ((ctok, cpar, cval, clq), inner, c_pool), (ctok, cpar, cval, clq)
 
-    # level 1 padded to topk² nodes that are never chosen, so every level has one shape
-    pad = lambda x, v: jnp.pad(x, ((0, 0), (0, topk * topk - topk)), constant_values=v)
-    padded = (pad(first[0], 0), pad(first[1], -1), pad(first[2], -1e30), pad(first[3], -1e30))
-    init = (padded, carry, jnp.zeros((b, topk), jnp.int32))
-    (_, carry, _), rest = lax.scan(level, init, jnp.arange(1, depth))
-    flat = lambda x0, xs: jnp.concatenate([x0, jnp.moveaxis(xs, 0, 1).reshape(b, -1)], 1)
-    pool = Pool(tokens=flat(first[0], rest[0]), parent=flat(first[1], rest[1]),
-                value=flat(first[2], rest[2]), logq=flat(first[3], rest[3]),
+    # The levels are unrolled (``depth`` is static and small): no nested loop in the decode
+    # round, whose iterations each read a predicate on the host under XLA:GPU, and each
+    # level's step sees its level as a constant. Level 1 has exactly topk nodes.
+    c, levels = (first, carry, jnp.zeros((b, topk), jnp.int32)), [first]
+    for d in range(1, depth):
+        c, out = level(c, d)
+        levels.append(out)
+    carry = c[1]
+    flat = lambda i: jnp.concatenate([lv[i] for lv in levels], 1)
+    pool = Pool(tokens=flat(0), parent=flat(1), value=flat(2), logq=flat(3),
                 level=jnp.asarray(_levels(depth, topk)))
     return pool, carry
 
@@ -379,17 +382,19 @@ class EagleDrafter:
 
         def step(inner, d, tokens, parent):
             k, v, f_prev, anc = inner
-            first = d == 1
-            prev = jnp.where(first, f_root[:, None], jnp.take_along_axis(
-                f_prev, parent[:, :, None], axis=1))
-            par_anc = jnp.take_along_axis(anc, parent[:, :, None], axis=1)
-            par_slot = (d - 2) * kk + parent
-            own = jax.nn.one_hot(par_slot, n_scr, dtype=bool) & ~first
-            anc = jnp.where(first, False, par_anc | own)  # [B, K, n_scr]
+            if d == 1:  # children of the root (``d`` is static: the levels are unrolled)
+                prev = jnp.broadcast_to(f_root[:, None], f_prev.shape)
+                anc = jnp.zeros_like(anc)
+            else:
+                prev = jnp.take_along_axis(f_prev, parent[:, :, None], axis=1)
+                par_anc = jnp.take_along_axis(anc, parent[:, :, None], axis=1)
+                own = jax.nn.one_hot((d - 2) * kk + parent, n_scr, dtype=bool)
+                anc = par_anc | own  # [B, K, n_scr]
             # the committed slots, and the scratch slots of this node's ancestors
-            scr = jax.vmap(lambda z, a, o: lax.dynamic_update_slice(z, a, (0, o)))(
-                jnp.zeros((b, kk, k.shape[3]), bool), anc, base)
-            vis = (jnp.arange(k.shape[3])[None, None, :] < base[:, None, None]) | scr
+            rel = jnp.arange(k.shape[3])[None, None, :] - base[:, None, None]  # [B, 1, S]
+            scr = jnp.take_along_axis(anc, jnp.broadcast_to(jnp.clip(rel, 0, n_scr - 1),
+                                                            (b, kk, k.shape[3])), axis=2)
+            vis = (rel < 0) | (scr & (rel < n_scr))
             eye = jnp.broadcast_to(jnp.eye(kk, dtype=bool), (b, kk, kk))
             p = jnp.broadcast_to(root_pos[:, None] + d, (b, kk))
             f, k, v = head_forward(self.target, hp, tp, tokens, prev, p, k, v,
@@ -398,8 +403,11 @@ class EagleDrafter:
 
         f0 = jnp.zeros((b, kk, f_root.shape[-1]), out.dtype)
         anc0 = jnp.zeros((b, kk, n_scr), bool)
-        pool, _ = expand(self._logq(dparams, tp, f_root), step, (k, v, f0, anc0), self.depth,
-                         kk, self.by_value, dparams.get("vocab_ids"))
+        # the head cache after the levels: their scratch entries lie at slots >= base, which
+        # nothing reads before the next round's writes (keeping the cache from before the
+        # levels instead made XLA copy the whole head cache twice per round)
+        pool, (k, v, _, _) = expand(self._logq(dparams, tp, f_root), step, (k, v, f0, anc0),
+                                    self.depth, kk, self.by_value, dparams.get("vocab_ids"))
         t = rerank(pool, self.total_tokens, root_pos, self.rerank)
         draft = Draft(tokens=t.tokens, parents=t.parents, valid=jnp.ones(t.tokens.shape, bool))
         cache = KVCache(k=(k,), v=(v,), length=base)

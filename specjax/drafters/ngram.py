@@ -36,6 +36,8 @@ class NGramDrafter:
     per_match_token: int = 0  # > 0: propose at most this many tokens per matched token
     over_source: bool = True
 
+    chain = True  # drafts are chains: Speculative commits the cache without a gather
+
     @property
     def num_nodes(self) -> int:
         return self.depth
