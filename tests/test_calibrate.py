@@ -89,9 +89,9 @@ def test_round_overhead_is_the_step_beyond_its_forward(toy):
     model, tp, _, _, _ = toy
     r = calibrate.round_overhead(model, tp, filled=40, T=3, repeats=3)
     assert r["filled"] == 40 and r["T"] == 3
-    assert r["step_ms"] > 0 and r["forward_ms"] > 0 and r["lookup_ms"] > 0
-    assert r["round_ms"] == pytest.approx(max(r["step_ms"] - r["forward_ms"] - r["lookup_ms"],
-                                              0.0))
+    assert r["loop_round_ms"] > 0 and r["forward_ms"] > 0 and r["lookup_ms"] > 0
+    assert r["round_ms"] == pytest.approx(max(r["loop_round_ms"] - r["forward_ms"]
+                                              - r["lookup_ms"], 0.0))
     # the overhead enters every verifying level's cost, not the bottom's
     flat = {k: {"1": v["1"]} for k, v in CALIB["cost_ms"].items()}
     base = calibrate.level_costs(flat, (1, 2, 3), (3, 2), CALIB["layers"])

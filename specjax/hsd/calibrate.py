@@ -162,32 +162,46 @@ def decode_position(seqs, prompt_lens) -> int:
     return int(round(float(np.mean(pos)))) if pos else 0
 
 
-def round_overhead(target, tparams, *, filled: int = 512, T: int = 4, repeats: int = 9,
-                   seed: int = 0) -> dict:
-    """What one decoding round spends beyond its model forwards, in milliseconds.
+def round_overhead(target, tparams, *, filled: int = 512, T: int = 4, repeats: int = 5,
+                   rounds: tuple[int, int] = (4, 20), seed: int = 0) -> dict:
+    """What one decoding round spends beyond its model forwards, in milliseconds, measured
+    inside the decoding loop.
 
-    Times one jitted ``specjax.hsd.HSD.step`` of the hierarchy ``ngram:T,target`` on a
-    prompt of ``filled`` tokens that repeats a period of 16, so every lookup proposes ``T``
-    tokens and the target verifies ``T + 1``; subtracts the target's forward of that width
-    and one lookup, both timed the same way. The rest (verification, cache and buffer
-    bookkeeping, the loop's own control) is what every verifying level adds per forward.
-    Returns ``{"round_ms", "step_ms", "forward_ms", "lookup_ms", "filled", "T"}``."""
+    Decodes with the hierarchy ``ngram:T,target`` after a prompt of ``filled`` tokens that
+    repeats a period of 16 (so lookups propose), with one compiled program run at two
+    budgets; the difference in time over the difference in target rounds is the time of
+    one round in the loop (prefill and packing cancel). Subtracts the target's forward at
+    the round's width ``T + 1`` and one lookup, timed alone. The rest (verification,
+    cache and buffer bookkeeping, the loop's control, copies XLA adds around branches) is
+    what every verifying level adds per forward. Returns ``{"round_ms", "loop_round_ms",
+    "forward_ms", "lookup_ms", "filled", "T"}``."""
     rng = np.random.default_rng(seed)
     period = rng.integers(3, target.config.vocab_size, 16)
     h = hsd.Hierarchy((hsd.NGram(), hsd.Exit()), (T,))
-    dec = hsd.HSD(target, h, capacity=-(-(filled + 4 * (T + 2) + 64) // 64) * 64, max_out=64)
+    n_max = rounds[1] * (T + 1)
+    dec = hsd.HSD(target, h, capacity=-(-(filled + n_max + 4 * (T + 2) + 64) // 64) * 64,
+                  max_out=n_max)
     prompt = np.zeros((1, dec.capacity), np.int32)  # the token buffer, as decoding lays it out
     prompt[0, :filled] = np.resize(period, filled)
-    prompt = jnp.asarray(prompt)
-    one = jnp.ones((1,), jnp.int32)
-    state = jax.jit(dec.init)(tparams, (None, None), prompt, one * filled, one * 64,
-                              jax.random.key(0), jnp.asarray([-1], jnp.int32))
-    step = jax.jit(dec.step)
-    step_ms = _median_ms(step, tparams, (None, None), state, repeats=repeats)
+    prompt, one = jnp.asarray(prompt), jnp.ones((1,), jnp.int32)
+
+    @jax.jit
+    def decode(tparams, budget):
+        s = dec.init(tparams, (None, None), prompt, one * filled, budget, jax.random.key(0),
+                     jnp.asarray([-1], jnp.int32))
+        return dec.loop(tparams, (None, None), s).forwards[-1, 0]
+
+    def timed(budget: int) -> tuple[float, int]:
+        b = one * budget
+        n = int(decode(tparams, b))
+        return _median_ms(decode, tparams, b, repeats=repeats), n
+
+    (t0, r0), (t1, r1) = timed(rounds[0]), timed(n_max)
+    loop_round = (t1 - t0) / max(r1 - r0, 1)
     cost = forward_costs(target, tparams, {}, [], [T + 1], capacity=dec.capacity,
-                         filled=filled, repeats=repeats)
+                         filled=filled + n_max // 2, repeats=repeats)
     fwd, look = cost["target"][T + 1], cost["ngram"][1]
-    return {"round_ms": max(step_ms - fwd - look, 0.0), "step_ms": step_ms,
+    return {"round_ms": max(loop_round - fwd - look, 0.0), "loop_round_ms": loop_round,
             "forward_ms": fwd, "lookup_ms": look, "filled": int(filled), "T": int(T)}
 
 
