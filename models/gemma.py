@@ -30,7 +30,8 @@ from jaxtyping import Array, Bool, Float, Int
 from specjax.models import kv_cache
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import (DecoderParts, RopeScaling, _attention, _proj, apply_rope,
-                                  gate_up, head_logits, qkv_heads, rope_inv_freq)
+                                  gate_up, head_logits, qkv_heads, rope_inv_freq,
+                                  stacked_layers)
 
 Params = Mapping[str, Any]
 SLIDING, FULL = "sliding", "full"
@@ -174,7 +175,7 @@ class Gemma(DecoderParts):
         ``> p - sliding_window``. Returns ``(logits [B,T,V] float32 or None, hidden, cache)``."""
         cfg = self.config
         n = self.layers_to_run(exit_layer, return_layers)
-        if isinstance(params["layers"], Mapping):
+        if stacked_layers(params["layers"]):
             raise ValueError("Gemma runs its layers unrolled (its local and global layers "
                              "differ): give per-layer weights, llama.unstack_layers(params)")
         b, t = tokens.shape

@@ -442,11 +442,18 @@ class Llama(DecoderParts):
         return hidden, cache.replace(k=ks, v=vs)
 
 
+def stacked_layers(layers: Any) -> bool:
+    """Whether ``params["layers"]`` holds stacked weights (a dict of ``[L, ...]`` arrays)
+    rather than per-layer dicts: a list, or a dict keyed by layer index, as
+    ``nnx.to_pure_dict`` writes a list."""
+    return isinstance(layers, Mapping) and not all(isinstance(k, int) for k in layers)
+
+
 def check_layout(params: Params, cache: KVCache, scan_layers: bool) -> None:
     """``ValueError`` unless the weights and the cache are laid out as the model runs them:
     stacked (a dict of ``[L, ...]`` arrays, a stacked cache) for ``scan_layers``, per-layer
     (a list of dicts, per-layer cache arrays) otherwise."""
-    stacked = isinstance(params["layers"], Mapping)
+    stacked = stacked_layers(params["layers"])
     if stacked != scan_layers:
         raise ValueError(
             "the model runs its layers " + ("under lax.scan (scan_layers=True) and needs "
@@ -462,15 +469,17 @@ def stack_layers(params: Params) -> Params:
     """``params`` with ``"layers"`` as one dict of arrays with a leading layer axis (what
     ``scan_layers=True`` runs), from a list of per-layer dicts. Idempotent."""
     layers = params["layers"]
-    if isinstance(layers, Mapping):
+    if stacked_layers(layers):
         return params
+    if isinstance(layers, Mapping):  # keyed by layer index
+        layers = [layers[i] for i in range(len(layers))]
     return {**params, "layers": jax.tree.map(lambda *a: jnp.stack(a), *layers)}
 
 
 def unstack_layers(params: Params) -> Params:
     """The inverse of ``stack_layers``: ``"layers"`` as a list of per-layer dicts."""
     layers = params["layers"]
-    if not isinstance(layers, Mapping):
+    if not stacked_layers(layers):
         return params
     n = len(next(iter(jax.tree.leaves(layers))))
     return {**params, "layers": [jax.tree.map(lambda a: a[i], layers) for i in range(n)]}
