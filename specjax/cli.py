@@ -96,7 +96,8 @@ def _exit_heads(lm, args, layers=None) -> tuple[dict, list[int], str | None]:
     path = args.exit_heads or exit_heads.shipped_heads(args.model)
     if path is not None:
         heads, _ = exit_heads.load_heads(lm.model, path, lm.model.compute_dtype)
-        return heads, sorted(heads), str(path)
+        # the shipped heads by name: results name no path of the machine that made them
+        return heads, sorted(heads), str(args.exit_heads or Path(str(path)).name)
     if layers is None:
         layers = [int(x) for x in args.layers.split(",")]
     return {}, list(layers), None
