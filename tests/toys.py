@@ -1,0 +1,53 @@
+"""Shared tiny models for the tests: one Llama, one Gemma (a sliding and a full layer) and
+one T5, each with deterministic random parameters (built once per process and cached), and
+a ``ToyLM`` standing in for ``specjax.models.LoadedModel`` where a test needs an ``lm``.
+
+Tests whose assertions depend on particular sizes (window edges, vocabularies a training run
+or a chi-square test is tuned to, head counts a mesh splits) keep a local config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+
+from specjax.models import gemma, t5
+from specjax.models.llama import Llama, LlamaConfig
+from specjax.models.llama import init_params as llama_init
+
+V = 12
+# 3 layers, so an early exit at layer 1 or 2 and a 3-level hierarchy fit below the target
+LLAMA = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=3,
+                    num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+GEMMA = gemma.GemmaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
+                          num_heads=4, num_kv_heads=2, head_dim=8,
+                          layer_types=("sliding", "full"), sliding_window=4)
+T5 = t5.T5Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
+                 num_encoder_layers=2, num_heads=4, head_dim=8, num_buckets=8, max_distance=20)
+
+
+@functools.lru_cache(maxsize=None)
+def _llama_params(seed: int, scale: float, config: LlamaConfig):
+    return jax.tree.map(lambda x: x * scale, llama_init(config, jax.random.key(seed)))
+
+
+def llama_params(seed: int = 1, scale: float = 3.0, config: LlamaConfig = LLAMA):
+    """Random ``config`` parameters from ``jax.random.key(seed)``, times ``scale`` (3.0: sharper,
+    context-dependent logits). The arrays are computed once per process; each call gets its
+    own dicts and lists, so a test may replace entries without affecting another."""
+    return jax.tree.map(lambda x: x, _llama_params(seed, scale, config))
+
+
+def llama(seed: int = 1, scale: float = 3.0):
+    """``(Llama(LLAMA), llama_params(seed, scale))``."""
+    return Llama(LLAMA), llama_params(seed, scale)
+
+
+@dataclasses.dataclass
+class ToyLM:
+    """The part of ``LoadedModel`` that training and export code reads."""
+    model: Llama
+    params: dict
+    eos_ids: tuple = (0,)
