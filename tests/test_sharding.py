@@ -1,9 +1,11 @@
 """Sharded decoding on 8 simulated CPU devices equals the one-device run, token for token.
 
-JAX fixes its device count when it starts, so in the ordinary (one-device) test process a
-single test re-runs this file in a subprocess with
-``XLA_FLAGS=--xla_force_host_platform_device_count=8`` and requires every test there to
-pass (none skipped). The error tests run in both.
+JAX fixes its device count when it starts, so in the ordinary (one-device) test process two
+tests re-run this file in a subprocess with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` and require every selected test there
+to pass (none skipped): the random-weight tests by default, the real-weight ones (marked
+``slow``) only on request (``pytest -m slow tests/test_sharding.py``). The error tests run
+in both processes.
 """
 
 from __future__ import annotations
@@ -75,17 +77,33 @@ def _fake_mesh(data=1, model=1):
 # ----------------------------------------------------------- on 8 simulated devices only
 
 if jax.device_count() < N_DEVICES:
-    def test_sharded_suite_on_8_simulated_cpu_devices():
+    def _run_on_8_devices(marker: str) -> None:
+        """Runs this file's tests selected by ``-m marker`` on 8 simulated CPU devices in a
+        subprocess; all must pass, none skipped."""
         flags = os.environ.get("XLA_FLAGS", "")
         env = {**os.environ, "XLA_FLAGS":
                f"{flags} --xla_force_host_platform_device_count={N_DEVICES}".strip()}
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            "-m", "not slow or slow", __file__], env=env, capture_output=True,
+                            "-m", marker, __file__], env=env, capture_output=True,
                            text=True, timeout=1500, cwd=os.path.dirname(os.path.dirname(__file__)))
         tail = r.stdout[-6000:] + r.stderr[-3000:]
         assert r.returncode == 0, tail
         assert " passed" in r.stdout and "skipped" not in r.stdout, tail
         print(r.stdout[-600:])
+
+    def test_sharded_toys_on_8_simulated_cpu_devices():
+        """Every random-weight test below (each method's sharded output equal to one
+        device's on 2-layer Llama, Gemma and T5 toys, the parameter and cache shardings,
+        data-parallel training) on 8 simulated devices. Runs by default."""
+        _run_on_8_devices("not slow")
+
+    @pytest.mark.slow
+    @pytest.mark.extended
+    def test_sharded_real_weights_on_8_simulated_cpu_devices():
+        """The real-weight tests below (SmolLM2-135M on data=2,model=3 and the sharding
+        notebook) on 8 simulated devices: about a minute of loading and compiling on 2 CPU
+        cores, so opt-in (``pytest -m slow`` or ``-m extended``, see tests/conftest.py)."""
+        _run_on_8_devices("slow")
 else:
     def _methods(model, tp):
         """name -> run(prompts, mesh) for every method, greedy."""
