@@ -1,34 +1,86 @@
 """The model contract: what decoding loops, drafters, verifiers and trainers may use.
 
 Nothing outside ``specjax.models`` reads a model's parameters by name; it goes through these
-methods, so a new family plugs in by implementing them (``Llama`` and ``Gemma`` do).
+methods, so a new family plugs in by implementing them. ``Llama`` and ``Gemma`` do, and so
+does the decoder of the encoder-decoder ``T5`` (its parameters bound to an encoded source).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any, Protocol, runtime_checkable
 
+import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from specjax.models.kv_cache import KVCache
 
 
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling, as HF configs name it (``rope_type``).
+
+    ``default`` leaves frequencies alone; ``linear`` divides them by ``factor``; ``llama3``
+    applies Llama 3.1's smooth band-wise rescaling.
+    """
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"unsupported rope_type {self.rope_type!r}; "
+                             "supported: default, linear, llama3")
+
+    def inv_freq(self, head_dim: int, theta: float) -> Float[Array, "H2"]:
+        """Inverse frequencies of the rotary embedding with base ``theta``, after scaling."""
+        half = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+        inv = 1.0 / (theta ** half)
+        if self.rope_type == "linear":
+            return inv / self.factor
+        if self.rope_type == "llama3":
+            old = self.original_max_position_embeddings
+            wavelen = 2 * math.pi / inv
+            low_wl, high_wl = old / self.low_freq_factor, old / self.high_freq_factor
+            scaled = jnp.where(wavelen > low_wl, inv / self.factor, inv)
+            smooth = ((old / wavelen - self.low_freq_factor)
+                      / (self.high_freq_factor - self.low_freq_factor))
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+            return jnp.where(medium, smoothed, scaled)
+        return inv
+
+
 @runtime_checkable
 class ModelConfig(Protocol):
-    """The configuration numbers a loop or drafter needs."""
+    """The configuration numbers a loop or drafter reads (every family provides each one;
+    T5's decoder too: one K/V head per query head, and RoPE numbers that only a draft head
+    built on it uses, since T5 itself has relative position biases)."""
 
     vocab_size: int
-    hidden_size: int
-    num_layers: int
-    max_position_embeddings: int
+    hidden_size: int  # the residual width D (T5's d_model)
+    num_layers: int  # decoder layers: what early exits and the loops count
+    max_position_embeddings: int  # the decoder's cache bound
+    num_heads: int  # query heads per layer
+    num_kv_heads: int  # K/V heads per layer (grouped-query attention)
+    head_dim: int  # width of one head (T5's d_kv)
+    intermediate_size: int  # the MLP's inner width (T5's d_ff)
+    rms_norm_eps: float  # the epsilon of the model's RMS norms
+    rope_theta: float  # RoPE base (of the global layers, for Gemma)
+    rope_scaling: RopeScaling  # RoPE frequency scaling (of the global layers, for Gemma)
 
 
 @runtime_checkable
 class Model(Protocol):
-    """A decoder-only language model bound to its configuration (hashable: it is a static
-    argument of the jitted loops). ``params`` is a plain pytree."""
+    """A language model's decoder bound to its configuration (hashable: it is a static
+    argument of the jitted loops). ``params`` is a plain pytree; for an encoder-decoder
+    model it is the weights bound to an encoded source (``T5.bind``)."""
 
-    config: Any
+    config: Any  # a ModelConfig
     compute_dtype: Any  # what products multiply in; the KV cache's default dtype
 
     def init_cache(self, batch: int, capacity: int, dtype=...) -> KVCache:
@@ -60,5 +112,9 @@ class Model(Protocol):
     def param_dtype(self, params) -> Any:
         """The dtype the weights are stored in."""
 
+    def source_tokens(self, params) -> Int[Array, "B S"] | None:
+        """The source ids the decoder reads (``-1`` past each row's end) for an
+        encoder-decoder model whose ``params`` are bound to a source; None otherwise."""
 
-__all__ = ["Model", "ModelConfig"]
+
+__all__ = ["Model", "ModelConfig", "RopeScaling"]

@@ -24,29 +24,10 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
 from specjax.models import kv_cache
+from specjax.models.base import RopeScaling  # re-exported: llama.RopeScaling
 from specjax.models.kv_cache import KVCache
 
 Params = Mapping[str, Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """RoPE frequency scaling, as HF configs name it (``rope_type``).
-
-    ``default`` leaves frequencies alone; ``linear`` divides them by ``factor``; ``llama3``
-    applies Llama 3.1's smooth band-wise rescaling.
-    """
-
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    def __post_init__(self):
-        if self.rope_type not in ("default", "linear", "llama3"):
-            raise ValueError(f"unsupported rope_type {self.rope_type!r}; "
-                             "supported: default, linear, llama3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,21 +61,9 @@ SMOLLM2_135M = LlamaConfig(
 
 def rope_inv_freq(head_dim: int, theta: float,
                   s: RopeScaling = RopeScaling()) -> Float[Array, "H2"]:
-    """Inverse frequencies of the rotary embedding with base ``theta``, after scaling."""
-    half = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
-    inv = 1.0 / (theta ** half)
-    if s.rope_type == "linear":
-        return inv / s.factor
-    if s.rope_type == "llama3":
-        old = s.original_max_position_embeddings
-        wavelen = 2 * math.pi / inv
-        low_wl, high_wl = old / s.low_freq_factor, old / s.high_freq_factor
-        scaled = jnp.where(wavelen > low_wl, inv / s.factor, inv)
-        smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-        medium = (wavelen >= high_wl) & (wavelen <= low_wl)
-        return jnp.where(medium, smoothed, scaled)
-    return inv
+    """Inverse frequencies of the rotary embedding with base ``theta``, after scaling
+    (``RopeScaling.inv_freq``)."""
+    return s.inv_freq(head_dim, theta)
 
 
 def fast_width(n: int) -> int:
@@ -315,6 +284,11 @@ class DecoderParts:
     def output_head(self, params: Params) -> Float[Array, "V D"]:
         """The LM head as ``[V, D]`` rows (the embedding when tied)."""
         return params["embed"] if self.config.tie_embeddings else params["lm_head"]
+
+    def source_tokens(self, params: Params) -> Int[Array, "B S"] | None:
+        """The source ids the decoder reads: None for a decoder-only model (``T5``
+        returns its bound source's)."""
+        return None
 
     def layers_to_run(self, exit_layer: int | None, return_layers: tuple[int, ...]) -> int:
         """How many layers a forward runs; ``ValueError`` for an exit or a returned layer

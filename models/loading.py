@@ -1,4 +1,5 @@
-"""Weight loading: GGUF (llama.cpp) files and local HF directories, into a Llama params pytree.
+"""Weight loading: GGUF (llama.cpp) files and local HF directories, into the params pytree
+of a Llama, Gemma or T5 model (``model_for`` builds the model class for the config).
 
 Each source format has an explicit table from its tensor names to ours. Loading fails with a
 message naming the tensor or path when a tensor is missing, unexpected, or of the wrong

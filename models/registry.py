@@ -73,7 +73,7 @@ class LoadedModel:
     """A model, its parameters, tokenizer and stop tokens."""
 
     name: str
-    model: Any  # Llama or Gemma: the model contract of ``Llama.forward``
+    model: Any  # Llama, Gemma or T5: the model contract (specjax.models.Model)
     params: Any
     tokenizer: Any
     eos_ids: tuple[int, ...]

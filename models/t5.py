@@ -71,7 +71,9 @@ class T5Config:
         if self.activation not in ("relu", "gelu_new"):
             raise ValueError(f"unsupported T5 activation {self.activation!r} (relu, gelu_new)")
 
-    # what the Llama-style pieces (an EAGLE head's layer, the KV cache) read
+    # the rest of the model contract (``specjax.models.ModelConfig``): one K/V head per
+    # query head, and the RoPE numbers a draft head built on the decoder uses (T5 itself
+    # has relative position biases, no RoPE)
     @property
     def num_kv_heads(self) -> int:
         return self.num_heads
@@ -241,6 +243,12 @@ class T5(DecoderParts):
     def bind(params: Params, source: EncodedSource) -> dict:
         """The weights with an encoded source: what ``forward`` and every loop take."""
         return {**params, "source": source}
+
+    def source_tokens(self, params: Params) -> Int[Array, "B S"] | None:
+        """The bound source's ids (``-1`` past each row's end), or None for weights not
+        bound to a source (``bind``)."""
+        src = params.get("source") if isinstance(params, Mapping) else None
+        return None if src is None else src.tokens
 
     # ------------------------------------------------------------------ the decoder
     def embed(self, params: Params, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
