@@ -2,14 +2,16 @@
 drafter: ``ngram`` (prompt lookup), ``early_exit`` (the target's first layers),
 ``model`` (another specjax model), ``eagle`` (EAGLE-2's head and dynamic tree),
 ``redrafter`` (ReDrafter's recurrent head and beams) and ``exit_heads`` (trained early-exit
-adapters)."""
+adapters); ``blocks`` holds the layers draft heads are built from."""
 
 from __future__ import annotations
 
-from specjax.drafters.base import Context, tree_parents
+from specjax.drafters.base import Context, Drafter, tree_parents
+from specjax.drafters.eagle import EagleDrafter
 from specjax.drafters.early_exit import EarlyExitDrafter, target_head
 from specjax.drafters.model import ModelDrafter
 from specjax.drafters.ngram import NGramDrafter, bigram_table
+from specjax.drafters.redrafter import RedrafterDrafter
 
 
 def from_spec(spec: str, target, depth: int | None = None):
@@ -24,7 +26,6 @@ def from_spec(spec: str, target, depth: int | None = None):
                      f"(L in [1, {target.config.num_layers - 1}])")
 
 
-Drafter = ModelDrafter | EarlyExitDrafter | NGramDrafter
-
-__all__ = ["Context", "ModelDrafter", "EarlyExitDrafter", "NGramDrafter", "Drafter",
+__all__ = ["Context", "Drafter", "ModelDrafter", "EarlyExitDrafter", "NGramDrafter",
+           "EagleDrafter", "RedrafterDrafter",
            "bigram_table", "tree_parents", "target_head", "from_spec"]

@@ -1,7 +1,8 @@
 """The drafter protocol, the context a drafter reads, and the top-k tree growth that
 model-based drafters share.
 
-A drafter is a hashable frozen dataclass (its sizes are static) with three pure methods:
+A drafter is a hashable frozen dataclass (its sizes are static) that implements the
+``Drafter`` protocol below, with three pure methods:
 
 * ``init(dparams, ctx, chunk) -> state`` after the prompt is in the target's cache;
 * ``propose(dparams, state, ctx, key, sampler) -> (Draft, state, target_cache)``;
@@ -21,7 +22,7 @@ With a ``Greedy`` target, drafts are deterministic (``Draft.probs is None``); wi
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,48 @@ class Context:
     cache: KVCache
     params: Any
     hidden: Any = None
+    source: Any = None  # [B, S] source ids of an encoder-decoder target (Model.source_tokens)
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What the decoding loops read of a drafter. Every drafter declares each member
+    itself (no attribute is probed with a default):
+
+    * ``depth``: the most tokens one root-to-leaf path drafts; ``num_nodes``: the nodes of
+      a draft (``Draft.tokens.shape[1]``); ``verify_widths``: the forward widths its rounds
+      are verified at (ascending; the last covers ``num_nodes + 1``);
+    * ``chain``: every draft is a chain (parents ``[-1, 0, 1, ...]``), so the target cache
+      commits by moving its length alone;
+    * ``needs_features``: ``Context.hidden`` must hold the target's last-layer hidden
+      states at ``init`` and ``commit``;
+    * ``draft_model``: the model a ``ModelDrafter`` drafts with (its parameters are
+      ``dparams``; an encoder-decoder one encodes the source with them), None otherwise;
+    * ``check(target)``: ``ValueError`` unless it can draft for ``target``;
+    * ``init``, ``propose``, ``commit``: the pure methods of the module docstring.
+    """
+
+    chain: bool
+    needs_features: bool
+    draft_model: Any
+
+    @property
+    def depth(self) -> int: ...
+
+    @property
+    def num_nodes(self) -> int: ...
+
+    @property
+    def verify_widths(self) -> tuple[int, ...]: ...
+
+    def check(self, target) -> None: ...
+
+    def init(self, dparams, ctx: Context, chunk: int) -> Any: ...
+
+    def propose(self, dparams, state, ctx: Context, key, sampler) -> tuple[Draft, Any, KVCache]:
+        ...
+
+    def commit(self, dparams, state, ctx: Context, result) -> Any: ...
 
 
 def _take(tokens: Int[Array, "B C"], idx: Int[Array, "B T"]) -> Int[Array, "B T"]:
@@ -109,7 +152,8 @@ def _grow(step: Callable, state, first_logits, start_pos, depth: int, width: int
 
 class TopKTree:
     """Sizes of a drafter that grows a top-``width`` tree of ``depth`` levels (needs
-    ``depth`` and ``width``): every round is verified at one width."""
+    ``depth`` and ``width``): every round is verified at one width. Defines ``chain``;
+    the drafter declares the rest of ``Drafter``."""
 
     @property
     def chain(self) -> bool:

@@ -32,7 +32,8 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
 from specjax.core import sampling, tree
-from specjax.models import llama
+from specjax.drafters import blocks
+from specjax.drafters.blocks import features
 from specjax.models.kv_cache import KVCache
 from specjax.core.verify import Draft
 
@@ -41,7 +42,8 @@ from specjax.core.verify import Draft
 
 class EagleHead(nnx.Module):
     """The EAGLE draft head as a Flax NNX module: ``fc`` ([2D, D] and bias) and one
-    Llama-style decoder layer at the target's width (``llama.layer_shapes``).
+    pre-norm decoder layer (``blocks.decoder_layer``) at the target's width and head
+    geometry (``blocks.LayerSpec.of(target_cfg)``).
 
     Its state is the plain pytree ``{"fc", "fc_b", "layer": {...}}`` that exports,
     checkpoints and the functional ``head_forward`` use; ``nnx.merge(head_graphdef(cfg),
@@ -52,8 +54,9 @@ class EagleHead(nnx.Module):
     def __init__(self, target_cfg, key: Array, dtype=jnp.float32):
         d = target_cfg.hidden_size
         self.config = target_cfg
+        self.spec = blocks.LayerSpec.of(target_cfg)
         k_fc, k_layer = jax.random.split(key)
-        shapes = llama.layer_shapes(target_cfg)
+        shapes = blocks.layer_shapes(self.spec)
         keys = jax.random.split(k_layer, len(shapes))
         layer = {n: jax.random.normal(k, s) * 0.02 for (n, s), k in zip(shapes.items(), keys)}
         layer["attn_norm"], layer["mlp_norm"] = jnp.ones((d,)), jnp.ones((d,))
@@ -74,8 +77,8 @@ class EagleHead(nnx.Module):
         x = jnp.concatenate([emb.astype(fc.dtype), prev_feat.astype(fc.dtype)], axis=-1)
         x = jnp.einsum("bte,ed->btd", x, fc) + self.fc_b[...]  # b batch, t token, e = 2D, d = D
         layer = {n: w[...] for n, w in self.layer.items()}
-        return llama.layer(self.config, layer, x, k_cache, v_cache, length, mask, positions,
-                           visible)
+        return blocks.decoder_layer(self.spec, layer, x, k_cache, v_cache, length, mask,
+                                    positions, visible)
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,11 +90,6 @@ def head_graphdef(target_cfg):
 def init_head(target_cfg, key: Array, dtype=jnp.float32) -> dict:
     """A fresh ``EagleHead``'s parameters as a plain pytree."""
     return nnx.to_pure_dict(nnx.state(EagleHead(target_cfg, key, dtype)))
-
-
-def features(target, tparams, hidden: Float[Array, "... D"]) -> Float[Array, "... D"]:
-    """The target's feature: its last hidden state after the final norm (the LM head's input)."""
-    return target.final_norm(tparams, hidden)
 
 
 def output_embedding(target, tparams) -> Float[Array, "V D"]:
@@ -113,13 +111,10 @@ def training_forward(target, hp, tparams, tokens: Int[Array, "B T"],
                      prev_feat: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
     """Teacher-forced head over whole sequences (causal, no cache): predicted features."""
     b, t = tokens.shape
-    cfg = target.config
-    zk = jnp.zeros((b, cfg.num_kv_heads, cfg.head_dim, t), hp["fc"].dtype)
-    zv = jnp.zeros((b, cfg.num_kv_heads, t, cfg.head_dim), hp["fc"].dtype)
+    zk, zv = blocks.empty_kv(blocks.LayerSpec.of(target.config), b, t, hp["fc"].dtype)
     pos = jnp.broadcast_to(jnp.arange(t), (b, t))
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     out, _, _ = head_forward(target, hp, tparams, tokens, prev_feat, pos, zk, zv,
-                             jnp.zeros((b,), jnp.int32), mask)
+                             jnp.zeros((b,), jnp.int32), blocks.causal(b, t))
     return out
 
 
@@ -134,9 +129,9 @@ def shift_features(feats: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
 class Pool:
     """Every node drafted in one round, in generation order (level by level).
 
-    ``parent`` indexes the pool (-1: the root); ``value`` is the log path value;
-    ``score`` is what expansion ranked by (value, or the node's own log confidence);
-    ``logq`` is the node's own draft log-probability.
+    ``parent`` indexes the pool (-1: the root); ``value`` is the log path value (what
+    expansion ranks by, unless ``by_value`` is off: then ``logq``); ``logq`` is the node's
+    own draft log-probability; ``level`` is each node's depth (1: the root's children).
     """
 
     tokens: Int[Array, "B P"]
@@ -301,7 +296,9 @@ class EagleDrafter:
     by_value: bool = True
     rerank: bool = True
 
-    needs_features = True
+    chain = False  # drafts are trees
+    needs_features = True  # reads the target's hidden states (Context.hidden)
+    draft_model = None  # drafts with a head on the target, not a model of its own
 
     @property
     def num_nodes(self) -> int:
@@ -336,7 +333,7 @@ class EagleDrafter:
         return dparams.get("out_embed", output_embedding(self.target, tparams))
 
     def _logq(self, dparams, tparams, f):
-        logits = llama.head_logits(self._embed(dparams, tparams).astype(f.dtype), f)
+        logits = blocks.head_logits(self._embed(dparams, tparams).astype(f.dtype), f)
         return jax.nn.log_softmax(logits, axis=-1)
 
     def init(self, dparams, ctx, chunk: int) -> EagleState:

@@ -29,6 +29,10 @@ class EarlyExitDrafter(TopKTree):
     width: int = 1
     head: Callable = target_head
 
+    # chain: TopKTree's (width 1)
+    needs_features = False  # its exit reads the target's cache, not its hidden states
+    draft_model = None  # the target's own layers, not a model of its own
+
     def check(self, target) -> None:
         _check_sizes(self.depth, self.width)
         if target != self.target:

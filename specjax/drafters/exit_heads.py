@@ -23,8 +23,8 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float
 
+from specjax.drafters import blocks
 from specjax.drafters.eagle import output_embedding
-from specjax.models import llama
 
 SHIPPED = {"smollm2-135m": "heads/smollm2-135m-exits"}  # registry name -> package data
 
@@ -46,7 +46,7 @@ class ExitAdapter(nnx.Module):
     def __call__(self, hidden: Float[Array, "... D"]) -> Float[Array, "... D"]:
         """The corrected residual stream ``h + (rms_norm(h) · g) A B``."""
         down, up = self.down[...], self.up[...]
-        z = llama.rms_norm(hidden, self.norm[...], self.eps).astype(down.dtype)
+        z = blocks.rms_norm(hidden, self.norm[...], self.eps).astype(down.dtype)
         # ...: any leading axes, d: model width, r: adapter rank
         low = jnp.einsum("...d,dr->...r", z, down)
         return hidden + jnp.einsum("...r,rd->...d", low, up).astype(hidden.dtype)

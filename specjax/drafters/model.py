@@ -23,6 +23,14 @@ class ModelDrafter(TopKTree):
     depth: int = 4
     width: int = 1
 
+    # chain: TopKTree's (width 1)
+    needs_features = False
+
+    @property
+    def draft_model(self):
+        """The model it drafts with (``dparams`` are its parameters)."""
+        return self.model
+
     def check(self, target) -> None:
         _check_sizes(self.depth, self.width)
         if self.model.config.vocab_size != target.config.vocab_size:

@@ -37,6 +37,8 @@ class NGramDrafter:
     over_source: bool = True
 
     chain = True  # drafts are chains: Speculative commits the cache without a gather
+    needs_features = False
+    draft_model = None
 
     @property
     def num_nodes(self) -> int:

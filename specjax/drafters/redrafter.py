@@ -32,6 +32,7 @@ from jaxtyping import Array, Float, Int
 
 from specjax.core import beams as beam_lib
 from specjax.core.verify import Draft
+from specjax.drafters.blocks import features
 
 
 # ----------------------------------------------------------------------------- the head
@@ -130,11 +131,6 @@ def unroll(hp: dict, h: Float[Array, "... D"], emb: Float[Array, "... L D"]
     return head(jnp.broadcast_to(h[..., None, :], states.shape), states)
 
 
-def features(target, tparams, hidden: Float[Array, "... D"]) -> Float[Array, "... D"]:
-    """The target's feature: its last hidden state after the final norm."""
-    return target.final_norm(tparams, hidden)
-
-
 # ----------------------------------------------------------------------------- the drafter
 
 @struct.dataclass
@@ -160,8 +156,9 @@ class RedrafterDrafter:
     length: int = 4
     dedup: bool = True
 
-    needs_features = True
-    scratch = 0
+    chain = False  # beams are verified as one tree (or, without dedup, chains side by side)
+    needs_features = True  # reads the target's hidden states (Context.hidden)
+    draft_model = None  # drafts with a head on the target, not a model of its own
 
     @property
     def depth(self) -> int:
