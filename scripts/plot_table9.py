@@ -28,7 +28,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from specjax import hierarchy as H  # noqa: E402
+from specjax.hsd import hierarchy as H  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = "CBA"
