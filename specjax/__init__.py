@@ -10,7 +10,9 @@ from specjax import _xla_flags  # noqa: F401  (must run before JAX picks a backe
 
 from specjax import core, drafters, hsd, models, sharding
 from specjax.core import sampling, tree
-from specjax.core.decoding import AR, PAD, DecodeState, GenerateOutput, generate, prepare
+from specjax.core.decoder import (PAD, Batch, DecodeOutput, Decoder, Request, Stats, decode,
+                                  prepare)
+from specjax.core.decoding import AR, DecodeState, GenerateOutput, generate
 from specjax.core.sampling import Greedy, Sample
 from specjax.core.speculative import SpecOutput, Speculative, SpecState, speculative_generate
 from specjax.core.verify import Draft, Rejection, Typical, VerifyResult, verify
@@ -23,4 +25,7 @@ __all__ = ["core", "models", "sampling", "sharding", "tree", "drafters", "hsd", 
            "verify", "Draft", "VerifyResult", "Rejection", "Typical", "ModelDrafter",
            "EarlyExitDrafter", "NGramDrafter", "Hierarchy", "hsd_generate",
            # the jittable pieces behind the host wrappers: init / step / loop / output
-           "AR", "DecodeState", "Speculative", "SpecState", "HSD", "prepare"]
+           # one decoder protocol: any Decoder runs through decode(), or inside your own jit
+           # as init / step / done / output over a prepare()d Batch
+           "Decoder", "decode", "Batch", "prepare", "DecodeOutput", "Request", "Stats",
+           "AR", "DecodeState", "Speculative", "SpecState", "HSD"]

@@ -149,53 +149,32 @@ def _sampling_kw(sampler, seed: int = 0) -> dict:
     return {"sampler": sampler, "key": jax.random.key(seed)}
 
 
+def decoder_method(lm, built, sampler=None) -> Method:
+    """specjax decoding with a built method (``specjax.methods.build``: any decoder and its
+    parameters); greedy by default."""
+
+    def run(ids: list[int], n: int) -> Run:
+        kw = dict(max_new_tokens=n, eos_ids=lm.eos_ids, **_sampling_kw(sampler))
+        out, dt, compile_s = _timed(lambda: built([ids], **kw))
+        kind = built.spec.kind
+        levels = None if kind != "hsd" else {
+            "forwards": np.asarray(out.forwards).tolist(),
+            "drafted": np.asarray(out.drafted).tolist(),
+            "accepted": np.asarray(out.accepted).tolist()}
+        spec = kind not in ("ar", "hsd")
+        return Run(out.to_lists()[0], dt, int(out.target_forwards[0]), compile_s,
+                   np.asarray(out.accepted_at[0]).tolist() if spec else None, levels,
+                   int(out.verified_tokens[0]) if spec else None)
+
+    return run
+
+
 def ar_method(lm, sampler=None) -> Method:
     """specjax autoregressive decoding (one jitted while_loop); greedy by default."""
-    from specjax.core.decoding import generate
+    from specjax import methods
 
-    def run(ids: list[int], n: int) -> Run:
-        call = lambda: generate(lm.model, lm.params, [ids], max_new_tokens=n, eos_ids=lm.eos_ids,
-                                mesh=lm.mesh, **_sampling_kw(sampler))
-        out, dt, compile_s = _timed(call)
-        toks = out.to_lists()[0]
-        return Run(toks, dt, len(toks), compile_s)
+    return decoder_method(lm, methods.build(methods.AR(), lm), sampler)
 
-    return run
-
-
-def sd_method(lm, drafter, dparams=None, sampler=None, widths=None) -> Method:
-    """specjax speculative decoding with ``drafter``; greedy by default. ``widths``: the
-    verification-width policy (``specjax.core.widths``; default ``auto``)."""
-    from specjax.core.speculative import speculative_generate
-
-    def run(ids: list[int], n: int) -> Run:
-        kw = dict(max_new_tokens=n, eos_ids=lm.eos_ids, mesh=lm.mesh, widths=widths,
-                  **_sampling_kw(sampler))
-        out, dt, compile_s = _timed(
-            lambda: speculative_generate(lm.model, lm.params, drafter, dparams, [ids], **kw))
-        return Run(out.to_lists()[0], dt, int(out.target_forwards[0]), compile_s,
-                   np.asarray(out.accepted_at[0]).tolist(),
-                   verified_tokens=int(out.verified_tokens[0]))
-
-    return run
-
-
-def hsd_method(lm, hierarchy, hparams=None, sampler=None, widths=None) -> Method:
-    """specjax hierarchical speculative decoding (``specjax.hsd``); greedy by default.
-    ``widths``: the verification-width policy (``specjax.core.widths``; default ``auto``)."""
-    from specjax.hsd import hsd_generate
-
-    def run(ids: list[int], n: int) -> Run:
-        kw = dict(max_new_tokens=n, eos_ids=lm.eos_ids, hparams=hparams, mesh=lm.mesh,
-                  widths=widths, **_sampling_kw(sampler))
-        out, dt, compile_s = _timed(lambda: hsd_generate(lm.model, lm.params, hierarchy, [ids],
-                                                         **kw))
-        return Run(out.to_lists()[0], dt, int(out.forwards[-1]), compile_s,
-                   levels={"forwards": np.asarray(out.forwards).tolist(),
-                           "drafted": np.asarray(out.drafted).tolist(),
-                           "accepted": np.asarray(out.accepted).tolist()})
-
-    return run
 
 
 def load_hf(lm):

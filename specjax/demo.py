@@ -10,41 +10,30 @@ recorded choice only. ``--remeasure`` measures again. The file lives in ``$SPECJ
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
 from pathlib import Path
 
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """One decoding configuration, as the CLI's ``--method`` and its options."""
-
-    method: str
-    drafter: str = "ngram"
-    eagle: str = "eagle2"
-    redrafter: str = "redrafter"
-
-    @property
-    def name(self) -> str:
-        if self.method == "sd":
-            return f"sd-{self.drafter}"
-        return {"eagle2": self.eagle, "redrafter": self.redrafter}.get(self.method, self.method)
+from specjax import methods
 
 
 # Verification widths 4 and 8 (root included): the cheapest wide forwards on XLA:CPU
-# (docs/results/width_cost_cpu.json). Each is lossless.
-CANDIDATES = (
-    Candidate("sd", "ngram:3"),
-    Candidate("sd", "ngram:7"),
-    # runs only where a ReDrafter head ships for the model (``cmd_demo`` drops candidates
-    # whose head does not ship); none ships now, since both trained heads were slower than ar
-    Candidate("redrafter", redrafter="redrafter:1,3"),
-    Candidate("eagle2", eagle="eagle2:2,2,3"),
-    Candidate("eagle2", eagle="eagle2:3,4,7"),
-    Candidate("eagle2", eagle="eagle2:4,4,7"),
-)
+# (docs/results/width_cost_cpu.json). Each is lossless. ``redrafter:1,3`` runs only where a
+# ReDrafter head ships for the model (``available``); none ships now, since both trained
+# heads were slower than ar.
+CANDIDATES = tuple(methods.parse(t) for t in (
+    "sd-ngram:3", "sd-ngram:7", "redrafter:1,3", "eagle2:2,2,3", "eagle2:3,4,7",
+    "eagle2:4,4,7"))
+
+
+def available(model: str, candidates=CANDIDATES) -> tuple:
+    """The candidates that can run on ``model``: those needing a head where one ships."""
+    from specjax.drafters import eagle, redrafter
+
+    shipped = {"eagle2": eagle.shipped_head, "redrafter": redrafter.shipped_head}
+    return tuple(c for c in candidates
+                 if c.kind not in shipped or shipped[c.kind](model) is not None)
 
 
 def cache_file(model: str) -> Path:
@@ -68,20 +57,20 @@ def cache_file(model: str) -> Path:
     return cache_dir() / f"demo_{key}.json"
 
 
-def read_choice(model: str, candidates=CANDIDATES) -> Candidate | None:
+def read_choice(model: str, candidates=CANDIDATES):
     """The recorded fastest candidate, or None when nothing valid is recorded."""
     f = cache_file(model)
     try:
         rec = json.loads(f.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    by_name = {c.name: c for c in candidates}
+    by_name = {c.format(): c for c in candidates}
     if rec.get("candidates") != sorted(by_name) or rec.get("choice") not in by_name:
         return None
     return by_name[rec["choice"]]
 
 
-def write_choice(model: str, results: dict[str, dict], candidates=CANDIDATES) -> Candidate:
+def write_choice(model: str, results: dict[str, dict], candidates=CANDIDATES):
     """Records the fastest of ``results`` (name -> the CLI's run dict, with ``tokens_per_s``
     and ``lossless``) among candidates that matched ``ar``; returns it."""
     ok = {n: r for n, r in results.items() if r["lossless"]}
@@ -91,9 +80,9 @@ def write_choice(model: str, results: dict[str, dict], candidates=CANDIDATES) ->
     f = cache_file(model)
     f.parent.mkdir(parents=True, exist_ok=True)
     f.write_text(json.dumps({
-        "choice": best, "candidates": sorted(c.name for c in candidates),
+        "choice": best, "candidates": sorted(c.format() for c in candidates),
         "tokens_per_s": {n: round(r["tokens_per_s"], 2) for n, r in results.items()},
         "tau": {n: round(r["tau"], 3) for n, r in results.items()},
         "ar_tokens_per_s": round(next(iter(results.values()))["ar_tokens_per_s"], 2)},
         indent=1))
-    return {c.name: c for c in candidates}[best]
+    return {c.format(): c for c in candidates}[best]

@@ -427,33 +427,29 @@ def _runner(lm, args, method: str, layers: int, seed: int = 1):
     import jax
     import jax.numpy as jnp
 
-    from specjax import bench, cli
+    from specjax import bench, methods
     from specjax.drafters import eagle, redrafter
 
-    if method.startswith("eagle2"):
-        opts = eagle.parse_spec(method)
-        vocab = opts.pop("vocab", None)
+    spec = methods.parse(method if method != "hsd" else f"hsd:ngram:4,{layers}:3,target")
+    opts = methods.Options(widths=getattr(args, "verify_widths", None), layers=(layers,))
+    if isinstance(spec, methods.Eagle):
         head = eagle.init_head(lm.model.config, jax.random.key(seed))
         head = jax.tree.map(lambda x: jnp.asarray(x, lm.model.compute_dtype), head)
-        sub = None if not vocab else np.arange(vocab)
-        d = eagle.EagleDrafter(lm.model, **opts)
+        sub = None if not spec.vocab else np.arange(spec.vocab)
+        d = eagle.EagleDrafter(lm.model, **spec.drafter_kwargs())
         dp = eagle.draft_params(head, lm.model, lm.params, sub)
-        d.check(lm.model)
-        return bench.sd_method(lm, d, dp, None, getattr(args, "verify_widths", None)), method
-    if method.startswith("redrafter"):
+        built = methods.speculative(spec, lm, opts, d, dp)
+    elif isinstance(spec, methods.Redrafter):
         cfg = lm.model.config
         dv = min(8192, cfg.vocab_size)
         head = redrafter.init_head(cfg.hidden_size, dv, jax.random.key(seed))
         head = jax.tree.map(lambda x: jnp.asarray(x, lm.model.compute_dtype), head)
-        d = redrafter.RedrafterDrafter(lm.model, **redrafter.parse_spec(method))
+        d = redrafter.RedrafterDrafter(lm.model, **spec.drafter_kwargs())
         dp = redrafter.draft_params(head, np.arange(dv, dtype=np.int32))
-        d.check(lm.model)
-        return bench.sd_method(lm, d, dp, None, getattr(args, "verify_widths", None)), method
-    if method == "hsd":
-        method = f"hsd:ngram:4,{layers}:3,target"
-    hier: dict = {}
-    threads = os.cpu_count() or 1
-    return cli._bench_runners(args, lm, [method], threads, hier)[method], method
+        built = methods.speculative(spec, lm, opts, d, dp)
+    else:
+        built = methods.build(spec, lm, opts)
+    return bench.decoder_method(lm, built), built.name
 
 
 def _settings_of(args) -> dict:

@@ -8,6 +8,7 @@ import pytest
 
 import specjax
 from specjax.hsd import calibrate, hierarchy
+from specjax.hsd.spec import HierarchySpec
 from specjax import hsd
 from specjax.core import sampling
 from specjax.drafters.exit_heads import exit_head, init_heads
@@ -214,13 +215,14 @@ def test_hierarchy_specs_parse_strictly_and_run(toy):
     assert calibrate.format_hierarchy((0, 2, 3), (4, 3), LAYERS) == "ngram:4,2:3,target"
     spec = "ngram:4,2@0.5:3,target"  # level 1 drafts at its own temperature
     assert calibrate.parse_hierarchy(spec, LAYERS) == ((0, 2, 3), (4, 3))
-    assert calibrate.level_temperatures(spec) == (None, 0.5, None)
+    assert HierarchySpec.parse(spec).temperatures == (None, 0.5, None)
+    assert HierarchySpec.parse(spec).format() == spec
     assert calibrate.format_hierarchy((0, 2, 3), (4, 3), LAYERS, (None, 0.5)) == spec
     h, _ = calibrate.hierarchy_from((0, 2, 3), (4, 3), LAYERS, heads, (None, 0.5))
     assert h.levels[1].temperature == 0.5 and h.levels[2].temperature is None
     spec = "ngram:4,2@0.5:3,target+h10"  # and the horizontal heuristic
     assert calibrate.parse_hierarchy(spec, LAYERS) == ((0, 2, 3), (4, 3))
-    assert calibrate.horizontal_of(spec) == ("ngram:4,2@0.5:3,target", 10)
+    assert HierarchySpec.parse(spec).horizontal == 10
     assert calibrate.format_hierarchy((0, 2, 3), (4, 3), LAYERS, (None, 0.5), 10) == spec
     assert calibrate.hierarchy_from((0, 2, 3), (4, 3), LAYERS, heads, None, 10)[0].horizontal == 10
     for bad in ("ngram@0.5:4,target", "2@x:3,target", "2@-1:3,target", "2:3,target+hx"):

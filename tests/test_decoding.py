@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import specjax
-from specjax.core import decoding, sampling
+from specjax.core import decoder, decoding, sampling
 from specjax.models.llama import Llama, LlamaConfig, init_params
 
 PROMPTS = [
@@ -79,22 +79,22 @@ def test_greedy_equals_teacher_forced_argmax_toy(toy):
 def test_no_recompile_for_new_prompt_length_or_budget(toy):
     model, params = toy
     specjax.generate(model, params, [[1, 2, 3]], max_new_tokens=10, cache_size=128)
-    n_exes = len(decoding._DECODE._exes)
+    n_exes = len(decoder._RUN._exes)
     again = specjax.generate(model, params, [[5, 6, 7, 8, 9, 10, 11]], max_new_tokens=13,
                              cache_size=128)
-    assert again.compile_s == 0.0 and len(decoding._DECODE._exes) == n_exes
+    assert again.compile_s == 0.0 and len(decoder._RUN._exes) == n_exes
     assert int(again.lengths[0]) == 13
 
 
 def test_prompt_too_long_fails_before_running(toy):
     model, params = toy
-    n_exes = len(decoding._DECODE._exes)
+    n_exes = len(decoder._RUN._exes)
     with pytest.raises(ValueError, match=r"row 1: prompt of 120 tokens \+ 20 new tokens = 140 "
                                          r"does not fit the cache of 128"):
         specjax.generate(model, params, [[1] * 10, [1] * 120], max_new_tokens=20, cache_size=128)
     with pytest.raises(ValueError, match="exceeds the model's context of 512"):
         specjax.generate(model, params, [[1] * 500], max_new_tokens=20)
-    assert len(decoding._DECODE._exes) == n_exes, "nothing may compile before the check"
+    assert len(decoder._RUN._exes) == n_exes, "nothing may compile before the check"
 
 
 def test_bad_arguments_fail_clearly(toy):

@@ -19,8 +19,8 @@ def cache_dir(tmp_path, monkeypatch):
 def test_fastest_lossless_candidate_is_recorded_and_read_back():
     cands = demo.CANDIDATES
     assert demo.read_choice("smollm2-135m", cands) is None
-    results = {c.name: _run(10.0 + i) for i, c in enumerate(cands)}
-    results[cands[-1].name] = _run(99.0, lossless=False)  # fastest, but not equal to ar
+    results = {c.format(): _run(10.0 + i) for i, c in enumerate(cands)}
+    results[cands[-1].format()] = _run(99.0, lossless=False)  # fastest, but not equal to ar
     best = demo.write_choice("smollm2-135m", results, cands)
     assert best == cands[-2]
     assert demo.read_choice("smollm2-135m", cands) == cands[-2]
@@ -29,7 +29,7 @@ def test_fastest_lossless_candidate_is_recorded_and_read_back():
 
 def test_a_record_for_other_candidates_is_ignored():
     cands = demo.CANDIDATES
-    demo.write_choice("smollm2-135m", {c.name: _run(1.0) for c in cands}, cands)
+    demo.write_choice("smollm2-135m", {c.format(): _run(1.0) for c in cands}, cands)
     assert demo.read_choice("smollm2-135m", cands[:2]) is None
 
 
@@ -39,7 +39,10 @@ def test_no_lossless_candidate_is_an_error():
 
 
 def test_candidate_names_are_bench_method_names():
-    from specjax.cli import split_methods
+    from specjax import methods
 
-    names = [c.name for c in demo.CANDIDATES]
-    assert split_methods(",".join(names)) == names
+    names = [c.format() for c in demo.CANDIDATES]
+    assert methods.split(",".join(names)) == names
+    assert [methods.parse(n) for n in names] == list(demo.CANDIDATES)
+    assert [c.format() for c in demo.available("smollm2-135m")] == [
+        n for n in names if not n.startswith("redrafter")]  # no ReDrafter head ships

@@ -47,6 +47,21 @@ PROBES = [  # argv, exit code, a piece of the message
     (["bench", "--questions", "{d}/list.jsonl"], 1, "list.jsonl:1: expected a JSON object"),
     (["bench", "--questions", "{d}/missing.jsonl"], 1, "missing.jsonl does not exist"),
     (["train", "eagle", "--data", "x"], 2, "--run"),
+    # non-finite sampling values, unwritable outputs and corrupt inputs: named at once
+    (["generate", "--prompt", "hi", "--temperature", "inf"], 2, "--temperature must be a finite"),
+    (["generate", "--prompt", "hi", "--temperature", "nan"], 2, "--temperature must be a finite"),
+    (["generate", "--prompt", "hi", "--method", "foo"], 2, "unknown method 'foo'"),
+    (["generate", "--prompt", "hi", "--method", "eagle2:3,4"], 2, "want depth,topk,total"),
+    (["calibrate", "--out", "{d}/empty.jsonl/x.json"], 2, "empty.jsonl is a file"),
+    (["tune", "--calibration", "{d}/malformed.jsonl"], 2,
+     "malformed.jsonl is not a calibration JSON file"),
+    (["tune", "--calibration", "{d}/missing.json"], 2, "cannot read calibration"),
+    (["bench", "--out", "{d}"], 2, "is a directory; give a file path"),
+    (["distill", "--prompts", "p", "--out", "{d}/empty.jsonl"], 2, "is a file; give a directory"),
+    (["features", "--prompts", "p", "--out", "{d}/list.jsonl/c"], 2, "list.jsonl is a file"),
+    (["train", "eagle", "--data", "x", "--run", "{d}/empty.jsonl"], 2, "--run"),
+    (["train", "redrafter", "--data", "x", "--run", "r", "--export", "{d}/list.jsonl/h"], 2,
+     "--export"),
 ]
 
 
@@ -73,7 +88,8 @@ def test_debug_shows_the_traceback(tmp_path, no_model):
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=-1.0), dict(temperature=0), dict(top_k=-1),
-                                dict(top_p=0.0), dict(top_p=1.5)])
+                                dict(top_p=0.0), dict(top_p=1.5),
+                                dict(temperature=float("inf")), dict(top_p=float("nan"))])
 def test_sample_rejects_values_outside_their_range(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         sampling.Sample(**kw)

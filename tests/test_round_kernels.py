@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import device_check as dc
-from specjax.core import decoding, sampling, speculative
+from specjax.core import decoder, decoding, sampling, speculative
 from specjax.drafters import eagle, ngram
 from specjax.models import llama, loading
 
@@ -32,20 +32,19 @@ def _round(method: str, layers: int = 2) -> dict:
     model = loading.model_for(cfg, jnp.float32)
     params = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0), jnp.float32))
     row = jax.ShapeDtypeStruct((1,), jnp.int32)
-    args = (jax.ShapeDtypeStruct((1, C), jnp.int32), row, row, sampling.Greedy(),
-            jax.eval_shape(lambda: jax.random.key(0)), jax.ShapeDtypeStruct((1,), jnp.int32))
+    batch = decoder.Batch(tokens=jax.ShapeDtypeStruct((1, C), jnp.int32), lengths=row,
+                          budgets=row, eos=row, key=jax.eval_shape(lambda: jax.random.key(0)),
+                          sampler=sampling.Greedy(), capacity=C, max_out=MAX)
     if method == "ar":
-        fn = jax.jit(decoding._decode, static_argnames=("dec",))
-        lowered = fn.lower(params, *args, dec=decoding.AR(model, C, MAX))
+        dec = decoding.AR(model)
     else:
         if method == "ngram":
             drafter, dparams = ngram.NGramDrafter(depth=7), None
         else:
             drafter = eagle.EagleDrafter(model, depth=3, topk=4, total_tokens=7)
             dparams = {"head": jax.eval_shape(lambda: eagle.init_head(cfg, jax.random.key(1)))}
-        spec = speculative.Speculative(model, drafter, C, MAX, "padded")
-        fn = jax.jit(speculative._speculate, static_argnames=("spec",))
-        lowered = fn.lower(params, dparams, *args, spec=spec)
+        dec, params = speculative.Speculative(model, drafter, "padded"), (params, dparams)
+    lowered = jax.jit(decoder._run, static_argnames=("dec",)).lower(params, batch, dec=dec)
     return dc.hlo_stats(lowered.compile().as_text())["round"]
 
 

@@ -1,6 +1,7 @@
-"""The public jittable pieces (``init``, ``step``, ``loop``, ``output``) of every method:
-a user-written ``lax.scan`` over ``step`` inside the user's own ``jit`` gives the host
-wrapper's tokens, and stepping a finished state changes nothing."""
+"""The one decoder protocol (``init``, ``step``, ``done``, ``output``) of every method: a
+user-written ``lax.scan`` over ``step`` inside the user's own ``jit``, with the ``Batch``
+passed in as a pytree, gives the host wrapper's tokens, and stepping a finished state
+changes nothing."""
 
 from __future__ import annotations
 
@@ -34,24 +35,25 @@ def _scan(dec, params: tuple, x, n_steps: int):
     each step's emitted counts), output; all inside one jit."""
 
     @jax.jit
-    def run(params, tokens, lengths, budgets, key, eos):
-        s = dec.init(*params, tokens, lengths, budgets, key, eos)
-        s, nums = lax.scan(lambda s, _: (dec.step(*params, s), _num(s)), s, None,
+    def run(params, x):
+        s = dec.init(params, x)
+        s, nums = lax.scan(lambda s, _: (dec.step(params, s), _num(s)), s, None,
                            length=n_steps)
         return dec.output(s), nums, s
 
-    return run(params, x.tokens, x.lengths, x.budgets, x.key, x.eos)
+    return run(params, x)
 
 
 def _num(s):
-    return s.num if hasattr(s, "num") else s.n[-1] - s.prompt_len
+    return s.num if hasattr(s, "num") else s.n[-1] - s.req.prompt_len
 
 
 def test_ar_steps_under_a_user_scan(toy):
     model, tp = toy
     x = specjax.prepare(model, PROMPTS, NEW)
-    ar = specjax.AR(model, x.capacity, x.max_out)
-    out, nums, s = _scan(ar, (tp,), x, NEW - 1)
+    ar = specjax.AR(model)
+    assert isinstance(ar, specjax.Decoder)
+    out, nums, s = _scan(ar, tp, x, NEW - 1)
     ref = specjax.generate(model, tp, PROMPTS, max_new_tokens=NEW)
     assert out.to_lists() == ref.to_lists()
     assert np.all(np.diff(np.asarray(nums), axis=0) >= 0)  # counts only grow, step by step
@@ -68,32 +70,31 @@ def test_speculative_steps_under_a_user_scan(toy, kind):
     else:
         drafter = eagle.EagleDrafter(model, depth=3, topk=2, total_tokens=6)
         dp = eagle.draft_params(eagle.init_head(TOY, jax.random.key(2)), model, tp)
-    x = specjax.prepare(model, PROMPTS, NEW, extra=drafter.num_nodes + 1)
-    spec = specjax.Speculative(model, drafter, x.capacity, x.max_out,
-                               tuple(sorted(set(drafter.verify_widths))))
+    spec = specjax.Speculative(model, drafter, tuple(sorted(set(drafter.verify_widths))))
+    x = specjax.prepare(model, PROMPTS, NEW, extra=spec.scratch)
+    assert spec.scratch == drafter.num_nodes + 1
     out, nums, s = _scan(spec, (tp, dp), x, NEW - 1)  # each round emits >= 1 token
     ref = specjax.speculative_generate(model, tp, drafter, dp, PROMPTS, max_new_tokens=NEW)
     assert out.to_lists() == ref.to_lists() == specjax.generate(
         model, tp, PROMPTS, max_new_tokens=NEW).to_lists()
     np.testing.assert_array_equal(out.target_forwards, ref.target_forwards)
     assert bool(jnp.all(s.done))
-    again = jax.jit(spec.step)(tp, dp, s)
+    again = jax.jit(spec.step)((tp, dp), s)
     np.testing.assert_array_equal(again.tokens, s.tokens)
-    np.testing.assert_array_equal(again.rounds, s.rounds)
+    np.testing.assert_array_equal(again.stats.forwards, s.stats.forwards)
 
 
 def test_hsd_steps_under_a_user_scan(toy):
     model, tp = toy
     h = Hierarchy((NGram(specjax.NGramDrafter(depth=4, min_ngram=1)), Exit(1), Exit()),
                   T=(2, 2))
-    extra = sum(m + 1 for m in h.buffer) + 2 * 2 + 2
-    x = specjax.prepare(model, PROMPTS, NEW, extra=extra)
-    dec = HSD(model, h, x.capacity, x.max_out)
+    dec = HSD(model, h)
+    x = specjax.prepare(model, PROMPTS, NEW, extra=dec.scratch)
     hp = (None, None, None)
     out, nums, s = _scan(dec, (tp, hp), x, NEW - 1)
     ref = specjax.hsd_generate(model, tp, h, PROMPTS, max_new_tokens=NEW)
     assert out.to_lists() == ref.to_lists()
     np.testing.assert_array_equal(out.forwards, ref.forwards)
-    loop = jax.jit(lambda tp, s: dec.output(dec.loop(tp, hp, s)))
-    s0 = jax.jit(lambda tp: dec.init(tp, hp, x.tokens, x.lengths, x.budgets, x.key, x.eos))(tp)
+    loop = jax.jit(lambda tp, s: dec.output(dec.loop((tp, hp), s)))
+    s0 = jax.jit(lambda tp, x: dec.init((tp, hp), x))(tp, x)
     assert loop(tp, s0).to_lists() == ref.to_lists()  # loop is the host wrapper's path

@@ -33,6 +33,9 @@ class NoDraft:
     num_nodes = 0
     depth = 0
     verify_widths = (1,)
+    chain = True
+    needs_features = False
+    draft_model = None
 
     def check(self, target):
         pass
@@ -140,10 +143,9 @@ def test_padded_traces_one_verification_forward(toy):
     x = specjax.prepare(model, PROMPTS, BUDGETS, extra=drafter.num_nodes + 1)
     for policy in ("padded", "per-width", "merged"):
         expect = widths.resolve(drafter, policy)
-        spec = specjax.Speculative(model, drafter, x.capacity, x.max_out, policy, chunk=16)
+        spec = specjax.Speculative(model, drafter, policy, chunk=16)
         _TRACED.clear()
-        jax.jit(lambda tp, dp: spec.output(spec.loop(tp, dp, spec.init(
-            tp, dp, x.tokens, x.lengths, x.budgets, x.key, x.eos)))).lower(tp, rd)
+        jax.jit(lambda p, x: spec.output(spec.loop(p, spec.init(p, x)))).lower((tp, rd), x)
         assert sorted(_TRACED) == sorted([16, *expect]), policy  # prefill + verification
     assert widths.resolve(drafter, "padded") == (17,)
 
@@ -166,4 +168,4 @@ def test_policies_resolve(toy):
     with pytest.raises(ValueError, match="unknown verification widths 'wide'"):
         widths.as_policy("wide")
     with pytest.raises(ValueError, match="must lie in"):
-        specjax.Speculative(model, rd, 64, 16, (5, 9))
+        specjax.Speculative(model, rd, (5, 9))

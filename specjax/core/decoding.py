@@ -1,4 +1,5 @@
-"""Autoregressive decoding: one jitted ``lax.while_loop``, batched, with per-row stops.
+"""Autoregressive decoding (``AR``, a ``specjax.core.decoder.Decoder``) and the chunked
+prefill every decoder starts with; batched, with per-row stops.
 
 Shapes are bucketed so that a new prompt length or token budget does not recompile: the
 prompt buffer is as wide as the cache (a multiple of 128 by default), prefill runs in
@@ -13,58 +14,16 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 from jax import lax
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Int
 
-from specjax import sharding
-from specjax.core import encdec, sampling
-from specjax._compile import AotCache
+from specjax.core import decoder, encdec, sampling
+from specjax.core.decoder import (PAD, Batch, DecodeOutput, Request, Stats, plan_shapes,
+                                  prepare, stops)
 from specjax.sharding import constrain_cache
 from specjax.models.kv_cache import KVCache
 
-PAD = -1  # token id written after a row's last generated token
-
-
-class Rows:
-    """What every decoding output shares: ``tokens`` ``[B, N]`` with ``lengths`` ``[B]``."""
-
-    def to_lists(self) -> list[list[int]]:
-        """Each row's generated tokens, without padding."""
-        toks, lens = np.asarray(self.tokens), np.asarray(self.lengths)
-        return [toks[b, : lens[b]].tolist() for b in range(toks.shape[0])]
-
-
-@struct.dataclass
-class GenerateOutput(Rows):
-    """Generated tokens ``[B, N]`` (``PAD`` after each row's end) and per-row counts."""
-
-    tokens: Int[Array, "B N"]
-    lengths: Int[Array, "B"]
-    compile_s: float = struct.field(pytree_node=False, default=0.0)
-
-
-@struct.dataclass
-class DecodeState:
-    """``AR``'s loop state: generated tokens so far (``PAD`` after ``num``), the per-row
-    stop flags, the cache, and the per-call settings (budgets, EOS ids, sampler)."""
-
-    tokens: Int[Array, "B N"]
-    num: Int[Array, "B"]
-    done: Bool[Array, "B"]
-    last: Int[Array, "B"]
-    cache: KVCache
-    key: Array
-    budget: Int[Array, "B"]
-    eos_ids: Int[Array, "E"]
-    sampler: Any
-
-
-def stops(tok: Int[Array, "B"], num: Int[Array, "B"], budget: Int[Array, "B"],
-          eos_ids: Int[Array, "E"]) -> Bool[Array, "B"]:
-    """Whether a row ends after emitting ``tok`` as its ``num``-th token."""
-    return jnp.any(tok[:, None] == eos_ids[None, :], axis=-1) | (num >= budget)
 
 
 def prefill(model, params, prompt: Int[Array, "B S"], prompt_len: Int[Array, "B"],
@@ -103,158 +62,88 @@ def prefill(model, params, prompt: Int[Array, "B S"], prompt_len: Int[Array, "B"
     return (h_last, cache, h_all) if keep_hidden else (h_last, cache)
 
 
+@struct.dataclass
+class DecodeState:
+    """``AR``'s loop state: generated tokens so far (``PAD`` after ``num``), the per-row
+    stop flags, the last token, the cache, the key, the request and the statistics."""
+
+    tokens: Int[Array, "B N"]
+    num: Int[Array, "B"]
+    done: Bool[Array, "B"]
+    last: Int[Array, "B"]
+    cache: KVCache
+    key: Array
+    req: Request
+    stats: Stats
+
+
 @dataclasses.dataclass(frozen=True)
 class AR:
-    """Autoregressive decoding as pure, jittable pieces (pytrees in, pytrees out, no host
-    syncs): ``init`` prefills and emits each row's first token, ``step`` emits one more
-    token for every unfinished row (finished rows are left unchanged), ``loop`` steps until
-    every row is done, ``output`` packs the result. Static settings live here, so the
-    object is a valid static argument of ``jax.jit``; ``prepare`` sizes ``capacity`` and
-    ``max_out`` for a batch. With ``mesh``, the cache is pinned to
+    """Autoregressive decoding, a ``specjax.core.decoder.Decoder``: ``init`` prefills and
+    emits each row's first token, ``step`` emits one more token for every unfinished row
+    (finished rows are left unchanged). Static settings only, so the object is a valid
+    static argument of ``jax.jit``. With ``mesh``, the cache is pinned to
     ``specjax.sharding.cache_spec`` (pass parameters placed by ``shard_params``)."""
 
     model: Any
-    capacity: int
-    max_out: int
     chunk: int = 64
     mesh: Any = None
 
-    def init(self, params, prompt: Int[Array, "B C"], prompt_len: Int[Array, "B"],
-             budget: Int[Array, "B"], key: Array, eos_ids: Int[Array, "E"],
-             sampler: sampling.Sampler = sampling.Greedy()) -> DecodeState:
-        model, b = self.model, prompt.shape[0]
-        cache = constrain_cache(model.init_cache(b, self.capacity),
-                                self.mesh)
-        h_last, cache = prefill(model, params, prompt, prompt_len, cache, self.chunk)
-        key, sub = jax.random.split(key)
-        first = sampling.sample(sub, model.logits(params, h_last), sampler)
+    scratch = 0  # one token per step: nothing is written past the budget
+
+    def bind(self, params, prompts, source_size=None, mesh=None):
+        return encdec.bind_sources(self.model, params, prompts, source_size, mesh)
+
+    def init(self, params, batch: Batch) -> DecodeState:
+        model, b = self.model, batch.tokens.shape[0]
+        req = Request.of(batch)
+        cache = constrain_cache(model.init_cache(b, batch.capacity), self.mesh)
+        h_last, cache = prefill(model, params, batch.tokens, batch.lengths, cache, self.chunk)
+        key, sub = jax.random.split(batch.key)
+        first = sampling.sample(sub, model.logits(params, h_last), req.sampler)
         one = jnp.ones((b,), jnp.int32)
         return DecodeState(
-            tokens=jnp.full((b, self.max_out), PAD, jnp.int32).at[:, 0].set(first), num=one,
-            done=stops(first, one, budget, eos_ids), last=first, cache=cache, key=key,
-            budget=budget, eos_ids=eos_ids, sampler=sampler)
+            tokens=jnp.full((b, batch.max_out), PAD, jnp.int32).at[:, 0].set(first), num=one,
+            done=req.stops(first, one), last=first, cache=cache, key=key, req=req,
+            stats=Stats.zeros(1, b))
 
     def step(self, params, s: DecodeState) -> DecodeState:
         logits, _, cache = self.model.forward(params, s.last[:, None], s.cache.length[:, None],
                                               s.cache)
         key, sub = jax.random.split(s.key)
-        tok = sampling.sample(sub, logits[:, 0], s.sampler)
+        tok = sampling.sample(sub, logits[:, 0], s.req.sampler)
         active = ~s.done
-        slot = jnp.where(active, s.num, self.max_out)  # done rows write out of bounds: dropped
+        max_out = s.tokens.shape[1]
+        slot = jnp.where(active, s.num, max_out)  # done rows write out of bounds: dropped
         num = s.num + active
         b = tok.shape[0]
+        stats = s.stats.add(0, forwards=active)
         return s.replace(
             tokens=s.tokens.at[jnp.arange(b), slot].set(tok, mode="drop"), num=num,
-            done=s.done | stops(tok, num, s.budget, s.eos_ids),
-            last=jnp.where(active, tok, s.last),
-            cache=constrain_cache(cache.advance(active), self.mesh), key=key)
+            done=s.done | s.req.stops(tok, num), last=jnp.where(active, tok, s.last),
+            cache=constrain_cache(cache.advance(active), self.mesh), key=key,
+            stats=stats.replace(verified=stats.verified + active))
+
+    def done(self, s: DecodeState) -> Bool[Array, "B"]:
+        return s.done
 
     def loop(self, params, s: DecodeState) -> DecodeState:
-        return lax.while_loop(lambda s: jnp.any(~s.done), lambda s: self.step(params, s), s)
+        return decoder.loop(self, params, s)
 
-    def output(self, s: DecodeState) -> GenerateOutput:
-        return GenerateOutput(tokens=s.tokens, lengths=s.num)
-
-
-def _decode(params, prompt, prompt_len, budget, sampler, key, eos_ids, *, dec: AR
-            ) -> GenerateOutput:
-    return dec.output(dec.loop(params, dec.init(params, prompt, prompt_len, budget, key,
-                                                eos_ids, sampler)))
+    def output(self, s: DecodeState) -> DecodeOutput:
+        return DecodeOutput(tokens=s.tokens, lengths=s.num, stats=s.stats)
 
 
-_DECODE = AotCache(_decode, ("dec",))
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def plan_shapes(prompt_lens: Sequence[int], budgets: Sequence[int], max_positions: int,
-                cache_size: int | None, chunk: int, extra: int = 0) -> tuple[int, int]:
-    """The (cache capacity, output width) a call compiles for; raises if a row cannot fit.
-
-    Each row needs its prompt, its budget and ``extra`` scratch slots (one round's draft).
-    Raises ``ValueError`` naming the row when that exceeds the cache or the model's
-    context, before anything is compiled or run.
-    """
-    if min(prompt_lens) < 1:
-        raise ValueError("every prompt needs at least one token")
-    if min(budgets) < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {min(budgets)}")
-    need = [p + n + extra for p, n in zip(prompt_lens, budgets)]
-    row = int(np.argmax(need))
-    what = (f"row {row}: prompt of {prompt_lens[row]} tokens + {budgets[row]} new tokens"
-            + (f" + {extra} draft slots" if extra else ""))
-    if need[row] > max_positions:
-        raise ValueError(f"{what} exceeds the model's context of {max_positions} positions")
-    if cache_size is None:
-        capacity = min(_round_up(need[row], 128), _round_up(max_positions, chunk))
-    else:
-        if cache_size % chunk:
-            raise ValueError(f"cache_size={cache_size} must be a multiple of the prefill "
-                             f"chunk ({chunk})")
-        capacity = cache_size
-    if need[row] > capacity:
-        raise ValueError(f"{what} = {need[row]} does not fit the cache of {capacity} entries")
-    max_out = max(16, 1 << (max(budgets) - 1).bit_length())
-    return capacity, max_out
-
-
-@dataclasses.dataclass(frozen=True)
-class Batch:
-    """A decode call's inputs, checked and laid out on the host: prompts right-padded into a
-    ``[B, capacity]`` buffer, per-row lengths and budgets, EOS ids and the PRNG key."""
-
-    tokens: Int[Array, "B C"]
-    lengths: Int[Array, "B"]
-    budgets: Int[Array, "B"]
-    eos: Int[Array, "E"]
-    key: Array
-    capacity: int
-    max_out: int
-
-
-def prepare(model, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
-            sampler: sampling.Sampler = sampling.Greedy(), key: Array | None = None,
-            eos_ids: Sequence[int] = (), cache_size: int | None = None, chunk: int = 64,
-            extra: int = 0, mesh=None) -> Batch:
-    """Checks a batch against ``model`` and lays it out (``plan_shapes``): prompts present,
-    a key when sampling, one budget per prompt, token ids in the vocabulary, and room for
-    prompt + budget + ``extra`` scratch slots. Raises ``ValueError`` before any compile."""
-    if not prompts:
-        raise ValueError("no prompts given")
-    if isinstance(sampler, sampling.Sample) and key is None:
-        raise ValueError("sampling needs an explicit PRNG key (key=jax.random.key(seed))")
-    lens = [len(p) for p in prompts]
-    budgets = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, (int, np.integer))
-               else list(max_new_tokens))
-    if len(budgets) != len(prompts):
-        raise ValueError(f"{len(budgets)} budgets for {len(prompts)} prompts")
-    capacity, max_out = plan_shapes(lens, budgets, model.config.max_position_embeddings,
-                                    cache_size, chunk, extra)
-    buf = np.zeros((len(prompts), capacity), np.int32)
-    for i, p in enumerate(prompts):
-        buf[i, : len(p)] = p
-    vocab = model.config.vocab_size
-    if buf.max() >= vocab or buf.min() < 0:
-        raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-    if mesh is not None:
-        sharding.check_batch(len(prompts), mesh)
-        sharding.check_model(model.config, mesh)
-    return Batch(tokens=sharding.rows(mesh, jnp.asarray(buf)),
-                 lengths=sharding.rows(mesh, jnp.asarray(lens, jnp.int32)),
-                 budgets=sharding.rows(mesh, jnp.asarray(budgets, jnp.int32)),
-                 eos=sharding.replicated(mesh, jnp.asarray(list(eos_ids) or [PAD], jnp.int32)),
-                 key=sharding.replicated(mesh, jax.random.key(0) if key is None else key),
-                 capacity=capacity, max_out=max_out)
+GenerateOutput = DecodeOutput  # the name ``generate``'s result had before the one protocol
 
 
 def generate(model, params, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int | Sequence[int], sampler: sampling.Sampler = sampling.Greedy(),
              key: Array | None = None, eos_ids: Sequence[int] = (),
              cache_size: int | None = None, chunk: int = 64,
-             source_size: int | None = None, mesh=None) -> GenerateOutput:
-    """Decodes a batch of prompts of any lengths, one token per target forward (``AR``).
+             source_size: int | None = None, mesh=None) -> DecodeOutput:
+    """Decodes a batch of prompts of any lengths, one token per target forward: ``decode``
+    with ``AR(model, chunk, mesh)``.
 
     For an encoder-decoder ``model`` (T5) the prompts are the sources: the encoder runs
     once, and the decoder starts from its ``decoder_start_token_id`` (``source_size`` fixes
@@ -268,10 +157,6 @@ def generate(model, params, prompts: Sequence[Sequence[int]], *,
     With a ``mesh`` (``specjax.sharding.make_mesh``), rows are split over its ``data`` axis
     and the weights over ``model`` (``shard_params``; already placed weights are kept).
     """
-    params, prompts = encdec.bind_sources(model, params, prompts, source_size, mesh)
-    x = prepare(model, prompts, max_new_tokens, sampler=sampler, key=key, eos_ids=eos_ids,
-                cache_size=cache_size, chunk=chunk, mesh=mesh)
-    dec = AR(model, x.capacity, x.max_out, chunk, mesh)
-    out, compile_s = _DECODE(params, x.tokens, x.lengths, x.budgets, sampler, x.key, x.eos,
-                             dec=dec)
-    return out.replace(compile_s=compile_s)
+    return decoder.decode(AR(model, chunk, mesh), params, prompts,
+                          max_new_tokens=max_new_tokens, sampler=sampler, key=key,
+                          eos_ids=eos_ids, cache_size=cache_size, source_size=source_size)

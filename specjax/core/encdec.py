@@ -85,7 +85,7 @@ def bind_drafter(drafter, dparams, target, sources: Sequence[Sequence[int]],
 
     A decoder-only draft model drafts from the decoder's tokens alone (lossless, but blind
     to the source); one with another vocabulary is refused with a message saying so."""
-    dmodel = getattr(drafter, "model", None)
+    dmodel = drafter.draft_model
     if dmodel is None or not is_encoder_decoder(target):
         return dparams
     if not is_encoder_decoder(dmodel):

@@ -25,7 +25,7 @@ class Sample:
     (``top_k <= 0``: no limit) and to the smallest set whose mass reaches ``top_p``.
 
     All three fields are traced values, so changing them does not recompile. Concrete values
-    are checked on construction: ``temperature > 0`` (use ``Greedy`` for 0), ``top_k >= 0``
+    are checked on construction: a finite ``temperature > 0`` (use ``Greedy`` for 0), ``top_k >= 0``
     and ``0 < top_p <= 1``. Under ``jit`` the most likely token is always kept, so no value
     of ``top_k`` or ``top_p`` can leave an empty distribution.
     """
@@ -35,7 +35,8 @@ class Sample:
     top_p: float | Array = 1.0
 
     def __post_init__(self):
-        checks = (("temperature", lambda t: t > 0, "> 0 (Greedy() decodes greedily)"),
+        checks = (("temperature", lambda t: 0 < t < float("inf"),
+                   "finite and > 0 (Greedy() decodes greedily)"),
                   ("top_k", lambda k: k >= 0, ">= 0 (0: no limit)"),
                   ("top_p", lambda p: 0 < p <= 1, "in (0, 1] (1: no limit)"))
         for name, ok, want in checks:

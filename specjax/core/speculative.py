@@ -21,47 +21,23 @@ from jaxtyping import Array, Bool, Int
 
 from specjax import sharding
 from specjax.core import encdec, sampling, tree, widths as width_policy
-from specjax._compile import AotCache
-from specjax.core.decoding import PAD, Rows, prefill, prepare, stops
+from specjax.core import decoder
+from specjax.core.decoder import PAD, Batch, DecodeOutput, Request, Stats
+from specjax.core.decoding import prefill
 from specjax.sharding import constrain_cache
 from specjax.drafters.base import Context
 from specjax.models.kv_cache import KVCache
 from specjax.core.verify import Draft, Rejection, Rule, VerifyResult, sanitize, verify
 
 
-@struct.dataclass
-class SpecOutput(Rows):
-    """Generated tokens ``[B, M]`` (``PAD`` after each row's end) and per-row statistics.
-
-    ``target_forwards`` counts the prefill that yields the first token plus one per round;
-    ``accepted_at[b, i]`` counts rounds whose accepted path reached draft position ``i``;
-    ``verified_tokens`` sums the width (root and draft slots) of every round's verification
-    forward, the narrowest compiled width that held the round's valid nodes.
-    """
-
-    tokens: Int[Array, "B M"]
-    lengths: Int[Array, "B"]
-    target_forwards: Int[Array, "B"]
-    accepted_at: Int[Array, "B D"]
-    verified_tokens: Int[Array, "B"]
-    compile_s: float = struct.field(pytree_node=False, default=0.0)
-
-    @property
-    def tau(self) -> float:
-        """Tokens emitted per target forward, over the batch."""
-        return float(np.sum(self.lengths) / np.sum(self.target_forwards))
-
-    def acceptance_by_position(self) -> np.ndarray:
-        """Fraction of rounds whose accepted path reached each draft position."""
-        rounds = np.sum(self.target_forwards - 1)
-        return np.sum(np.asarray(self.accepted_at), axis=0) / max(int(rounds), 1)
+SpecOutput = DecodeOutput  # the name ``speculative_generate``'s result had before
 
 
 @struct.dataclass
 class SpecState:
     """``Speculative``'s loop state: the token buffer (prompt, then generated tokens) with
-    per-row lengths, stop flags, the target's cache, the drafter's state, statistics, and
-    the per-call settings (prompt lengths, budgets, EOS ids, sampler)."""
+    per-row lengths, stop flags, the target's cache, the drafter's state, the key, the
+    request and the statistics (level 0: the drafter's proposals; level 1: the target)."""
 
     tokens: Int[Array, "B C"]
     length: Int[Array, "B"]
@@ -70,13 +46,8 @@ class SpecState:
     cache: KVCache
     dstate: Any
     key: Array
-    rounds: Int[Array, "B"]
-    accepted_at: Int[Array, "B D"]
-    verified: Int[Array, "B"]
-    prompt_len: Int[Array, "B"]
-    budget: Int[Array, "B"]
-    eos_ids: Int[Array, "E"]
-    sampler: Any
+    req: Request
+    stats: Stats
 
 
 def _keep_count(emitted, n_emit, num, budget, eos_ids, active):
@@ -115,10 +86,10 @@ def _verify_width(w: int, target, rule, depth: int, tparams, draft: Draft, root,
 @dataclasses.dataclass(frozen=True)
 class Speculative:
     """Speculative decoding with any drafter (n-gram, early exit, a draft model, EAGLE-2,
-    ReDrafter) as pure, jittable pieces: ``init`` prefills and emits each row's first
-    token, ``step`` runs one draft-verify-commit round for every unfinished row (finished
-    rows are left unchanged), ``loop`` rounds until every row is done, ``output`` packs
-    the result. Lossless as ``speculative_generate`` (which runs exactly these).
+    ReDrafter), a ``specjax.core.decoder.Decoder`` whose parameters are ``(tparams,
+    dparams)``: ``init`` prefills and emits each row's first token, ``step`` runs one
+    draft-verify-commit round for every unfinished row (finished rows are left unchanged).
+    Lossless as ``speculative_generate`` (which runs exactly these).
 
     ``widths``: which verification widths are compiled, one target forward each: a
     policy of ``specjax.core.widths`` (default ``Auto()``: the drafter's widths on CPU,
@@ -129,8 +100,6 @@ class Speculative:
 
     target: Any
     drafter: Any
-    capacity: int
-    max_out: int
     widths: Any = None  # a width policy, its name or widths; resolved to a tuple
     rule: Rule = Rejection()
     chunk: int = 64
@@ -145,45 +114,58 @@ class Speculative:
         object.__setattr__(self, "widths", widths)
 
     @property
+    def model(self):
+        return self.target
+
+    @property
     def depth(self) -> int:
         return self.drafter.depth
 
-    def init(self, tparams, dparams, prompt: Int[Array, "B C"], prompt_len: Int[Array, "B"],
-             budget: Int[Array, "B"], key: Array, eos_ids: Int[Array, "E"],
-             sampler: sampling.Sampler = sampling.Greedy()) -> SpecState:
-        target, drafter, b = self.target, self.drafter, prompt.shape[0]
-        cache = constrain_cache(target.init_cache(b, self.capacity),
-                                self.mesh)
+    @property
+    def scratch(self) -> int:
+        """One round writes the root and every draft node past the committed length."""
+        return self.drafter.num_nodes + 1
+
+    def bind(self, params, prompts, source_size=None, mesh=None):
+        """``(tparams, dparams)`` checked against the target, sources encoded for an
+        encoder-decoder target (by the draft model too), the drafter's replicated."""
+        tparams, dparams = params
+        dparams = encdec.bind_drafter(self.drafter, dparams, self.target, prompts, source_size)
+        self.drafter.check(self.target)
+        tparams, prompts = encdec.bind_sources(self.target, tparams, prompts, source_size, mesh)
+        return (tparams, sharding.replicated(mesh, dparams)), prompts
+
+    def init(self, params, batch: Batch) -> SpecState:
+        (tparams, dparams), target, drafter = params, self.target, self.drafter
+        b, req = batch.tokens.shape[0], Request.of(batch)
+        prompt, prompt_len = batch.tokens, batch.lengths
+        cache = constrain_cache(target.init_cache(b, batch.capacity), self.mesh)
         h_all = None
-        if getattr(drafter, "needs_features", False):
+        if drafter.needs_features:
             h_last, cache, h_all = prefill(target, tparams, prompt, prompt_len, cache,
                                            self.chunk, True)
         else:
             h_last, cache = prefill(target, tparams, prompt, prompt_len, cache, self.chunk)
-        key, sub = jax.random.split(key)
-        first = sampling.sample(sub, target.logits(tparams, h_last), sampler)
+        key, sub = jax.random.split(batch.key)
+        first = sampling.sample(sub, target.logits(tparams, h_last), req.sampler)
         tokens = prompt.at[jnp.arange(b), prompt_len].set(first)
         length = prompt_len + 1
         ctx = Context(tokens=tokens, length=length, prompt_len=prompt_len, cache=cache,
                       params=tparams, hidden=h_all)
         one = jnp.ones((b,), jnp.int32)
-        return SpecState(tokens=tokens, length=length, num=one,
-                         done=stops(first, one, budget, eos_ids), cache=cache,
-                         dstate=drafter.init(dparams, ctx, self.chunk), key=key,
-                         rounds=jnp.zeros((b,), jnp.int32),
-                         accepted_at=jnp.zeros((b, self.depth), jnp.int32),
-                         verified=jnp.zeros((b,), jnp.int32), prompt_len=prompt_len,
-                         budget=budget, eos_ids=eos_ids, sampler=sampler)
+        return SpecState(tokens=tokens, length=length, num=one, done=req.stops(first, one),
+                         cache=cache, dstate=drafter.init(dparams, ctx, self.chunk), key=key,
+                         req=req, stats=Stats.zeros(2, b, self.depth))
 
-    def step(self, tparams, dparams, s: SpecState) -> SpecState:
-        target, drafter, depth, widths = self.target, self.drafter, self.depth, self.widths
+    def step(self, params, s: SpecState) -> SpecState:
+        (tparams, dparams), target, drafter = params, self.target, self.drafter
+        depth, widths, req = self.depth, self.widths, s.req
         b = s.tokens.shape[0]
-        ctx = Context(tokens=s.tokens, length=s.length, prompt_len=s.prompt_len, cache=s.cache,
-                      params=tparams)
+        ctx = Context(tokens=s.tokens, length=s.length, prompt_len=req.prompt_len,
+                      cache=s.cache, params=tparams)
         key, k_draft, k_verify = jax.random.split(s.key, 3)
-        draft, dstate, cache = drafter.propose(dparams, s.dstate, ctx, k_draft, s.sampler)
-        chain = bool(getattr(drafter, "chain", False))
-        if chain:  # a chain drafter's parents, as constants (the tree work folds away)
+        draft, dstate, cache = drafter.propose(dparams, s.dstate, ctx, k_draft, req.sampler)
+        if drafter.chain:  # a chain drafter's parents, as constants (the tree work folds away)
             draft = draft.replace(parents=tree.chain(b, draft.tokens.shape[1]))
         root = jnp.take_along_axis(s.tokens, (s.length - 1)[:, None], axis=1)
         # the narrowest verify width that holds every row's valid nodes (trees are ordered
@@ -194,49 +176,50 @@ class Speculative:
         branch = jnp.minimum(jnp.sum(jnp.asarray(widths)[None, :] < need), len(widths) - 1)
         fns = [functools.partial(_verify_width, w, target, self.rule, depth) for w in widths]
         res, cache, hidden = lax.switch(branch, fns, tparams, draft, root, s.length, cache,
-                                        k_verify, s.sampler)
+                                        k_verify, req.sampler)
 
         active = ~s.done
-        keep = _keep_count(res.tokens, res.accepted + 1, s.num, s.budget, s.eos_ids, active)
+        keep = _keep_count(res.tokens, res.accepted + 1, s.num, req.budget, req.eos_ids,
+                           active)
         slot = s.length[:, None] + jnp.arange(depth + 1)[None]
         slot = jnp.where(jnp.arange(depth + 1)[None] < keep[:, None], slot, s.tokens.shape[1])
         tokens = s.tokens.at[jnp.arange(b)[:, None], slot].set(res.tokens, mode="drop")
-        if chain:  # the accepted path is nodes 0..a-1, already at slots length+1..length+a
+        if drafter.chain:  # the accepted path is nodes 0..a-1, already at length+1..length+a
             cache = constrain_cache(cache.advance(keep), self.mesh)
         else:
             src = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), res.path + 1], axis=1)
             cache = constrain_cache(cache.commit(src, keep, window=widths[-1]), self.mesh)
         num = s.num + keep
         kept = jnp.take_along_axis(tokens, (s.length + keep - 1)[:, None], axis=1)[:, 0]
-        done = s.done | (active & stops(kept, num, s.budget, s.eos_ids))
-        ctx = Context(tokens=tokens, length=s.length + keep, prompt_len=s.prompt_len,
+        done = s.done | (active & req.stops(kept, num))
+        ctx = Context(tokens=tokens, length=s.length + keep, prompt_len=req.prompt_len,
                       cache=cache, params=tparams, hidden=hidden)
         dstate = drafter.commit(dparams, dstate, ctx, res)
-        reached = jnp.arange(depth)[None] < res.accepted[:, None]
         return s.replace(tokens=tokens, length=s.length + keep, num=num, done=done, cache=cache,
-                         dstate=dstate, key=key, rounds=s.rounds + active,
-                         accepted_at=s.accepted_at + (reached & active[:, None]),
-                         verified=s.verified + jnp.asarray(widths)[branch] * active)
+                         dstate=dstate, key=key,
+                         stats=self._count(s.stats, active, live, res,
+                                           jnp.asarray(widths)[branch]))
 
-    def loop(self, tparams, dparams, s: SpecState) -> SpecState:
-        return lax.while_loop(lambda s: jnp.any(~s.done),
-                              lambda s: self.step(tparams, dparams, s), s)
+    def _count(self, stats: Stats, active, live, res: VerifyResult, width) -> Stats:
+        reached = jnp.arange(self.depth)[None] < res.accepted[:, None]
+        stats = stats.add(0, forwards=active).add(
+            1, forwards=active, drafted=jnp.sum(live, axis=1),
+            accepted=jnp.where(active, res.accepted, 0))
+        return stats.replace(accepted_at=stats.accepted_at + (reached & active[:, None]),
+                             verified=stats.verified + width * active)
 
-    def output(self, s: SpecState) -> SpecOutput:
-        idx = s.prompt_len[:, None] + jnp.arange(self.max_out)[None]
-        out = jnp.take_along_axis(s.tokens, jnp.minimum(idx, self.capacity - 1), axis=1)
-        out = jnp.where(jnp.arange(self.max_out)[None] < s.num[:, None], out, PAD)
-        return SpecOutput(tokens=out, lengths=s.num, target_forwards=s.rounds + 1,
-                          accepted_at=s.accepted_at, verified_tokens=s.verified)
+    def done(self, s: SpecState) -> Bool[Array, "B"]:
+        return s.done
 
+    def loop(self, params, s: SpecState) -> SpecState:
+        return decoder.loop(self, params, s)
 
-def _speculate(tparams, dparams, prompt, prompt_len, budget, sampler, key, eos_ids, *,
-               spec: Speculative) -> SpecOutput:
-    s = spec.init(tparams, dparams, prompt, prompt_len, budget, key, eos_ids, sampler)
-    return spec.output(spec.loop(tparams, dparams, s))
-
-
-_SPECULATE = AotCache(_speculate, ("spec",))
+    def output(self, s: SpecState) -> DecodeOutput:
+        max_out, capacity = s.req.max_out, s.tokens.shape[1]
+        idx = s.req.prompt_len[:, None] + jnp.arange(max_out)[None]
+        out = jnp.take_along_axis(s.tokens, jnp.minimum(idx, capacity - 1), axis=1)
+        out = jnp.where(jnp.arange(max_out)[None] < s.num[:, None], out, PAD)
+        return DecodeOutput(tokens=out, lengths=s.num, stats=s.stats)
 
 
 def speculative_generate(target, tparams, drafter, dparams, prompts: Sequence[Sequence[int]],
@@ -246,8 +229,10 @@ def speculative_generate(target, tparams, drafter, dparams, prompts: Sequence[Se
                          rule: Rule = Rejection(), cache_size: int | None = None,
                          chunk: int = 64,
                          widths: "width_policy.WidthPolicy | Sequence[int] | str | None" = None,
-                         source_size: int | None = None, mesh=None) -> SpecOutput:
-    """Decodes a batch of prompts with ``drafter`` proposing and ``target`` verifying.
+                         source_size: int | None = None, mesh=None) -> DecodeOutput:
+    """Decodes a batch of prompts with ``drafter`` proposing and ``target`` verifying:
+    ``decode`` with ``Speculative(target, drafter, widths, rule, chunk, mesh)`` and
+    parameters ``(tparams, dparams)``.
 
     Lossless: with ``Greedy`` the tokens equal ``generate``'s argmax rollout; with ``Sample``
     and the default ``Rejection`` rule they are distributed as the target's. ``Typical`` is
@@ -266,18 +251,10 @@ def speculative_generate(target, tparams, drafter, dparams, prompts: Sequence[Se
     With a ``mesh``, rows are split over ``data`` and the target's weights over ``model``
     (``specjax.sharding``); the drafter's parameters are replicated.
     """
-    dparams = encdec.bind_drafter(drafter, dparams, target, prompts, source_size)
-    drafter.check(target)
-    tparams, prompts = encdec.bind_sources(target, tparams, prompts, source_size, mesh)
-    n = drafter.num_nodes
-    Speculative(target, drafter, 1, 1, widths)  # checks the widths before any other work
-    x = prepare(target, prompts, max_new_tokens, sampler=sampler, key=key, eos_ids=eos_ids,
-                cache_size=cache_size, chunk=chunk, extra=n + 1, mesh=mesh)
-    dparams = sharding.replicated(mesh, dparams)
-    spec = Speculative(target, drafter, x.capacity, x.max_out, widths, rule, chunk, mesh)
-    out, compile_s = _SPECULATE(tparams, dparams, x.tokens, x.lengths, x.budgets, sampler, x.key,
-                                x.eos, spec=spec)
-    return out.replace(compile_s=compile_s)
+    spec = Speculative(target, drafter, widths, rule, chunk, mesh)  # checks the widths
+    return decoder.decode(spec, (tparams, dparams), prompts, max_new_tokens=max_new_tokens,
+                          sampler=sampler, key=key, eos_ids=eos_ids, cache_size=cache_size,
+                          source_size=source_size)
 
 
 __all__ = ["speculative_generate", "SpecOutput", "SpecState", "Speculative"]

@@ -30,7 +30,9 @@ import numpy as np
 
 from specjax.hsd import hierarchy as hier
 from specjax.hsd import loop as hsd
-from specjax.core import sampling
+from specjax.hsd.spec import HierarchySpec
+from specjax.core import decoder, sampling
+from specjax.core.decoder import Batch
 from specjax.drafters import Context, NGramDrafter
 from specjax.drafters.exit_heads import exit_head
 
@@ -179,17 +181,19 @@ def round_overhead(target, tparams, *, filled: int = 512, T: int = 4, repeats: i
     period = rng.integers(3, target.config.vocab_size, 16)
     h = hsd.Hierarchy((hsd.NGram(), hsd.Exit()), (T,))
     n_max = rounds[1] * (T + 1)
-    dec = hsd.HSD(target, h, capacity=-(-(filled + n_max + 4 * (T + 2) + 64) // 64) * 64,
-                  max_out=n_max)
-    prompt = np.zeros((1, dec.capacity), np.int32)  # the token buffer, as decoding lays it out
+    dec = hsd.HSD(target, h)
+    capacity = -(-(filled + n_max + dec.scratch + 64) // 64) * 64
+    prompt = np.zeros((1, capacity), np.int32)  # the token buffer, as decoding lays it out
     prompt[0, :filled] = np.resize(period, filled)
     prompt, one = jnp.asarray(prompt), jnp.ones((1,), jnp.int32)
 
     @jax.jit
     def decode(tparams, budget):
-        s = dec.init(tparams, (None, None), prompt, one * filled, budget, jax.random.key(0),
-                     jnp.asarray([-1], jnp.int32))
-        return dec.loop(tparams, (None, None), s).forwards[-1, 0]
+        batch = Batch(tokens=prompt, lengths=one * filled, budgets=budget,
+                      eos=jnp.asarray([-1], jnp.int32), key=jax.random.key(0),
+                      capacity=capacity, max_out=n_max)
+        params = (tparams, (None, None))
+        return decoder.loop(dec, params, dec.init(params, batch)).stats.forwards[-1, 0]
 
     def timed(budget: int) -> tuple[float, int]:
         b = one * budget
@@ -198,7 +202,7 @@ def round_overhead(target, tparams, *, filled: int = 512, T: int = 4, repeats: i
 
     (t0, r0), (t1, r1) = timed(rounds[0]), timed(n_max)
     loop_round = (t1 - t0) / max(r1 - r0, 1)
-    cost = forward_costs(target, tparams, {}, [], [T + 1], capacity=dec.capacity,
+    cost = forward_costs(target, tparams, {}, [], [T + 1], capacity=capacity,
                          filled=filled + n_max // 2, repeats=repeats)
     fwd, look = cost["target"][T + 1], cost["ngram"][1]
     return {"round_ms": max(loop_round - fwd - look, 0.0), "loop_round_ms": loop_round,
@@ -339,90 +343,26 @@ def hierarchy_from(sigma: Sequence[int], T: Sequence[int], layers: Sequence[int]
                    horizontal: int = 0) -> tuple[hsd.Hierarchy, tuple]:
     """``(Hierarchy, hparams)`` that ``hsd_generate`` runs for candidate indices ``sigma``;
     ``temperatures[k]`` is exit level ``k``'s own draft temperature (None: the target's)."""
-    cand, levels, hp = names(layers), [], []
-    temps = list(temperatures or [None] * len(sigma)) + [None] * len(sigma)
-    for k, i in enumerate(sigma):
-        if cand[i] == "ngram":
-            levels.append(hsd.NGram())
-            hp.append(None)
-        elif cand[i] == "target":
-            levels.append(hsd.Exit())
-            hp.append(None)
-        else:
-            layer = int(cand[i].split()[1])
-            levels.append(hsd.Exit(layer, exit_head, temps[k]))
-            hp.append(heads.get(layer))
-    return hsd.Hierarchy(tuple(levels), tuple(int(t) for t in T), horizontal), tuple(hp)
-
-
-def horizontal_of(spec: str) -> tuple[str, int]:
-    """``(spec without it, h)`` for a spec ending ``+hN`` (the horizontal heuristic,
-    ``Hierarchy.horizontal``): ``"12:3,target+h10"`` -> ``("12:3,target", 10)``."""
-    base, plus, h = spec.strip().rpartition("+h")
-    if not plus:
-        return spec, 0
-    if not h.isdigit():
-        raise ValueError(f"bad horizontal suffix in {spec!r}: use e.g. '...,target+h10'")
-    return base, int(h)
-
-
-def level_temperatures(spec: str) -> tuple[float | None, ...]:
-    """Each level's own draft temperature in a spec, ``L@t:T`` (None where not given):
-    ``"ngram:4,12@0.5:3,target"`` -> ``(None, 0.5, None)``."""
-    out = []
-    for p in (p.strip() for p in horizontal_of(spec)[0].split(",") if p.strip()):
-        name = p.partition(":")[0]
-        t = name.partition("@")[2]
-        try:
-            out.append(float(t) if t else None)
-        except ValueError:
-            raise ValueError(f"bad temperature in level {p!r} of {spec!r}: use L@t:T, e.g. "
-                             "12@0.5:3") from None
-        if t and (name.startswith("ngram") or name == "target" or out[-1] < 0):
-            raise ValueError(f"bad level {p!r} in {spec!r}: only exit levels take a "
-                             "temperature, and it must be >= 0")
-    return tuple(out)
+    spec = HierarchySpec.from_sigma(sigma, T, layers, temperatures, horizontal)
+    return spec.build(heads, exit_head)
 
 
 def parse_hierarchy(spec: str, layers: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``"ngram:4,12:3,target"`` -> candidate indices and T values: every level but the
-    last is ``ngram:T`` or ``L:T`` (an exit layer among ``layers``, optionally ``L@t:T``
-    with its own draft temperature, see ``level_temperatures``); the last is ``target``."""
-    level_temperatures(spec)
-    spec = horizontal_of(spec)[0]
-    parts = [p.strip() for p in spec.split(",") if p.strip()]
-    parts = [p.split("@")[0] + (":" + p.split(":", 1)[1] if "@" in p and ":" in p else "")
-             for p in parts]
-    if len(parts) < 2 or parts[-1] != "target":
-        raise ValueError(f"bad hierarchy {spec!r}: want e.g. 'ngram:4,12:3,target'")
-    cand, sigma, T = names(layers), [], []
-    for p in parts[:-1]:
-        name, _, t = p.partition(":")
-        key = "ngram" if name == "ngram" else f"exit {name}"
-        if key not in cand or not t.isdigit() or int(t) < 1:
-            raise ValueError(f"bad level {p!r} in {spec!r}: use ngram:T or L:T with L in "
-                             f"{list(layers)} and T >= 1")
-        sigma.append(cand.index(key))
-        T.append(int(t))
-    return tuple(sigma) + (len(cand) - 1,), tuple(T)
+    """``"ngram:4,12:3,target"`` -> candidate indices and T values (``HierarchySpec.parse``,
+    the one parser of the form; the exit layers must be among ``layers``)."""
+    h = HierarchySpec.parse(spec)
+    return h.sigma(layers), h.T
 
 
 def format_hierarchy(sigma: Sequence[int], T: Sequence[int], layers: Sequence[int],
                      temperatures: Sequence[float | None] | None = None,
                      horizontal: int = 0) -> str:
     """The spec ``parse_hierarchy`` reads back, e.g. ``"ngram:4,12@0.5:3,target"``."""
-    cand = names(layers)
-    temps = list(temperatures or []) + [None] * len(sigma)
-    parts = [("ngram" if cand[i] == "ngram" else cand[i].split()[1])
-             + (f"@{temps[k]:g}" if temps[k] is not None and cand[i] != "ngram" else "")
-             + f":{t}"
-             for k, (i, t) in enumerate(zip(sigma, T))]
-    return ",".join(parts + ["target"]) + (f"+h{horizontal}" if horizontal else "")
+    return HierarchySpec.from_sigma(sigma, T, layers, temperatures, horizontal).format()
 
 
 __all__ = ["names", "agreement", "forward_costs", "decode_position", "round_overhead",
            "ngram_hit_rate",
            "level_costs", "horizontal_cost",
            "predicted_latency", "tune",
-           "hierarchy_from", "parse_hierarchy", "format_hierarchy", "level_temperatures",
-           "horizontal_of"]
+           "hierarchy_from", "parse_hierarchy", "format_hierarchy"]

@@ -35,8 +35,9 @@ from jaxtyping import Array, Bool, Int
 
 from specjax import sharding
 from specjax.core import encdec, sampling, widths as width_policy
-from specjax._compile import AotCache
-from specjax.core.decoding import PAD, Rows, prefill, prepare
+from specjax.core import decoder
+from specjax.core.decoder import PAD, Batch, DecodeOutput, Request, Stats
+from specjax.core.decoding import prefill
 from specjax.sharding import constrain_cache
 from specjax.drafters import Context, NGramDrafter, target_head
 from specjax.models.kv_cache import KVCache
@@ -160,37 +161,11 @@ class HSDState:
     q: tuple  # q[k]: [B, M_k, V] probabilities of level k-1's tokens (None if deterministic)
     key: Array
     done: Bool[Array, "B"]
-    forwards: Int[Array, "L B"]  # forward passes (or lookups) per level
-    drafted: Int[Array, "L B"]  # drafts submitted to each level's verification
-    accepted: Int[Array, "L B"]  # of which accepted
-    prompt_len: Int[Array, "B"]
-    budget: Int[Array, "B"]
-    eos_ids: Int[Array, "E"]
-    sampler: Any
+    req: Request
+    stats: Stats  # per level: forward passes (or lookups), drafts verified, accepted
 
 
-@struct.dataclass
-class HSDOutput(Rows):
-    """Generated tokens ``[B, M]`` (``PAD`` after each row's end) and per-level counts:
-    ``forwards[k]``, ``drafted[k]`` and ``accepted[k]`` summed over rows."""
-
-    tokens: Int[Array, "B M"]
-    lengths: Int[Array, "B"]
-    forwards: Int[Array, "L"]
-    drafted: Int[Array, "L"]
-    accepted: Int[Array, "L"]
-    compile_s: float = struct.field(pytree_node=False, default=0.0)
-
-    @property
-    def tau(self) -> float:
-        """Tokens emitted per target forward, over the batch."""
-        return float(np.sum(self.lengths) / max(int(self.forwards[-1]), 1))
-
-    @property
-    def acceptance(self) -> np.ndarray:
-        """Per verifying level ``k >= 1``: accepted / drafted (the empirical alpha)."""
-        d, a = np.asarray(self.drafted, float), np.asarray(self.accepted, float)
-        return a[1:] / np.maximum(d[1:], 1)
+HSDOutput = DecodeOutput  # the name ``hsd_generate``'s result had before the one protocol
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -303,12 +278,12 @@ class _Run:
             tokens = _write(s.tokens, start[:, None] + jnp.arange(t0)[None], d.tokens[:, :t0],
                             valid)
             return s.replace(tokens=tokens, n=_set_row(s.n, 0, active, start + jnp.sum(valid, 1)),
-                             forwards=s.forwards.at[0].add(active))
+                             stats=s.stats.add(0, forwards=active))
         tokens, cache, q, key = self._sample0(s, active, start, t0, s.q[1], jnp.zeros_like(start))
         qs = s.q if q is None else (s.q[0], _sel(active, q, s.q[1])) + s.q[2:]
         caches = (cache,) + s.caches[1:]
         return s.replace(tokens=tokens, n=_set_row(s.n, 0, active, start + t0), caches=caches,
-                         q=qs, key=key, forwards=s.forwards.at[0].add(active * t0))
+                         q=qs, key=key, stats=s.stats.add(0, forwards=active * t0))
 
     def _sample0(self, s: HSDState, active, start, count: int, q, q_off):
         """Level 0 (an exit) draws ``count`` tokens after position ``start``; their q go to
@@ -354,14 +329,14 @@ class _Run:
                 oh = jax.nn.one_hot(d.tokens[:, :h], q[k].shape[-1], dtype=q[k].dtype)
                 rows = jnp.arange(at.shape[0])[:, None]
                 q[k] = q[k].at[rows, q_off[:, None] + jnp.arange(h)[None]].set(oh, mode="drop")
-            return (s.replace(tokens=tokens, q=tuple(q), forwards=s.forwards.at[0].add(active)),
+            return (s.replace(tokens=tokens, q=tuple(q), stats=s.stats.add(0, forwards=active)),
                     jnp.sum(valid, 1))
         tokens, cache, q, key = self._sample0(s, active, at, h, s.q[k], q_off)
         qs = list(s.q)
         if q is not None:
             qs[k] = _sel(active, q, s.q[k])
         return (s.replace(tokens=tokens, caches=(cache,) + s.caches[1:], q=tuple(qs), key=key,
-                          forwards=s.forwards.at[0].add(active * h)),
+                          stats=s.stats.add(0, forwards=active * h)),
                 jnp.where(active, h, 0))
 
     def fill(self, k: int, s: HSDState, active) -> HSDState:
@@ -406,9 +381,18 @@ class _Run:
                 caches[j] = caches[j].replace(
                     length=jnp.where(active, jnp.minimum(ln, new_n - 1), ln))
         return s.replace(tokens=tokens, n=n, caches=tuple(caches), q=tuple(q), key=key,
-                         forwards=s.forwards.at[k].add(active),
-                         drafted=s.drafted.at[k].add(jnp.where(active, d, 0)),
-                         accepted=s.accepted.at[k].add(jnp.where(active, accepted, 0)))
+                         stats=self._count(k, s.stats, active, d, accepted))
+
+    def _count(self, k: int, stats: Stats, active, d, accepted) -> Stats:
+        """Level ``k``'s forward, drafts and acceptances; at the top, the width verified."""
+        stats = stats.add(k, forwards=active, drafted=jnp.where(active, d, 0),
+                          accepted=jnp.where(active, accepted, 0))
+        if k < self.top:
+            return stats
+        ws = self.widths[k] if self.widths else (self.h.buffer[k] + 1,)
+        need = 1 + jnp.max(jnp.where(active, d, 0), initial=0)  # as verify_round picks it
+        w = jnp.asarray(ws)[jnp.minimum(jnp.sum(jnp.asarray(ws) < need), len(ws) - 1)]
+        return stats.replace(verified=stats.verified + w * active)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -429,11 +413,31 @@ class HSD:
 
     target: Any
     hierarchy: Hierarchy
-    capacity: int
-    max_out: int
     chunk: int = 64
     mesh: Any = None
     widths: Any = None  # a specjax.core.widths policy or its name; None: Auto()
+
+    @property
+    def model(self):
+        return self.target
+
+    @property
+    def scratch(self) -> int:
+        """Lower levels run ahead of the target: every level's buffer and bonus tokens."""
+        return sum(m + 1 for m in self.hierarchy.buffer) + 2 * self.top + 2
+
+    def bind(self, params, prompts, source_size=None, mesh=None):
+        """``(tparams, hparams)`` checked against the hierarchy (``hparams`` None: every
+        level's default head), sources encoded for an encoder-decoder target, the head
+        parameters replicated. Raises ``ValueError`` for an invalid hierarchy or policy."""
+        tparams, hparams = params
+        self.hierarchy.check(self.target)
+        self.level_widths()  # a bad policy fails before compiling
+        tparams, prompts = encdec.bind_sources(self.target, tparams, prompts, source_size, mesh)
+        hparams = tuple(hparams) if hparams is not None else (None,) * (self.top + 1)
+        if len(hparams) != self.top + 1:
+            raise ValueError(f"{len(hparams)} head parameter entries for {self.top + 1} levels")
+        return (tparams, sharding.replicated(mesh, hparams)), prompts
 
     @property
     def top(self) -> int:
@@ -460,72 +464,60 @@ class HSD:
             out.append(tuple(policy.widths(level)))
         return tuple(out)
 
-    def init(self, tparams, hparams, prompt: Int[Array, "B C"], prompt_len: Int[Array, "B"],
-             budget: Int[Array, "B"], key: Array, eos_ids: Int[Array, "E"],
-             sampler: sampling.Sampler = sampling.Greedy()) -> HSDState:
-        target, hierarchy, top, b = self.target, self.hierarchy, self.top, prompt.shape[0]
-        cache = constrain_cache(target.init_cache(b, self.capacity),
-                                self.mesh)
+    def init(self, params, batch: Batch) -> HSDState:
+        (tparams, hparams), target, hierarchy = params, self.target, self.hierarchy
+        top, b, req = self.top, batch.tokens.shape[0], Request.of(batch)
+        prompt, prompt_len = batch.tokens, batch.lengths
+        cache = constrain_cache(target.init_cache(b, batch.capacity), self.mesh)
         h_last, cache = prefill(target, tparams, prompt, prompt_len, cache, self.chunk)
-        key, sub = jax.random.split(key)
-        first = sampling.sample(sub, target.logits(tparams, h_last), sampler)
+        key, sub = jax.random.split(batch.key)
+        first = sampling.sample(sub, target.logits(tparams, h_last), req.sampler)
         tokens = prompt.at[jnp.arange(b), prompt_len].set(first)
         vocab = target.config.vocab_size
         # q[k]: level k - 1's probabilities, kept where level k verifies by sampling
-        samples = lambda k: isinstance(sampler if k == top else
-                                       hierarchy.levels[k].draws(sampler), sampling.Sample)
+        samples = lambda k: isinstance(req.sampler if k == top else
+                                       hierarchy.levels[k].draws(req.sampler), sampling.Sample)
         q = (None,) + tuple(
             jnp.zeros((b, hierarchy.buffer[k], vocab), jnp.float32)
             if samples(k) and isinstance(hierarchy.levels[k - 1], Exit) else None
             for k in range(1, top + 1))
-        zeros = jnp.zeros((top + 1, b), jnp.int32)
         return HSDState(
             tokens=tokens, n=jnp.broadcast_to(prompt_len + 1, (top + 1, b)),
             caches=tuple(None if isinstance(l, NGram) else cache for l in hierarchy.levels),
-            q=q, key=key, done=_ends(tokens, prompt_len, prompt_len + 1, budget, eos_ids),
-            forwards=zeros.at[top].set(1), drafted=zeros, accepted=zeros,
-            prompt_len=prompt_len, budget=budget, eos_ids=eos_ids, sampler=sampler)
+            q=q, key=key, done=_ends(tokens, req, prompt_len + 1), req=req,
+            stats=Stats.zeros(top + 1, b))
 
-    def step(self, tparams, hparams, s: HSDState) -> HSDState:
-        run = _Run(self.target, self.hierarchy, tparams, tuple(hparams), s.sampler,
-                   s.prompt_len, self.level_widths())
+    def step(self, params, s: HSDState) -> HSDState:
+        tparams, hparams = params
+        run = _Run(self.target, self.hierarchy, tparams, tuple(hparams), s.req.sampler,
+                   s.req.prompt_len, self.level_widths())
         s = run.step(self.top, s, ~s.done)
         caches = tuple(constrain_cache(c, self.mesh) for c in s.caches)
-        return s.replace(caches=caches, done=s.done | _ends(s.tokens, s.prompt_len,
-                                                            s.n[self.top], s.budget, s.eos_ids))
+        return s.replace(caches=caches, done=s.done | _ends(s.tokens, s.req, s.n[self.top]))
 
-    def loop(self, tparams, hparams, s: HSDState) -> HSDState:
-        return lax.while_loop(lambda s: jnp.any(~s.done),
-                              lambda s: self.step(tparams, hparams, s), s)
+    def done(self, s: HSDState) -> Bool[Array, "B"]:
+        return s.done
 
-    def output(self, s: HSDState) -> HSDOutput:
-        top, max_out = self.top, self.max_out
-        out = _take(s.tokens, s.prompt_len[:, None] + jnp.arange(max_out)[None])
-        is_eos = jnp.any(out[:, :, None] == s.eos_ids[None, None, :], -1)
+    def loop(self, params, s: HSDState) -> HSDState:
+        return decoder.loop(self, params, s)
+
+    def output(self, s: HSDState) -> DecodeOutput:
+        top, max_out, req = self.top, s.req.max_out, s.req
+        out = _take(s.tokens, req.prompt_len[:, None] + jnp.arange(max_out)[None])
+        is_eos = jnp.any(out[:, :, None] == req.eos_ids[None, None, :], -1)
         first_eos = jnp.where(jnp.any(is_eos, 1), jnp.argmax(is_eos, 1) + 1, max_out)
-        lengths = jnp.minimum(jnp.minimum(s.n[top] - s.prompt_len, s.budget), first_eos)
+        lengths = jnp.minimum(jnp.minimum(s.n[top] - req.prompt_len, req.budget), first_eos)
         out = jnp.where(jnp.arange(max_out)[None] < lengths[:, None], out, PAD)
-        total = lambda x: jnp.sum(x, axis=1)
-        return HSDOutput(tokens=out, lengths=lengths, forwards=total(s.forwards),
-                         drafted=total(s.drafted), accepted=total(s.accepted))
+        return DecodeOutput(tokens=out, lengths=lengths, stats=s.stats)
 
 
-def _decode(tparams, hparams, prompt, prompt_len, budget, sampler, key, eos_ids, *,
-            dec: HSD) -> HSDOutput:
-    s = dec.init(tparams, hparams, prompt, prompt_len, budget, key, eos_ids, sampler)
-    return dec.output(dec.loop(tparams, hparams, s))
-
-
-def _ends(tokens, prompt_len, n, budget, eos_ids) -> Bool[Array, "B"]:
+def _ends(tokens, req: Request, n) -> Bool[Array, "B"]:
     """A row ends once it holds ``budget`` new tokens or an EOS among them."""
     c = tokens.shape[1]
     span = jnp.arange(c)[None]
-    new = (span >= prompt_len[:, None]) & (span < n[:, None])
-    eos = jnp.any(new & jnp.any(tokens[:, :, None] == eos_ids[None, None, :], -1), 1)
-    return eos | (n - prompt_len >= budget)
-
-
-_DECODE = AotCache(_decode, ("dec",))
+    new = (span >= req.prompt_len[:, None]) & (span < n[:, None])
+    eos = jnp.any(new & jnp.any(tokens[:, :, None] == req.eos_ids[None, None, :], -1), 1)
+    return eos | (n - req.prompt_len >= req.budget)
 
 
 def hsd_generate(target, tparams, hierarchy: Hierarchy, prompts: Sequence[Sequence[int]], *,
@@ -533,8 +525,10 @@ def hsd_generate(target, tparams, hierarchy: Hierarchy, prompts: Sequence[Sequen
                  sampler: sampling.Sampler = sampling.Greedy(), key: Array | None = None,
                  eos_ids: Sequence[int] = (), cache_size: int | None = None,
                  chunk: int = 64, source_size: int | None = None, mesh=None,
-                 widths: "width_policy.WidthPolicy | str | None" = None) -> HSDOutput:
-    """Decodes a batch of prompts with ``hierarchy``; lossless like ``speculative_generate``.
+                 widths: "width_policy.WidthPolicy | str | None" = None) -> DecodeOutput:
+    """Decodes a batch of prompts with ``hierarchy``; lossless like ``speculative_generate``:
+    ``decode`` with ``HSD(target, hierarchy, chunk, mesh, widths)`` and parameters
+    ``(tparams, hparams)``.
     For an encoder-decoder ``target`` (T5) the prompts are the sources (encoded once).
 
     ``hparams[k]`` are level ``k``'s head parameters (``None`` for the default head). Each
@@ -545,21 +539,10 @@ def hsd_generate(target, tparams, hierarchy: Hierarchy, prompts: Sequence[Sequen
     verification-width policy (``specjax.core.widths``, see ``HSD.level_widths``; default
     ``Auto()``); every policy gives the same tokens.
     """
-    hierarchy.check(target)
-    tparams, prompts = encdec.bind_sources(target, tparams, prompts, source_size, mesh)
-    top = len(hierarchy.levels) - 1
-    hparams = tuple(hparams) if hparams is not None else (None,) * (top + 1)
-    if len(hparams) != top + 1:
-        raise ValueError(f"{len(hparams)} head parameter entries for {top + 1} levels")
-    extra = sum(m + 1 for m in hierarchy.buffer) + 2 * top + 2  # lower levels run ahead
-    x = prepare(target, prompts, max_new_tokens, sampler=sampler, key=key, eos_ids=eos_ids,
-                cache_size=cache_size, chunk=chunk, extra=extra, mesh=mesh)
-    hparams = sharding.replicated(mesh, hparams)
-    dec = HSD(target, hierarchy, x.capacity, x.max_out, chunk, mesh, widths)
-    dec.level_widths()  # a bad policy fails before compiling
-    out, compile_s = _DECODE(tparams, hparams, x.tokens, x.lengths, x.budgets, sampler, x.key,
-                             x.eos, dec=dec)
-    return out.replace(compile_s=compile_s)
+    dec = HSD(target, hierarchy, chunk, mesh, widths)
+    return decoder.decode(dec, (tparams, hparams), prompts, max_new_tokens=max_new_tokens,
+                          sampler=sampler, key=key, eos_ids=eos_ids, cache_size=cache_size,
+                          source_size=source_size)
 
 
 __all__ = ["Exit", "NGram", "Hierarchy", "HSD", "HSDState", "HSDOutput", "hsd_generate"]

@@ -1,0 +1,3 @@
+"""The ``specjax`` command's subcommands, one module per concern: ``decode`` (generate,
+demo), ``bench``, ``hsd`` (calibrate, tune) and ``train`` (distill, features, train);
+``common`` holds what they share. ``specjax.cli`` assembles them."""

@@ -1,0 +1,194 @@
+"""``specjax bench``: methods side by side on the same prompts, with ratios against our
+``ar`` and transformers, written as JSON (an interrupted run resumes from its ``--out``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from specjax.commands import common
+from specjax.commands.common import UsageError
+
+
+def _settings(args, names) -> dict:
+    """What makes two bench runs comparable, question by question (a resume must match)."""
+    return {"model": args.model, "dtype": args.dtype, "compute_dtype": args.compute_dtype,
+            "methods": names,
+            **({"mesh": args.mesh} if args.mesh else {}),
+            **({"verify_widths": args.verify_widths} if args.verify_widths != "auto" else {}),
+            **({"scan_layers": True} if args.scan_layers else {}),
+            "temperature": max(args.temperature, 0.0), "top_k": args.top_k, "top_p": args.top_p,
+            "max_new_tokens": args.max_new_tokens, "draft_len": args.draft_len,
+            "draft_checkpoint": args.draft_checkpoint, "calibration": args.calibration,
+            **({"redrafter_checkpoint": args.redrafter_checkpoint}
+               if args.redrafter_checkpoint else {}),
+            "exit_heads": args.exit_heads,
+            "questions": (f"random:{args.random_prompts}x{args.prompt_len}"
+                          if args.random_prompts else
+                          args.questions or "specjax/data/prompts.jsonl")}
+
+
+def _specs(names: list[str]) -> dict:
+    """Each method name's spec; unknown names are listed in one error."""
+    from specjax import methods
+
+    specs, bad = {}, []
+    for name in names:
+        try:
+            specs[name] = methods.parse(name)
+        except methods.SpecError as e:
+            if not str(e).startswith("unknown method"):
+                raise UsageError(str(e)) from None
+            bad.append(name)
+    if bad:
+        raise UsageError(f"unknown methods {bad}; available: {', '.join(methods.FORMS)}")
+    return specs
+
+
+def _runners(args, lm, specs: dict, threads: int, hierarchies: dict) -> dict:
+    """A bench ``Method`` per name; ``hierarchies`` gets each hsd method's hierarchy."""
+    from specjax import bench
+
+    peers = {s.name for s in specs.values() if s.kind == "peer"}
+    hf = bench.load_hf(lm) if peers else None
+    sampler = common.sampler(args)
+    out = {}
+    for name, spec in specs.items():
+        if spec.kind == "peer":
+            out[name] = (bench.hf_method(lm, threads, hf, max(args.temperature, 0.0))
+                         if spec.name == "hf" else bench.hf_pld_method(lm, threads, hf))
+        elif spec.kind == "ar":
+            out[name] = bench.ar_method(lm, sampler)
+        else:
+            built = common.build(spec, lm, args)
+            if spec.kind == "hsd":
+                hierarchies[name] = built.name.partition(":")[2]
+            out[name] = bench.decoder_method(lm, built, sampler)
+    return out
+
+
+def cmd_bench(args) -> int:
+    from specjax import bench, methods
+    from specjax.models import load
+
+    names = methods.split(args.methods)
+    specs = _specs(names)
+    greedy = args.temperature <= 0
+    if not greedy and "hf-pld" in names:
+        raise UsageError("hf-pld is greedy only; drop it when --temperature > 0")
+    if args.random_prompts and args.questions:
+        raise UsageError("give --questions or --random-prompts, not both")
+    common.writable(args.out, "--out")
+    questions = (None if args.random_prompts else  # checked before the model loads
+                 bench.load_questions(args.questions, args.categories, args.limit))
+    m = common.mesh(args)
+    settings = _settings(args, names)
+    done = bench.restore_runs(args.out, settings)  # an interrupted bench resumes here
+    lm = common.on_mesh(load(args.model, **common.dtypes(args),
+                             tokenizer=not args.random_prompts), m, args)
+    if args.random_prompts:
+        questions = bench.random_questions(args.random_prompts, args.prompt_len,
+                                           lm.model.config.vocab_size)
+    elif lm.tokenizer is None:
+        raise UsageError(f"{args.model} has no tokenizer files: bench it on token ids with "
+                         "--random-prompts N [--prompt-len L]")
+    threads = args.threads or os.cpu_count() or 1
+    hierarchies = {}  # hsd method -> the hierarchy it runs, as a spec
+    run = _runners(args, lm, specs, threads, hierarchies)
+    report = {"model": args.model, "dtype": args.dtype, "compute_dtype": args.compute_dtype,
+              "batch": 1, "greedy": greedy, "temperature": max(args.temperature, 0.0),
+              "max_new_tokens": args.max_new_tokens, "threads": threads,
+              "questions": settings["questions"], "n_questions": len(questions),
+              "machine": bench.machine_info(), "draft_len": args.draft_len,
+              "settings": settings, "complete": False}
+    results, mismatches = _decode_all(args, lm, names, questions, run, done, report, greedy)
+    summary = bench.summarize(results)
+    print(bench.format_table(summary))
+    report.update(methods=summary, greedy_mismatch_vs_ar=mismatches, complete=True)
+    if hierarchies:
+        from specjax.drafters import exit_heads
+
+        path = args.exit_heads or exit_heads.shipped_heads(args.model)
+        report["hsd"] = {"hierarchies": hierarchies, "calibration": args.calibration,
+                         "exit_heads": Path(path).name if path else None}
+    if "ar" in summary:
+        report["bandwidth"] = _bandwidth(lm, summary["ar"]["tokens_per_s"])
+    if mismatches:
+        print(f"note: greedy outputs differ from ar: {mismatches}")
+    if args.out:
+        bench.write_json(args.out, {**report, "runs": bench.run_records(results)})
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _decode_all(args, lm, names, questions, run, done, report, greedy):
+    """Every method on every question (resumed ones are kept); the report is rewritten
+    after each question, which is what an interruption keeps."""
+    from tqdm import tqdm
+
+    from specjax import bench
+
+    results, mismatches = {m: [] for m in names}, []
+    resumed = sum(all(q.qid in done.get(m, {}) for m in names) for q in questions)
+    if resumed:
+        print(f"resuming {args.out}: {resumed} of {len(questions)} questions already done")
+    bar = tqdm(total=len(questions) * len(names), desc="bench", unit="run")
+    for q in questions:
+        old = [done.get(m, {}).get(q.qid) for m in names]
+        ids = list(q.ids) if q.ids is not None else (
+            None if all(old) else lm.encode(q.text, chat=lm.has_chat_template))
+        for m, r in zip(names, old):
+            bar.set_postfix_str(f"{q.category} {m}")
+            results[m].append((q, r if all(old) else run[m](ids, args.max_new_tokens)))
+            bar.update()
+        if "ar" in results and greedy:
+            for m in names:  # every greedy method must reproduce ar
+                if results[m][-1][1].tokens != results["ar"][-1][1].tokens:
+                    mismatches.append({"question": q.qid, "method": m})
+        if args.out:
+            bench.write_json(args.out, {**report, "runs": bench.run_records(results)})
+    bar.close()
+    return results, mismatches
+
+
+def _bandwidth(lm, ar_tokens_per_s: float) -> dict:
+    """The device's memory bandwidth (measured on a GPU/TPU itself; host copies on the CPU),
+    bytes of weights per token, and ``ar``'s share of that bound."""
+    from specjax import bench
+
+    b = bench.bandwidth_bound(lm.params, ar_tokens_per_s)
+    print(f"\nbandwidth: {b['copy_GBps']:.1f} GB/s on {b['device']['device_kind']} "
+          f"({b['method'].split(':')[0]}); weights {b['weight_bytes'] / 1e6:.0f} MB/token "
+          f"-> bound {b['bound_tokens_per_s']:.1f} tok/s; ar reaches "
+          f"{100 * b['ar_fraction_of_bound']:.0f}%")
+    return b
+
+
+def register(sub) -> list:
+    """Adds this module's commands to ``sub``; returns their parsers."""
+    b = sub.add_parser("bench", help="tokens/s of methods side by side")
+    common.add_model(b)
+    common.add_mesh(b)
+    b.add_argument("--methods", default="ar,hf",
+                   help="comma-separated: ar, hf, hf-pld, sd-ngram[:depth], sd-early-exit:L, "
+                        "eagle2[:depth,topk,total][:conf,norerank,fullvocab,vocab=N], "
+                        "redrafter[:W,L][:nodedup], hsd[:SPEC]")
+    b.add_argument("--draft-len", type=int, help="draft tokens per round for sd-* methods")
+    common.add_verify_widths(b)
+    common.add_heads(b)
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (outputs checked against ar); > 0 samples (seed 0)")
+    b.add_argument("--top-k", type=int, default=0)
+    b.add_argument("--top-p", type=float, default=1.0)
+    b.add_argument("--questions", help="Spec-Bench question.jsonl (default: built-in prompts)")
+    b.add_argument("--categories", nargs="*", help="e.g. mt_bench translation summarization qa "
+                                                   "math_reasoning rag")
+    b.add_argument("--limit", type=int, help="questions in total, spread over categories")
+    b.add_argument("--random-prompts", type=int, help="N prompts of seeded random token ids "
+                   "instead of questions (random-weight models without a tokenizer: speed only)")
+    b.add_argument("--prompt-len", type=int, default=128, help="tokens per random prompt")
+    b.add_argument("--threads", type=int, help="torch threads for hf (default: all cores)")
+    b.add_argument("--out", help="write the JSON report here")
+    common.add_hsd(b)
+    b.set_defaults(fn=cmd_bench)
+    return [b]

@@ -1,0 +1,254 @@
+"""What every ``specjax`` command shares: the usage error, argument checks that need no
+model, output paths checked before any work, the options' argparse groups, and the
+translation of arguments into a ``specjax.methods`` spec and ``Options``."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+
+
+class UsageError(Exception):
+    """A mistake in the command's arguments: reported in one line, exit code 2."""
+
+
+_POSITIVE = ("max_new_tokens", "limit", "draft_len", "steps", "batch_tokens", "max_len",
+             "tokens", "num_prompts", "batch", "save_every", "threads", "t_max", "max_levels",
+             "rank", "random_prompts", "prompt_len")
+
+
+def check_args(args) -> None:
+    """Checks that need no model: sampling values (finite), budgets, the prompt."""
+    for name in ("temperature", "top_p", "draft_temperature", "lr"):
+        v = getattr(args, name, None)
+        if v is not None and not math.isfinite(v):
+            raise UsageError(f"--{name.replace('_', '-')} must be a finite number, got {v}")
+    if getattr(args, "temperature", 0.0) < 0:
+        raise UsageError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if getattr(args, "top_k", 0) < 0:
+        raise UsageError(f"--top-k must be >= 0 (0: no limit), got {args.top_k}")
+    if not 0 < getattr(args, "top_p", 1.0) <= 1:
+        raise UsageError(f"--top-p must be in (0, 1] (1: no limit), got {args.top_p}")
+    for name in _POSITIVE:
+        v = getattr(args, name, None)
+        if v is not None and v < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if getattr(args, "prompt", None) is not None and not args.prompt.strip():
+        raise UsageError("--prompt is empty")
+
+
+def writable(path: str | None, flag: str, directory: bool = False) -> None:
+    """Raises ``UsageError`` unless ``path`` can be written as a file (``directory``: as a
+    directory, existing or not): not an existing entry of the other kind, and below a
+    writable directory. Missing parents are fine (they are created when written)."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.exists() and p.is_dir() != directory:
+        what = "a directory" if p.is_dir() else "a file"
+        raise UsageError(f"{flag} {path} is {what}; give a {'directory' if directory else 'file'}"
+                         " path")
+    parent = p.parent if not p.exists() else p
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path} cannot be written: {parent} is a file")
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"{flag} {path} cannot be written: {parent} is not writable")
+
+
+def dtypes(args) -> dict:
+    """``load``'s storage and compute dtypes from ``--dtype`` and ``--compute-dtype``."""
+    import jax.numpy as jnp
+
+    names = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+    scan = {"scan_layers": True} if getattr(args, "scan_layers", False) else {}
+    return {"dtype": names[args.dtype], "compute_dtype": names[args.compute_dtype], **scan}
+
+
+def sampler(args):
+    import specjax
+
+    if args.temperature <= 0:
+        return specjax.Greedy()
+    return specjax.Sample(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+
+
+def mesh(args, rows: int | None = 1):
+    """The ``--mesh``, or None; ``rows``: the batch it must divide (None: any, as training
+    pads its batches)."""
+    if not getattr(args, "mesh", None):
+        return None
+    from specjax import sharding
+
+    try:
+        m = sharding.mesh_from_spec(args.mesh)
+        if rows is not None:  # generate and bench decode one prompt at a time
+            sharding.check_batch(rows, m)
+    except ValueError as e:
+        raise UsageError(f"--mesh {args.mesh}: {e}") from None
+    return m
+
+
+def on_mesh(lm, m, args):
+    if m is None:
+        return lm
+    try:
+        return lm.on_mesh(m)
+    except ValueError as e:
+        raise UsageError(f"--mesh {args.mesh}: {e}") from None
+
+
+def method_text(args) -> str:
+    """``--method`` as one ``specjax.methods`` text form: a full spec (``eagle2:3,4,7``,
+    ``sd-ngram:7``, ``hsd:ngram:4,target``) as given, or a bare name completed by its
+    option (``sd`` + ``--drafter``, ``eagle2`` + ``--eagle``, ``redrafter`` +
+    ``--redrafter``, ``hsd`` + ``--hierarchy``)."""
+    m = args.method
+    if m == "sd":
+        return "sd-" + args.drafter
+    if m == "eagle2":
+        return args.eagle
+    if m == "redrafter":
+        return args.redrafter
+    if m == "hsd":
+        return "hsd" if args.hierarchy == "auto" else f"hsd:{args.hierarchy}"
+    return m
+
+
+def parse_method(text: str):
+    from specjax import methods
+
+    try:
+        return methods.parse(text)
+    except methods.SpecError as e:
+        raise UsageError(str(e)) from None
+
+
+def options(args):
+    """``specjax.methods.Options`` from the arguments a command has."""
+    from specjax import methods
+
+    get = lambda name, default=None: getattr(args, name, default)
+    widths = get("verify_widths")
+    try:
+        layers = tuple(int(x) for x in get("layers", "4,8,12,16,20,24").split(","))
+    except ValueError:
+        raise UsageError(f"--layers must be comma-separated ints, got {args.layers!r}") from None
+    return methods.Options(
+        model_name=args.model, draft_len=get("draft_len"),
+        widths=None if widths in (None, "auto") else widths,
+        draft_checkpoint=get("draft_checkpoint"),
+        redrafter_checkpoint=get("redrafter_checkpoint"), exit_heads=get("exit_heads"),
+        layers=layers, calibration=get("calibration"), t_max=get("t_max", 8),
+        max_levels=get("max_levels", 4), horizontal=tuple(get("horizontal", (0,))))
+
+
+def build(spec, lm, args):
+    """``specjax.methods.build`` with a spec error reported as a usage error."""
+    from specjax import methods
+
+    try:
+        return methods.build(spec, lm, options(args))
+    except methods.SpecError as e:
+        raise UsageError(str(e)) from None
+
+
+# ----------------------------------------------------------------------------- options
+
+
+def sizes(text: str) -> tuple[int, ...]:
+    """``"0,10"`` -> ``(0, 10)``: non-negative ints (argparse type)."""
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        out = ()
+    if not out or min(out) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative ints like 0,10, got {text!r}")
+    return out
+
+
+def add_model(s, max_new: int = 128) -> None:
+    s.add_argument("--model", default="smollm2-135m",
+                   help="registered name, .gguf file or HF directory")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights and KV cache")
+    s.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="inputs of every product (default float32: bfloat16 weights then "
+                        "keep greedy output equal to ar's as in float32; bfloat16 is faster "
+                        "on bfloat16 hardware and can leave ar on near-ties)")
+    s.add_argument("--max-new-tokens", type=int, default=max_new)
+    s.add_argument("--scan-layers", action="store_true",
+                   help="Llama models: run the layers under one lax.scan over stacked weights "
+                        "(one layer compiles, not all; the accelerator layout; slower per "
+                        "token on CPU)")
+
+
+def add_verify_widths(s) -> None:
+    s.add_argument("--verify-widths", default="auto",
+                   help="verification widths compiled for speculative methods: auto (padded "
+                        "off CPU, merged on CPU), padded (one forward at the full draft), "
+                        "per-width (the drafter's own), merged (per-width, widths with equal "
+                        "product padding merged) or widths, e.g. 1,8")
+
+
+def add_mesh(s) -> None:
+    s.add_argument("--mesh", help="run on a device mesh, e.g. model=3: weights split by heads "
+                   "and MLP columns (data=D needs batches of D rows; these commands decode "
+                   "one prompt at a time)")
+
+
+def add_heads(s) -> None:
+    s.add_argument("--draft-checkpoint", help="an exported EAGLE head directory (default: the "
+                                              "head shipped for --model)")
+    s.add_argument("--redrafter-checkpoint", help="an exported ReDrafter head directory "
+                                                  "(default: the head shipped for --model)")
+
+
+def add_exits(s) -> None:
+    s.add_argument("--exit-heads", help="exported exit heads (default: the ones shipped for "
+                                        "--model, else plain early exits)")
+    s.add_argument("--layers", default="4,8,12,16,20,24",
+                   help="exit layers when no exit heads are given or shipped")
+
+
+def add_horizontal(s) -> None:
+    s.add_argument("--horizontal", type=sizes, default=(0,), help="horizontal-heuristic sizes "
+                   "the tuner tries, e.g. 0,10 (default: 0, off)")
+
+
+def add_hsd(s) -> None:
+    add_exits(s)
+    s.add_argument("--calibration", help="JSON from `specjax calibrate` (hsd auto)")
+    s.add_argument("--t-max", type=int, default=8, help="largest T the tuner tries")
+    s.add_argument("--max-levels", type=int, default=4, help="most levels the tuner tries")
+    add_horizontal(s)
+
+
+def add_sampling(s) -> None:
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--top-p", type=float, default=1.0)
+
+
+def add_method(s) -> None:
+    """``--method`` and what completes it (see ``method_text``)."""
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--method", default="ar",
+                   help="ar | sd | eagle2 | redrafter | hsd, completed by --drafter, --eagle, "
+                        "--redrafter or --hierarchy; or a full method spec such as "
+                        "sd-ngram:7, eagle2:3,4,7, redrafter:2,3 or hsd:ngram:4,target")
+    s.add_argument("--eagle", default="eagle2", help="EAGLE spec: "
+                   "eagle2[:depth,topk,total][:conf,norerank,fullvocab,vocab=N]")
+    s.add_argument("--redrafter", default="redrafter",
+                   help="ReDrafter spec: redrafter[:W,L][:nodedup] (W beams of L tokens)")
+    s.add_argument("--drafter", default="ngram", help="for sd: ngram[:depth] | early-exit:L")
+    s.add_argument("--draft-len", type=int, help="draft tokens per round (default: the "
+                                                  "drafter's own)")
+    s.add_argument("--hierarchy", default="auto", help="for hsd: auto (tuned from "
+                   "--calibration) or a spec such as ngram:4,12:3,target")
+    add_heads(s)
+    add_hsd(s)
+    add_verify_widths(s)

@@ -1,0 +1,322 @@
+"""``specjax distill`` and ``specjax features`` (training corpora) and ``specjax train``
+(EAGLE, ReDrafter and exit heads, with Optax; checkpointed with Orbax and resumed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specjax.commands import common
+
+
+def _check_outputs(args) -> None:
+    """The run directory and the export directory can be written, before any work."""
+    common.writable(args.run, "--run", directory=True)
+    common.writable(args.export, "--export", directory=True)
+
+
+def RunLog(run_dir: str):
+    """``run_dir/log.jsonl`` (``specjax.train.loop.RunLog``; the trainer rewinds it to the
+    checkpoint a resumed run starts from). Imported here, not at module level, so the CLI
+    pulls in training code only when it trains."""
+    from specjax.train.loop import RunLog as Log
+
+    return Log(run_dir)
+
+
+def _spec_bench_texts(path: str) -> list[str]:
+    rows = [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
+    return [t for r in rows for t in r["turns"]]
+
+
+def cmd_distill(args) -> int:
+    from tqdm import tqdm
+
+    common.writable(args.out, "--out", directory=True)
+
+    from specjax.models import load
+    from specjax.train import distill
+
+    lm = load(args.model)
+    exclude = _spec_bench_texts(args.exclude) if args.exclude else []
+    prompts, info = distill.select_prompts(args.prompts, args.num_prompts, exclude, args.seed)
+    print(f"{len(prompts)} prompts ({info['dropped_overlapping_spec_bench']} dropped for "
+          f"overlapping {args.exclude or 'nothing'})", flush=True)
+    with tqdm(total=len(prompts), desc="distill", unit="prompt") as bar:
+        summary = distill.distill(lm, prompts, args.out, max_new_tokens=args.max_new_tokens,
+                                  batch=args.batch, progress=bar)
+    summary.update(info)
+    Path(args.out, "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_features(args) -> int:
+    from tqdm import tqdm
+
+    common.writable(args.out, "--out", directory=True)
+
+    from specjax.models import load
+    from specjax.train import text_corpus
+
+    lm = load(args.model)
+    exclude = _spec_bench_texts(args.exclude) if args.exclude else []
+    pairs, info = text_corpus.reference_pairs(args.prompts, exclude, args.seed)
+    print(f"{info['pairs']} (prompt, reference answer) pairs "
+          f"({info['dropped_overlapping_exclude']} dropped for overlapping "
+          f"{args.exclude or 'nothing'}); taking {args.tokens} tokens", flush=True)
+    with tqdm(total=args.tokens, desc="features", unit="tok", unit_scale=True) as bar:
+        summary = text_corpus.build(lm, pairs, args.out, max_tokens=args.tokens,
+                                    max_len=args.max_len, progress=bar)
+    summary.update(info)
+    Path(args.out, "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_train_exits(args) -> int:
+    import dataclasses
+
+    _check_outputs(args)
+    from tqdm import tqdm
+
+    from specjax.models import load
+    from specjax.train import checkpoint, distill
+    from specjax.train import exit_heads as train_exits
+
+    lm = load(args.model)
+    corpus = distill.load_shards(args.data)
+    layers = tuple(int(x) for x in args.layers.split(","))
+    cfg = train_exits.ExitConfig(layers=layers, rank=args.rank, steps=args.steps,
+                                 batch_tokens=args.batch_tokens, max_len=args.max_len,
+                                 lr=args.lr, seed=args.seed, save_every=args.save_every,
+                                 kl_vocab=args.kl_vocab)
+    log = RunLog(args.run)
+    print(f"{len(corpus)} examples, {sum(len(t) for t, _, _ in corpus)} tokens; {cfg}", flush=True)
+    def feats():
+        with tqdm(total=len(corpus), desc="target features", unit="example") as bar:
+            return train_exits.layer_features(lm.model, lm.params, corpus, cfg, progress=bar)
+
+    with tqdm(total=cfg.steps, desc="train exit heads", unit="step") as bar:
+        state = train_exits.train(lm.model, lm.params, corpus, cfg, args.run, feats=feats,
+                                  progress=bar, log=log, mesh=common.mesh(args, rows=None),
+                                  meta={"model": args.model, "data": str(Path(args.data))})
+    if args.export:
+        summary = Path(args.data, "summary.json")
+        meta = {"kind": "exit-heads", "model": args.model, "layers": list(cfg.layers),
+                "rank": cfg.rank, "train": dataclasses.asdict(cfg),
+                "steps_done": int(state["step"]),
+                "data": json.loads(summary.read_text()) if summary.exists() else None}
+        ids = train_exits.vocab_ids(corpus, lm.model.config.vocab_size, cfg)
+        if ids is not None:  # the exits propose only tokens the KL was taken over
+            meta["vocab_ids"] = ids.tolist()
+        out = checkpoint.export_head(state["params"], args.export, meta)
+        print(f"exported the exit heads (bfloat16) to {out}")
+    return 0
+
+
+def cmd_train(args) -> int:
+    import dataclasses
+
+    _check_outputs(args)
+    import jax
+    from tqdm import tqdm
+
+    from specjax.models import load
+    from specjax.train import checkpoint, distill
+    from specjax.train import eagle as train_eagle
+
+    lm = load(args.model)
+    corpus = distill.load_shards(args.data)
+    cfg = train_eagle.TrainConfig(steps=args.steps, batch_tokens=args.batch_tokens,
+                                  max_len=args.max_len, lr=args.lr, seed=args.seed,
+                                  save_every=args.save_every, ce_vocab=args.ce_vocab,
+                                  val_examples=args.val_examples, warmup=args.warmup,
+                                  w_reg=args.w_reg, w_ce=args.w_ce, noise=args.noise,
+                                  all_positions=args.all_positions)
+    log = RunLog(args.run)
+    n_tok = sum(len(t) - (0 if cfg.all_positions else pl) for t, pl, _ in corpus)
+    print(f"{len(corpus)} examples, {n_tok} trained tokens; {cfg}", flush=True)
+    init = None
+    if args.init:
+        from specjax.drafters import eagle
+
+        init, _ = checkpoint.load_head(args.init, "eagle",
+                                       like=eagle.init_head(lm.model.config, jax.random.key(0)))
+    with tqdm(total=cfg.steps, desc="train eagle", unit="step") as bar:
+        state = train_eagle.train(lm.model, lm.params, corpus, cfg, args.run, progress=bar, log=log,
+                                  mesh=common.mesh(args, rows=None),
+                                  meta={"model": args.model, "data": Path(args.data).name,
+                                        "init": args.init and Path(args.init).name},
+                                  init=init)
+    if args.export:
+        ids = train_eagle.vocab_by_frequency(corpus, lm.model.config.vocab_size, 32768)
+        summary = Path(args.data, "summary.json")
+        meta = {"kind": "eagle", "model": args.model, "draft_vocab": args.draft_vocab,
+                "train": dataclasses.asdict(cfg), "steps_done": int(state["step"]),
+                "data": json.loads(summary.read_text()) if summary.exists() else None,
+                "vocab_ids": ids.tolist()}
+        out = checkpoint.export_head(state["params"], args.export, meta)
+        print(f"exported the head (bfloat16) to {out}")
+    return 0
+
+
+def cmd_train_redrafter(args) -> int:
+    import dataclasses
+
+    _check_outputs(args)
+    import jax
+    import numpy as np
+    from tqdm import tqdm
+
+    from specjax import export
+    from specjax.drafters import redrafter
+    from specjax.models import load
+    from specjax.train import distill
+    from specjax.train import redrafter as train_rd
+
+    cfg = train_rd.TrainConfig(steps=args.steps, batch_tokens=args.batch_tokens,
+                               max_len=args.max_len, unroll=args.unroll, blocks=args.blocks,
+                               draft_vocab=args.draft_vocab, loss=args.loss, lr=args.lr,
+                               warmup=args.warmup, seed=args.seed, save_every=args.save_every,
+                               val_examples=args.val_examples,
+                               all_positions=not args.answers_only)
+    lm = load(args.model)
+    corpus = distill.load_shards(args.data)
+    d = corpus[0][2].shape[-1]
+    if d != lm.model.config.hidden_size:
+        raise ValueError(f"{args.data} holds features of width {d}, but {args.model} has hidden "
+                         f"size {lm.model.config.hidden_size}: it was built for another model")
+    print(f"{len(corpus)} examples, {sum(len(t) for t, _, _ in corpus)} tokens; {cfg}",
+          flush=True)
+    init = None
+    if args.init:  # fine-tune an exported head: its parameters and its draft vocabulary
+        meta = export.read_meta(args.init, "redrafter")
+        like = redrafter.exportable(redrafter.init_head(
+            meta["hidden_size"], meta["draft_vocab"], jax.random.key(0), meta["blocks"]))
+        head, meta = export.load_head(args.init, "redrafter", like=like)
+        ids = meta.get("vocab_ids")
+        init = (head, None if ids is None else np.asarray(ids, np.int32))
+    with tqdm(total=cfg.steps, desc="train redrafter", unit="step") as bar:
+        state, ids = train_rd.train(lm.model, lm.params, corpus, cfg, args.run, progress=bar,
+                                    log=RunLog(args.run), init=init,
+                                    mesh=common.mesh(args, rows=None),
+                                    meta={"model": args.model, "data": Path(args.data).name,
+                                          "init": args.init and Path(args.init).name})
+    if args.export:
+        summary = Path(args.data, "summary.json")
+        meta = {"kind": "redrafter", "model": args.model,
+                "hidden_size": lm.model.config.hidden_size, "blocks": cfg.blocks,
+                "draft_vocab": lm.model.config.vocab_size if ids is None else len(ids),
+                "train": dataclasses.asdict(cfg), "steps_done": int(state["step"]),
+                "data": json.loads(summary.read_text()) if summary.exists() else None,
+                "init": args.init and Path(args.init).name,
+                "vocab_ids": None if ids is None else ids.tolist()}
+        out = export.export_head(redrafter.exportable(state["params"]), args.export, meta)
+        print(f"exported the head (bfloat16) to {out}")
+    return 0
+
+
+def register(sub) -> list:
+    """Adds this module's commands to ``sub``; returns their parsers."""
+    ds = sub.add_parser("distill", help="self-distilled training data: the target answers "
+                                         "training prompts; its features are kept")
+    common.add_model(ds, max_new=192)
+    ds.add_argument("--prompts", required=True, help="directory of training prompt files")
+    ds.add_argument("--exclude", help="Spec-Bench question.jsonl: overlapping prompts are dropped")
+    ds.add_argument("--num-prompts", type=int, default=2000)
+    ds.add_argument("--batch", type=int, default=16)
+    ds.add_argument("--seed", type=int, default=0)
+    ds.add_argument("--out", required=True, help="corpus directory (resumes if it exists)")
+    ds.set_defaults(fn=cmd_distill)
+
+    fe = sub.add_parser("features", help="a fixed training corpus: reference (prompt, answer) "
+                                          "texts and the target's features, one prefill each")
+    fe.add_argument("--model", default="smollm2-135m")
+    fe.add_argument("--prompts", required=True, help="directory of training prompt files")
+    fe.add_argument("--exclude", help="Spec-Bench question.jsonl: overlapping prompts are dropped")
+    fe.add_argument("--tokens", type=int, default=2_000_000, help="corpus size in tokens")
+    fe.add_argument("--max-len", type=int, default=512, help="tokens per text (left-truncated)")
+    fe.add_argument("--seed", type=int, default=0)
+    fe.add_argument("--out", required=True, help="corpus directory (resumes if it exists)")
+    fe.set_defaults(fn=cmd_features)
+
+    t = sub.add_parser("train", help="train a draft head")
+    tsub = t.add_subparsers(dest="head", required=True)
+    te = tsub.add_parser("eagle", help="the EAGLE head, on a corpus from `specjax distill`")
+    te.add_argument("--model", default="smollm2-135m")
+    te.add_argument("--data", required=True)
+    te.add_argument("--run", required=True, help="run directory: checkpoints; resumes")
+    te.add_argument("--steps", type=int, default=2000)
+    te.add_argument("--batch-tokens", type=int, default=4096)
+    te.add_argument("--max-len", type=int, default=512)
+    te.add_argument("--lr", type=float, default=5e-4)
+    te.add_argument("--warmup", type=int, default=100)
+    te.add_argument("--w-reg", type=float, default=1.0, help="weight of the feature regression")
+    te.add_argument("--w-ce", type=float, default=0.1,
+                    help="weight of the cross-entropy against the target's distribution")
+    te.add_argument("--noise", type=float, default=0.1,
+                    help="uniform noise on the input features, relative to their RMS")
+    te.add_argument("--seed", type=int, default=0)
+    te.add_argument("--save-every", type=int, default=100)
+    te.add_argument("--ce-vocab", type=int, default=8192,
+                    help="cross-entropy over the corpus's most frequent tokens (0: all)")
+    te.add_argument("--val-examples", type=int, default=0,
+                    help="examples held out and scored at every checkpoint (val_acc in the log)")
+    te.add_argument("--init", help="start from this exported EAGLE head (fine-tuning); "
+                                   "default: a random head")
+    te.add_argument("--all-positions", action="store_true",
+                    help="train on every position, prompts included (for a text corpus "
+                         "from `specjax features`); default: answer positions only")
+    te.add_argument("--draft-vocab", type=int, default=0,
+                    help="default draft vocabulary size of the exported head (0: full)")
+    te.add_argument("--export", help="write the trained head (bfloat16) here")
+    te.set_defaults(fn=cmd_train)
+    tr = tsub.add_parser("redrafter", help="the ReDrafter head, on a corpus from "
+                                           "`specjax features` or `specjax distill`")
+    tr.add_argument("--model", default="smollm2-135m")
+    tr.add_argument("--data", required=True)
+    tr.add_argument("--run", required=True, help="run directory: checkpoints; resumes")
+    tr.add_argument("--steps", type=int, default=600)
+    tr.add_argument("--batch-tokens", type=int, default=1024)
+    tr.add_argument("--max-len", type=int, default=512)
+    tr.add_argument("--unroll", type=int, default=3, help="recurrent steps trained per position")
+    tr.add_argument("--blocks", type=int, default=2, help="residual blocks of the head")
+    tr.add_argument("--draft-vocab", type=int, default=8192,
+                    help="the corpus's most frequent tokens (0: the whole vocabulary)")
+    tr.add_argument("--loss", choices=["kd", "ce"], default="kd",
+                    help="kd: the target's distribution (the paper); ce: dataset tokens")
+    tr.add_argument("--lr", type=float, default=1e-3)
+    tr.add_argument("--warmup", type=int, default=50)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--save-every", type=int, default=100)
+    tr.add_argument("--val-examples", type=int, default=0,
+                    help="examples held out and scored at every checkpoint")
+    tr.add_argument("--export", help="write the trained head (bfloat16) here")
+    tr.add_argument("--init", help="an exported ReDrafter head to fine-tune (keeps its draft "
+                                   "vocabulary and blocks)")
+    tr.add_argument("--answers-only", action="store_true",
+                    help="train on answer positions only (a corpus from `specjax distill`); "
+                         "default: every position")
+    tr.set_defaults(fn=cmd_train_redrafter)
+    tx = tsub.add_parser("exit-heads", help="early-exit adapters distilled from the final "
+                                            "layer, on a corpus from `specjax distill`")
+    tx.add_argument("--model", default="smollm2-135m")
+    tx.add_argument("--data", required=True)
+    tx.add_argument("--run", required=True, help="run directory: checkpoints; resumes")
+    tx.add_argument("--layers", default="4,8,12,16,20,24", help="exit layers, comma-separated")
+    tx.add_argument("--rank", type=int, default=64, help="adapter rank")
+    tx.add_argument("--steps", type=int, default=400)
+    tx.add_argument("--batch-tokens", type=int, default=1024)
+    tx.add_argument("--max-len", type=int, default=512)
+    tx.add_argument("--lr", type=float, default=2e-3)
+    tx.add_argument("--seed", type=int, default=0)
+    tx.add_argument("--save-every", type=int, default=50)
+    tx.add_argument("--kl-vocab", type=int, default=4096,
+                    help="KL over the corpus's most frequent tokens (0: all)")
+    tx.add_argument("--export", help="write the trained heads (bfloat16) here")
+    tx.set_defaults(fn=cmd_train_exits)
+    for t in (te, tr, tx):
+        t.add_argument("--mesh", help="data-parallel training on a device mesh, e.g. data=8 "
+                       "(rows split over data, gradients summed by XLA)")
+    return [ds, fe, te, tr, tx]

@@ -1,0 +1,460 @@
+"""One method registry: every decoding method as a small typed spec, parsed from and
+formatted to its one text form, and built once into a ``(Decoder, params)`` pair.
+
+Text forms (``parse`` / ``MethodSpec.format``; ``parse(m.format()) == m``):
+
+* ``ar``: plain autoregressive decoding;
+* ``sd-ngram[:depth]``, ``sd-early-exit:L``: speculative decoding with prompt lookup or
+  the target's first ``L`` layers;
+* ``eagle2[:depth,topk,total][:conf,norerank,fullvocab,vocab=N]``: EAGLE-2's head and
+  dynamic tree (an exported head: ``Options.draft_checkpoint``, default the shipped one);
+* ``redrafter[:W,L][:nodedup]``: ReDrafter's beams as one tree
+  (``Options.redrafter_checkpoint``);
+* ``hsd[:SPEC]``: a hierarchy (``specjax.hsd.HierarchySpec``; bare ``hsd`` is tuned from
+  ``Options.calibration``);
+* ``hf``, ``hf-pld``: the transformers peers a benchmark compares against (not decoders).
+
+``build(spec, lm, options)`` returns a ``Built``: the decoder, its parameters and the
+spec as run, callable like ``specjax.decode``. The CLI, the benchmark and the demo use it,
+so each method is dispatched in this one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any, ClassVar, Sequence
+
+from specjax.hsd.spec import HierarchySpec
+
+
+class SpecError(ValueError):
+    """A method spec, or an option it needs, is wrong: a one-line usage error."""
+
+
+def _sizes(text: str, n: int, what: str, spec: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        out = ()
+    if len(out) != n or min(out) < 1:
+        raise SpecError(f"bad sizes {text!r} in {spec!r}: want {what}, each >= 1")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class AR:
+    """``ar``: one token per target forward."""
+
+    kind: ClassVar[str] = "ar"
+
+    @classmethod
+    def parse(cls, text: str) -> "AR":
+        if text != "ar":
+            raise SpecError(f"bad method {text!r}: 'ar' takes no options")
+        return cls()
+
+    def format(self) -> str:
+        return "ar"
+
+
+@dataclasses.dataclass(frozen=True)
+class SD:
+    """``sd-ngram[:depth]`` or ``sd-early-exit:L``: a drafter without trained weights."""
+
+    drafter: str = "ngram"  # "ngram" | "early-exit"
+    depth: int | None = None  # n-gram: tokens proposed per round (None: the default)
+    layer: int | None = None  # early exit: layers run
+
+    kind: ClassVar[str] = "sd"
+
+    @classmethod
+    def parse(cls, text: str) -> "SD":
+        name, _, arg = text.removeprefix("sd-").partition(":")
+        if name == "ngram" and (not arg or arg.isdigit()) and arg != "0":
+            return cls("ngram", int(arg) if arg else None)
+        if name == "early-exit" and arg.isdigit() and arg != "0":
+            return cls("early-exit", layer=int(arg))
+        raise SpecError(f"bad method {text!r}: use sd-ngram[:depth] or sd-early-exit:L")
+
+    def format(self) -> str:
+        if self.drafter == "ngram":
+            return "sd-ngram" + (f":{self.depth}" if self.depth else "")
+        return f"sd-early-exit:{self.layer}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle:
+    """``eagle2[:depth,topk,total][:opts]``; opts ``conf`` (expand by confidence),
+    ``norerank``, ``vocab=N`` (draft vocabulary size; ``fullvocab``: the target's)."""
+
+    sizes: tuple[int, int, int] | None = None  # depth, topk, total tokens (None: defaults)
+    by_value: bool = True
+    rerank: bool = True
+    vocab: int | None = None  # None: the head's own default
+
+    kind: ClassVar[str] = "eagle2"
+
+    @classmethod
+    def parse(cls, text: str) -> "Eagle":
+        parts = text.split(":")
+        if parts[0] != "eagle2" or len(parts) > 3:
+            raise SpecError(f"bad EAGLE spec {text!r}: use eagle2[:depth,topk,total][:opts]")
+        sizes = (_sizes(parts[1], 3, "depth,topk,total", text)
+                 if len(parts) > 1 and parts[1] else None)
+        out = cls(sizes)
+        for opt in (parts[2].split(",") if len(parts) > 2 else []):
+            if opt in ("conf", "norerank", "fullvocab"):
+                field = {"conf": "by_value", "norerank": "rerank", "fullvocab": "vocab"}[opt]
+                out = dataclasses.replace(out, **{field: 0 if opt == "fullvocab" else False})
+            elif opt.startswith("vocab=") and opt[6:].isdigit():
+                out = dataclasses.replace(out, vocab=int(opt[6:]))
+            else:
+                raise SpecError(f"unknown EAGLE option {opt!r}: conf, norerank, fullvocab, "
+                                "vocab=N")
+        return out
+
+    def drafter_kwargs(self) -> dict:
+        """``EagleDrafter``'s settings (the sizes only where given)."""
+        sizes = {} if self.sizes is None else dict(zip(("depth", "topk", "total_tokens"),
+                                                       self.sizes))
+        return {"by_value": self.by_value, "rerank": self.rerank, **sizes}
+
+    def format(self) -> str:
+        opts = ([] if self.by_value else ["conf"]) + ([] if self.rerank else ["norerank"])
+        if self.vocab is not None:
+            opts.append("fullvocab" if self.vocab == 0 else f"vocab={self.vocab}")
+        sizes = ",".join(map(str, self.sizes)) if self.sizes else ""
+        return ":".join(["eagle2", sizes, ",".join(opts)] if opts else
+                        ["eagle2", sizes] if sizes else ["eagle2"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Redrafter:
+    """``redrafter[:W,L][:nodedup]``: ``W`` beams of ``L`` drafted tokens."""
+
+    sizes: tuple[int, int] | None = None
+    dedup: bool = True
+
+    kind: ClassVar[str] = "redrafter"
+
+    @classmethod
+    def parse(cls, text: str) -> "Redrafter":
+        parts = text.split(":")
+        if parts[0] != "redrafter" or len(parts) > 3:
+            raise SpecError(f"bad ReDrafter spec {text!r}: use redrafter[:W,L][:nodedup]")
+        sizes = _sizes(parts[1], 2, "W,L", text) if len(parts) > 1 and parts[1] else None
+        opts = parts[2].split(",") if len(parts) > 2 else []
+        if any(o != "nodedup" for o in opts):
+            raise SpecError(f"unknown ReDrafter option in {text!r}: nodedup")
+        return cls(sizes, not opts)
+
+    def drafter_kwargs(self) -> dict:
+        """``RedrafterDrafter``'s settings (the sizes only where given)."""
+        sizes = {} if self.sizes is None else dict(zip(("width", "length"), self.sizes))
+        return {"dedup": self.dedup, **sizes}
+
+    def format(self) -> str:
+        sizes = ",".join(map(str, self.sizes)) if self.sizes else ""
+        return ":".join(["redrafter", sizes, "nodedup"] if not self.dedup else
+                        ["redrafter", sizes] if sizes else ["redrafter"])
+
+
+@dataclasses.dataclass(frozen=True)
+class HSD:
+    """``hsd:SPEC`` (a ``HierarchySpec``), or ``hsd`` alone: tuned from a calibration."""
+
+    hierarchy: HierarchySpec | None = None
+
+    kind: ClassVar[str] = "hsd"
+
+    @classmethod
+    def parse(cls, text: str) -> "HSD":
+        name, _, spec = text.partition(":")
+        if name != "hsd":
+            raise SpecError(f"bad method {text!r}: use hsd or hsd:SPEC")
+        if not spec or spec == "auto":
+            return cls()
+        try:
+            return cls(HierarchySpec.parse(spec))
+        except ValueError as e:
+            raise SpecError(str(e)) from None
+
+    def format(self) -> str:
+        return "hsd" if self.hierarchy is None else f"hsd:{self.hierarchy.format()}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """``hf`` or ``hf-pld``: transformers' own decoding, which a benchmark runs beside ours."""
+
+    name: str = "hf"
+
+    kind: ClassVar[str] = "peer"
+
+    @classmethod
+    def parse(cls, text: str) -> "Peer":
+        if text not in ("hf", "hf-pld"):
+            raise SpecError(f"bad method {text!r}")
+        return cls(text)
+
+    def format(self) -> str:
+        return self.name
+
+
+MethodSpec = AR | SD | Eagle | Redrafter | HSD | Peer
+_PREFIXES = (("ar", AR), ("sd-", SD), ("eagle2", Eagle), ("redrafter", Redrafter),
+             ("hsd", HSD), ("hf-pld", Peer), ("hf", Peer))
+FORMS = ("ar", "sd-ngram[:depth]", "sd-early-exit:L", "eagle2[:depth,topk,total][:opts]",
+         "redrafter[:W,L][:nodedup]", "hsd[:SPEC]", "hf", "hf-pld")
+
+
+def parse(text: str) -> MethodSpec:
+    """The spec of one method's text form; ``SpecError`` naming the forms otherwise."""
+    text = text.strip()
+    for prefix, cls in _PREFIXES:
+        if text == prefix.rstrip("-") or text.startswith(prefix if prefix.endswith("-")
+                                                          else prefix + ":"):
+            return cls.parse(text)
+    raise SpecError(f"unknown method {text!r}; available: {', '.join(FORMS)}")
+
+
+def split(text: str) -> list[str]:
+    """``"ar,eagle2:4,4,8:conf,vocab=4096,hf"`` -> ``["ar", "eagle2:4,4,8:conf,vocab=4096",
+    "hf"]``: a comma starts a new method only where a method name follows."""
+    parts = re.split(r",(?=\s*(?:ar\b|hf\b|hf-pld\b|sd-|eagle2|redrafter|hsd))", text)
+    return [m.strip() for m in parts if m.strip()]
+
+
+# ----------------------------------------------------------------------------- building
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What building a method reads besides its spec: the model's registry name (which
+    picks shipped heads), the verification-width policy, head directories, and HSD's exit
+    layers and tuning settings."""
+
+    model_name: str = ""
+    draft_len: int | None = None  # sd-*: draft tokens per round (None: the spec's own)
+    widths: Any = None  # specjax.core.widths policy, name or widths (None: Auto)
+    draft_checkpoint: str | None = None  # an exported EAGLE head (None: the shipped one)
+    redrafter_checkpoint: str | None = None
+    exit_heads: str | None = None  # exported exit heads (None: the shipped ones)
+    layers: tuple[int, ...] = (4, 8, 12, 16, 20, 24)  # plain exits where no heads exist
+    calibration: str | None = None  # `specjax calibrate` JSON, for bare hsd
+    t_max: int = 8
+    max_levels: int = 4
+    horizontal: tuple[int, ...] = (0,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """A method ready to decode: ``decoder`` and its ``params`` for ``specjax.decode``;
+    ``name`` is the spec as run (bare ``hsd``: the tuned hierarchy) and ``note`` says
+    anything a user should know about the choice."""
+
+    spec: MethodSpec
+    decoder: Any
+    params: Any
+    name: str
+    note: str | None = None
+
+    def __call__(self, prompts: Sequence[Sequence[int]], **kw):
+        """``specjax.decode(self.decoder, self.params, prompts, **kw)``."""
+        from specjax.core.decoder import decode
+
+        return decode(self.decoder, self.params, prompts, **kw)
+
+
+def build(spec: MethodSpec | str, lm, options: Options = Options()) -> Built:
+    """``spec`` (or its text) on ``lm`` (a ``specjax.models.load`` result): the decoder and
+    its parameters, heads loaded and checked. Raises ``SpecError`` for a bad spec or
+    option, ``FileNotFoundError`` for a missing head, before anything compiles."""
+    spec = parse(spec) if isinstance(spec, str) else spec
+    builders = {"ar": _build_ar, "sd": _build_sd, "eagle2": _build_eagle,
+                "redrafter": _build_redrafter, "hsd": _build_hsd}
+    if spec.kind not in builders:
+        raise SpecError(f"{spec.format()} is a peer for benchmarks, not a specjax decoder")
+    return builders[spec.kind](spec, lm, options)
+
+
+def speculative(spec, lm, opts: Options, drafter, dparams) -> Built:
+    """A ``Speculative`` decoder of ``drafter`` (checked against ``lm``) as ``spec``."""
+    from specjax.core.speculative import Speculative
+
+    drafter.check(lm.model)
+    dec = Speculative(lm.model, drafter, opts.widths, mesh=lm.mesh)
+    return Built(spec, dec, (lm.params, dparams), spec.format())
+
+
+def _build_ar(spec: AR, lm, opts: Options) -> Built:
+    from specjax.core.decoding import AR as ARDecoder
+
+    return Built(spec, ARDecoder(lm.model, mesh=lm.mesh), lm.params, "ar")
+
+
+def _build_sd(spec: SD, lm, opts: Options) -> Built:
+    from specjax.drafters import EarlyExitDrafter, NGramDrafter
+
+    depth = opts.draft_len or spec.depth
+    kw = {} if depth is None else {"depth": depth}
+    if spec.drafter == "ngram":
+        drafter = NGramDrafter(**kw)
+    else:
+        n = lm.model.config.num_layers
+        if not 1 <= spec.layer < n:
+            raise SpecError(f"{spec.format()}: the exit layer must lie in [1, {n - 1}]")
+        drafter = EarlyExitDrafter(lm.model, spec.layer, **({} if opts.draft_len is None
+                                                            else {"depth": opts.draft_len}))
+    return speculative(spec, lm, opts, drafter, None)
+
+
+def _build_eagle(spec: Eagle, lm, opts: Options) -> Built:
+    import jax
+    import jax.numpy as jnp
+
+    from specjax import export
+    from specjax.drafters import eagle
+
+    path = opts.draft_checkpoint or eagle.shipped_head(opts.model_name)
+    if path is None:
+        raise FileNotFoundError(f"no EAGLE head ships for {opts.model_name!r}; train one with "
+                                f"`specjax train eagle` and pass --draft-checkpoint DIR")
+    head, meta = export.load_head(path, "eagle",
+                                  like=eagle.init_head(lm.model.config, jax.random.key(0)))
+    ids = meta.get("vocab_ids")
+    n = meta.get("draft_vocab", 0) if spec.vocab is None else spec.vocab
+    head = jax.tree.map(lambda x: jnp.asarray(x, lm.model.compute_dtype), head)
+    dparams = eagle.draft_params(head, lm.model, lm.params,
+                                 None if not n or ids is None else ids[:n])
+    drafter = eagle.EagleDrafter(lm.model, **spec.drafter_kwargs())
+    drafter.check_params(dparams)
+    return speculative(spec, lm, opts, drafter, dparams)
+
+
+def _build_redrafter(spec: Redrafter, lm, opts: Options) -> Built:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specjax import export
+    from specjax.drafters import redrafter as rd
+
+    path = opts.redrafter_checkpoint or rd.shipped_head(opts.model_name)
+    if path is None:
+        raise FileNotFoundError(f"no ReDrafter head ships for {opts.model_name!r}; train "
+                                "one: " + rd.RECIPE.format(model=opts.model_name))
+    meta, cfg = export.read_meta(path, "redrafter"), lm.model.config
+    if meta.get("hidden_size") != cfg.hidden_size:
+        raise ValueError(f"{path} holds a ReDrafter head for hidden size "
+                         f"{meta.get('hidden_size')}, but {opts.model_name or 'the target'} "
+                         f"has {cfg.hidden_size}")
+    like = rd.exportable(rd.init_head(cfg.hidden_size, meta["draft_vocab"], jax.random.key(0),
+                                      meta["blocks"]))
+    head, meta = export.load_head(path, "redrafter", like=like)
+    head = jax.tree.map(lambda x: jnp.asarray(x, lm.model.compute_dtype), head)
+    ids = meta.get("vocab_ids")
+    dparams = rd.draft_params(head, None if ids is None else np.asarray(ids, np.int32))
+    drafter = rd.RedrafterDrafter(lm.model, **spec.drafter_kwargs())
+    drafter.check_params(dparams)
+    return speculative(spec, lm, opts, drafter, dparams)
+
+
+def load_drafter(spec: MethodSpec | str, lm, model_name: str = "", checkpoint_dir=None):
+    """``(drafter, dparams)`` of an ``eagle2`` or ``redrafter`` spec: its exported head
+    (default: the one shipped for ``model_name``) loaded onto ``lm``'s devices, checked
+    against ``lm`` (hidden size, vocabulary) and cast to its compute dtype."""
+    spec = parse(spec) if isinstance(spec, str) else spec
+    field = {"eagle2": "draft_checkpoint", "redrafter": "redrafter_checkpoint"}.get(spec.kind)
+    if field is None:
+        raise SpecError(f"{spec.format()} has no trained head to load")
+    path = None if checkpoint_dir is None else str(checkpoint_dir)
+    built = build(spec, lm, Options(model_name=model_name, **{field: path}))
+    return built.decoder.drafter, built.params[1]
+
+
+def exit_heads(lm, opts: Options, layers: Sequence[int] | None = None):
+    """``(heads, layers, source)``: trained exit heads from ``opts.exit_heads`` (default:
+    the ones shipped for the model, named by directory, never by a machine path), else
+    plain early exits at ``layers`` (default ``opts.layers``)."""
+    from specjax.drafters import exit_heads as eh
+
+    path = opts.exit_heads or eh.shipped_heads(opts.model_name)
+    if path is not None:
+        heads, _ = eh.load_heads(lm.model, path, lm.model.compute_dtype)
+        return heads, sorted(heads), str(opts.exit_heads or Path(str(path)).name)
+    return {}, list(opts.layers if layers is None else layers), None
+
+
+def _build_hsd(spec: HSD, lm, opts: Options) -> Built:
+    from specjax.drafters.exit_heads import exit_head
+    from specjax.hsd.loop import HSD as HSDDecoder
+
+    note = None
+    if spec.hierarchy is None:
+        hierarchy, heads, note = _tuned(lm, opts)
+    else:
+        heads, layers, _ = exit_heads(lm, opts)
+        hierarchy = spec.hierarchy
+        try:
+            hierarchy.sigma(layers)  # every exit layer has a head (or is a plain exit)
+        except ValueError as e:
+            raise SpecError(str(e)) from None
+    h, hp = hierarchy.build(heads, exit_head)
+    h.check(lm.model)
+    dec = HSDDecoder(lm.model, h, mesh=lm.mesh, widths=opts.widths)
+    dec.level_widths()  # a bad width policy fails here
+    return Built(HSD(hierarchy), dec, (lm.params, hp), f"hsd:{hierarchy.format()}", note)
+
+
+def read_calibration(path: str) -> dict:
+    """A calibration JSON; a corrupt file is named in the one-line error."""
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise SpecError(f"{path} is not a calibration JSON file ({e})") from None
+    except OSError as e:
+        raise SpecError(f"cannot read calibration {path}: {e.strerror}") from None
+
+
+def _tuned(lm, opts: Options):
+    """The hierarchy predicted fastest by ``opts.calibration``: ``(spec, heads, note)``."""
+    from specjax.hsd import calibrate
+
+    if not opts.calibration:
+        raise SpecError("hsd without a hierarchy (auto) needs a calibration: --calibration "
+                        "FILE (from `specjax calibrate`)")
+    calib = read_calibration(opts.calibration)
+    if calib.get("model") != opts.model_name:
+        raise SpecError(f"{opts.calibration} was measured for {calib.get('model')!r}, not "
+                        f"{opts.model_name!r}; run `specjax calibrate` for this model")
+    heads, layers, _ = exit_heads(lm, opts, calib["layers"])
+    if layers != list(calib["layers"]):
+        raise SpecError(f"{opts.calibration} was measured for exit layers {calib['layers']}, "
+                        f"but the exit heads have {layers}")
+    lat, sigma, T, horizontal, table = calibrate.tune(calib, opts.t_max, opts.max_levels,
+                                                      horizontal=opts.horizontal)
+    note = None
+    if len(sigma) == 1:  # the target alone is predicted fastest: run the best hierarchy
+        row = min(table, key=lambda r: r["latency_ms"])
+        sigma, T, horizontal = row["sigma"], row["T"], row["horizontal"]
+        note = (f"the target alone is predicted faster ({lat:.1f} ms/token) than any "
+                f"hierarchy (best {row['latency_ms']:.1f}); running that best one")
+    spec = HierarchySpec.from_sigma(sigma, T, layers, draft_temperatures(calib, len(sigma)),
+                                    horizontal)
+    return spec, heads, note
+
+
+def draft_temperatures(calib: dict, n_levels: int) -> tuple | None:
+    """The draft levels' own temperature a calibration was measured at (None: the
+    target's), for ``HierarchySpec.from_sigma``, which applies it to exit levels only."""
+    t = calib.get("draft_temperature")
+    return None if t is None else tuple([t] * (n_levels - 1) + [None])
+
+
+__all__ = ["AR", "SD", "Eagle", "Redrafter", "HSD", "Peer", "MethodSpec", "Options", "Built",
+           "SpecError", "parse", "split", "build", "speculative", "load_drafter", "exit_heads", "read_calibration",
+           "draft_temperatures", "FORMS"]
