@@ -13,6 +13,7 @@ import pytest
 from scipy import stats
 
 import specjax
+import toys
 from specjax.core import sampling
 from specjax.core.verify import Rejection
 from specjax.drafters import EarlyExitDrafter, ModelDrafter, NGramDrafter
@@ -29,8 +30,7 @@ torch = pytest.importorskip("torch")
 from transformers import T5ForConditionalGeneration  # noqa: E402
 from transformers.models.t5.modeling_t5 import T5Attention  # noqa: E402
 
-TOY = T5Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
-               num_encoder_layers=2, num_heads=4, head_dim=8, num_buckets=8, max_distance=20)
+TOY = toys.T5
 SOURCES = [[5, 9, 3, 17, 22, 9, 3, 40], [7, 7], [11, 30, 2, 8, 19, 4, 4, 50, 61, 12, 33],
            [3, 9, 60, 1]]
 
