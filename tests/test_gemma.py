@@ -256,14 +256,16 @@ def test_gemma3_270m_chat_without_template_is_a_clear_error(gemma3):
 
 
 @pytest.mark.slow
-def test_gemma3_270m_every_method_equals_ar(gemma3, gemma3_prompts):
+def test_gemma3_270m_every_method_equals_ar(gemma3, gemma3_prompts, ar_reference):
     """n-gram, early-exit, model-drafter and EAGLE-2 speculation and a three-level HSD
-    hierarchy reproduce ``generate`` on the real weights, at batch 1 and at batch 4 (ragged, one prompt past the window)."""
+    hierarchy reproduce ``generate`` on the real weights, at batch 1 and at batch 4 (ragged,
+    one prompt past the window). The Gemma family's one real-weight "every method equals
+    ar" test (SmolLM2's: tests/test_real_smollm2.py)."""
     from specjax import hsd
 
     m, p = gemma3.model, gemma3.params
     prompts = gemma3_prompts + [gemma3.encode("1, 2, 3, 4, 5, 6, 7, 8,")]
-    ar = specjax.generate(m, p, prompts, max_new_tokens=16, eos_ids=gemma3.eos_ids).to_lists()
+    ar = ar_reference("gemma3-270m", gemma3, prompts, 16)  # generate(), once per session
     kw = dict(max_new_tokens=16, eos_ids=gemma3.eos_ids)
     one = specjax.speculative_generate(m, p, specjax.NGramDrafter(), None, prompts[3:], **kw)
     assert one.to_lists() == ar[3:]
