@@ -82,6 +82,7 @@ class Model(Protocol):
 
     config: Any  # a ModelConfig
     compute_dtype: Any  # what products multiply in; the KV cache's default dtype
+    is_encoder_decoder: bool  # True: prompts are sources, encoded once and bound to params
 
     def init_cache(self, batch: int, capacity: int, dtype=...) -> KVCache:
         """An empty KV cache of ``capacity`` slots per row (default dtype: ``compute_dtype``):

@@ -29,9 +29,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from specjax.models import kv_cache
 from specjax.models.kv_cache import KVCache
-from specjax.models.llama import (DecoderParts, RopeScaling, _attention, _proj, apply_rope,
-                                  gate_up, head_logits, qkv_heads, rope_inv_freq,
-                                  stacked_layers)
+from specjax.models.llama import DecoderParts, RopeScaling, rope_inv_freq, stacked_layers
+from specjax.models.ops import apply_rope, attention, dense, gate_up, head_logits, qkv_heads
 
 Params = Mapping[str, Any]
 SLIDING, FULL = "sliding", "full"
@@ -126,14 +125,14 @@ def _layer(cfg: GemmaConfig, lp: Params, x: Float[Array, "D B T"], k_cache, v_ca
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     q = q.reshape(nk, nq // nk, hd, b, t).transpose(3, 0, 1, 4, 2)  # [B,K,G,T,H]
     v = v.transpose(2, 0, 3, 1)  # [B,K,T,H]
-    att = _attention(q, k.transpose(2, 0, 3, 1), v, k_cache, v_cache, length, mask, visible,
+    att = attention(q, k.transpose(2, 0, 3, 1), v, k_cache, v_cache, length, mask, visible,
                      scale=cfg.query_pre_attn_scalar ** -0.5,
                      softcap=cfg.attn_logit_softcapping)
-    o = _proj(lp["o"], att.transpose(1, 2, 4, 0, 3).reshape(nq * hd, b, t))
+    o = dense(lp["o"], att.transpose(1, 2, 4, 0, 3).reshape(nq * hd, b, t))
     x = x + rms_norm(o, lp["post_attn_norm"], eps, axis=0)
     h = rms_norm(x, lp["mlp_norm"], eps, axis=0)
     gate, up = gate_up(lp, h, f)
-    y = _proj(lp["down"], jax.nn.gelu(gate, approximate=True) * up)
+    y = dense(lp["down"], jax.nn.gelu(gate, approximate=True) * up)
     x = x + rms_norm(y, lp["post_mlp_norm"], eps, axis=0)
     return (x, kv_cache.write(k_cache, length, k.transpose(2, 0, 1, 3), axis=3),
             kv_cache.write(v_cache, length, v, axis=2))

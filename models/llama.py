@@ -15,7 +15,6 @@ library's default): ``params["layers"]`` is one dict of arrays with a leading la
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Mapping
 
 import jax
@@ -24,6 +23,8 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
 from specjax.models import kv_cache
+from specjax.models.ops import (apply_rope, attention, dense, fast_width, gate_up,  # noqa: F401
+                                head_logits, project, qkv_heads, rms_norm)
 from specjax.models.base import RopeScaling  # re-exported: llama.RopeScaling
 from specjax.models.kv_cache import KVCache
 
@@ -66,125 +67,6 @@ def rope_inv_freq(head_dim: int, theta: float,
     return s.inv_freq(head_dim, theta)
 
 
-def fast_width(n: int) -> int:
-    """The column count ``project`` multiplies at for ``n`` columns on this backend.
-
-    On XLA:CPU a product with 2-3 or 5-7 (or 9-15, ...) columns falls back to a kernel that
-    costs several times the next multiple of the GEMM's 4- and 8-column micro-tiles, so
-    widths are padded: 1 stays a matrix-vector product, 2-4 become 4, wider ones the next
-    multiple of 8 (measured in docs/results/width_cost_cpu.json). Other backends run ``n``.
-    """
-    if n <= 1 or jax.default_backend() != "cpu":
-        return n
-    return 4 if n <= 4 else -(-n // 8) * 8
-
-
-def project(w: Float[Array, "O I"], x: Float[Array, "I N"]) -> Float[Array, "f32 O N"]:
-    """``w @ x`` accumulated in float32, with the weights as the left operand and ``N``
-    padded to ``fast_width(N)`` zero columns that are dropped again. ``x`` is cast to
-    ``w``'s dtype: the models hand ``w`` in their ``compute_dtype`` (``DecoderParts``), so
-    with float32 compute a column's result depends on how wide the forward was by float32
-    rounding only, which keeps speculative verification equal to one-token decoding."""
-    n = x.shape[1]
-    m = fast_width(n)
-    x = x.astype(w.dtype)
-    if m != n:
-        x = jnp.pad(x, ((0, 0), (0, m - n)))
-    # o out features, i in features, n columns (tokens)
-    y = jnp.einsum("oi,in->on", w, x, preferred_element_type=jnp.float32)
-    return y[:, :n] if m != n else y
-
-
-def _proj(w: Float[Array, "O I"], x: Float[Array, "I B T"]) -> Float[Array, "O B T"]:
-    i, b, t = x.shape
-    return project(w, x.reshape(i, b * t)).reshape(w.shape[0], b, t)
-
-
-def apply_rope(x: Float[Array, "N H B T"], positions: Int[Array, "B T"],
-               inv_freq: Float[Array, "H2"]) -> Float[Array, "N H B T"]:
-    """Rotates feature-major query/key heads by their positions (HF's half-split convention)."""
-    ang = inv_freq[:, None, None] * positions[None].astype(jnp.float32)  # [H/2,B,T]
-    cos, sin = jnp.cos(ang), jnp.sin(ang)
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=1)
-    return out.astype(x.dtype)
-
-
-def rms_norm(x: Array, weight: Array, eps: float, axis: int = -1) -> Array:
-    """RMSNorm over ``axis`` computed in float32 and cast back before the gain, as HF Llama
-    does. ``axis=0`` normalizes a feature-major ``[D, ...]`` array."""
-    xf = x.astype(jnp.float32)
-    xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=axis, keepdims=True) + eps)
-    if axis in (0, -x.ndim) and x.ndim > 1:
-        weight = weight.reshape((-1,) + (1,) * (x.ndim - 1))
-    return weight * xf.astype(x.dtype)
-
-
-def _attention(q, k_new, v_new, k_cache, v_cache, length, mask, visible=None, *,
-               scale: float | None = None, softcap: float | None = None, bias=None):
-    """Grouped-query attention of new tokens over the committed cache and each other.
-
-    q: [B,K,G,T,H]; k_new, v_new: [B,K,T,H]; k_cache: [B,K,H,S]; v_cache: [B,K,S,H]; length: [B];
-    mask: [B,T,T]. Query ``i`` sees cache slots ``< length`` (or, if given, the slots ``s``
-    with ``visible[b, i, s]``, [B,1,S] or [B,T,S]) and new keys ``j`` with ``mask[b, i, j]``.
-    Scores are scaled by ``scale`` (default ``H ** -0.5``) and, with ``softcap``, squashed
-    to ``softcap * tanh(score / softcap)`` before masking (Gemma 2). ``bias`` is an optional
-    pair of additive score biases ``(over cache slots, over new keys)``, broadcastable to
-    [B,K,G,T,S] and [B,K,G,T,T] (T5's relative positions). Returns [B,K,G,T,H].
-    The cache is only read here, and written after, so XLA can update it in place inside a
-    decode loop. New keys and values are rounded to the cache's dtype first: a token that
-    sees another new token then reads exactly what it would read from the cache had that
-    token been decoded one step earlier (with a bfloat16 cache, the full-precision keys
-    made a verification forward differ from one-token decoding by about 1 % of a logit).
-    """
-    k_new, v_new = k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype)
-    b, nk, g, t, hd = q.shape
-    s = k_cache.shape[3]
-    scale = 1 / math.sqrt(hd) if scale is None else scale
-    qf = q.reshape(b, nk, g * t, hd) * jnp.asarray(scale, q.dtype)
-    # b batch, k kv-head, s cache slot, n new key, q = (g query heads per kv-head, t query), h head dim
-    old = jnp.einsum("bkqh,bkhs->bkqs", qf, k_cache).astype(jnp.float32).reshape(b, nk, g, t, s)
-    new = jnp.einsum("bkqh,bknh->bkqn", qf, k_new).astype(jnp.float32).reshape(b, nk, g, t, t)
-    if softcap is not None:
-        old, new = (softcap * jnp.tanh(x / softcap) for x in (old, new))
-    if bias is not None:
-        old, new = old + bias[0], new + bias[1]
-    if visible is None:
-        visible = (jnp.arange(s)[None, :] < length[:, None])[:, None, :]  # [B,1,S]
-    neg = jnp.finfo(jnp.float32).min
-    old = jnp.where(visible[:, None, None], old, neg)
-    new = jnp.where(mask[:, None, None], new, neg)
-    # one softmax over [cache slots, new keys], without concatenating the two score blocks
-    top = jnp.maximum(old.max(-1, keepdims=True), new.max(-1, keepdims=True))
-    e_old, e_new = jnp.exp(old - top), jnp.exp(new - top)
-    inv = 1.0 / (e_old.sum(-1, keepdims=True) + e_new.sum(-1, keepdims=True))
-    p_old = (e_old * inv).astype(v_cache.dtype).reshape(b, nk, g * t, s)
-    p_new = (e_new * inv).astype(v_cache.dtype).reshape(b, nk, g * t, t)
-    f32 = jnp.float32
-    out = (jnp.einsum("bkqs,bksh->bkqh", p_old, v_cache, preferred_element_type=f32)
-           + jnp.einsum("bkqn,bknh->bkqh", p_new, v_new, preferred_element_type=f32))
-    return out.reshape(b, nk, g, t, hd)
-
-
-def qkv_heads(lp: Params, h: Float[Array, "D B T"], nq: int, nk: int, hd: int):
-    """Queries, keys and values ``[N, H, B, T]`` of a layer whose weights are fused
-    (``qkv``, the single-device layout) or split (``q``, ``k``, ``v``: the layout
-    ``specjax.sharding`` shards by heads). Both give the same numbers."""
-    _, b, t = h.shape
-    if "qkv" in lp:
-        qkv = _proj(lp["qkv"], h).reshape(nq + 2 * nk, hd, b, t)
-        return jnp.split(qkv, [nq, nq + nk], axis=0)
-    return tuple(_proj(lp[n], h).reshape(c, hd, b, t) for n, c in (("q", nq), ("k", nk), ("v", nk)))
-
-
-def gate_up(lp: Params, h: Float[Array, "D B T"], f: int):
-    """The MLP's gate and up projections ``[F, B, T]``, from fused (``gate_up``) or split
-    (``gate``, ``up``) weights."""
-    if "gate_up" in lp:
-        return jnp.split(_proj(lp["gate_up"], h), [f], axis=0)
-    return _proj(lp["gate"], h), _proj(lp["up"], h)
-
-
 def _layer(cfg: LlamaConfig, lp: Params, x: Float[Array, "D B T"], k_cache, v_cache, length,
            mask, positions, visible=None):
     """One decoder layer over a feature-major residual stream ``x`` ([D, B, T]); returns the
@@ -211,11 +93,11 @@ def _block(cfg: LlamaConfig, lp: Params, x: Float[Array, "D B T"], k_cache, v_ca
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     q = q.reshape(nk, nq // nk, hd, b, t).transpose(3, 0, 1, 4, 2)  # [B,K,G,T,H]
     v = v.transpose(2, 0, 3, 1)  # [B,K,T,H]
-    att = _attention(q, k.transpose(2, 0, 3, 1), v, k_cache, v_cache, length, mask, visible)
-    x = x + _proj(lp["o"], att.transpose(1, 2, 4, 0, 3).reshape(nq * hd, b, t))
+    att = attention(q, k.transpose(2, 0, 3, 1), v, k_cache, v_cache, length, mask, visible)
+    x = x + dense(lp["o"], att.transpose(1, 2, 4, 0, 3).reshape(nq * hd, b, t))
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, axis=0)
     gate, up = gate_up(lp, h, f)
-    x = x + _proj(lp["down"], jax.nn.silu(gate) * up)
+    x = x + dense(lp["down"], jax.nn.silu(gate) * up)
     return x, k.transpose(2, 0, 1, 3), v
 
 
@@ -225,18 +107,6 @@ def layer(cfg: LlamaConfig, lp: Params, x: Float[Array, "B T D"], k_cache, v_cac
     y, k_cache, v_cache = _layer(cfg, lp, x.transpose(2, 0, 1), k_cache, v_cache, length, mask,
                                  positions, visible)
     return y.transpose(1, 2, 0), k_cache, v_cache
-
-
-def head_logits(head: Float[Array, "V D"], h: Float[Array, "... D"]) -> Float[Array, "... V"]:
-    """``h @ head.T`` as float32 logits (accumulated in float32 for bfloat16 weights too),
-    computed weights-left (``project``): ``h`` is cast to ``head``'s dtype.
-
-    The barrier keeps XLA from folding the final transpose into the product's output
-    layout, which made an 8-column LM head cost twice as much on XLA:CPU."""
-    lead = h.shape[:-1]
-    flat = h.reshape(-1, h.shape[-1]).astype(head.dtype)
-    out = lax.optimization_barrier(project(head, flat.T)).T  # [N, V]
-    return out.reshape(*lead, head.shape[0]).astype(jnp.float32)
 
 
 class DecoderParts:
@@ -253,6 +123,8 @@ class DecoderParts:
     differences between a wide and a one-token forward into bfloat16-sized ones, and greedy
     output can then leave ``ar``'s on near-ties (README, "bfloat16").
     """
+
+    is_encoder_decoder = False  # T5 says True: its prompts are sources to encode
 
     def __post_init__(self):
         dt = jnp.dtype(self.compute_dtype)

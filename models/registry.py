@@ -97,7 +97,7 @@ class LoadedModel:
 
     @property
     def is_encoder_decoder(self) -> bool:
-        return bool(getattr(self.model, "is_encoder_decoder", False))
+        return bool(self.model.is_encoder_decoder)
 
     @property
     def has_chat_template(self) -> bool:

@@ -36,8 +36,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from specjax.models import kv_cache
 from specjax.models.kv_cache import KVCache
-from specjax.models.llama import (DecoderParts, RopeScaling, _attention, _proj, head_logits,
-                                  qkv_heads, rms_norm)
+from specjax.models.llama import DecoderParts, RopeScaling
+from specjax.models.ops import attention, dense, head_logits, qkv_heads, rms_norm
 
 Params = Mapping[str, Any]
 
@@ -145,13 +145,13 @@ def _ffn(cfg: T5Config, lp: Params, x: Float[Array, "D B T"]) -> Float[Array, "D
     """The feed-forward sublayer with its residual (feature-major)."""
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, axis=0)
     if not cfg.gated:
-        a = _act(cfg, _proj(lp["wi"], h))
+        a = _act(cfg, dense(lp["wi"], h))
     elif "wi" in lp:  # fused [2F, D], gate first (the single-device layout)
-        gate, up = jnp.split(_proj(lp["wi"], h), 2, axis=0)
+        gate, up = jnp.split(dense(lp["wi"], h), 2, axis=0)
         a = _act(cfg, gate) * up
     else:  # split ``gate``, ``up`` (the layout specjax.sharding shards by columns)
-        a = _act(cfg, _proj(lp["gate"], h)) * _proj(lp["up"], h)
-    return x + _proj(lp["wo"], a)
+        a = _act(cfg, dense(lp["gate"], h)) * dense(lp["up"], h)
+    return x + dense(lp["wo"], a)
 
 
 def _self_qkv(cfg: T5Config, lp: Params, h: Float[Array, "D B T"]):
@@ -165,8 +165,8 @@ def _cross_kv(lp: Params, out: Float[Array, "D B S"]):
     """A decoder layer's cross-attention keys and values ``[H*Dh, B, S]`` of the encoder
     output, from fused (``cross_kv``) or split (``cross_k``, ``cross_v``) weights."""
     if "cross_kv" in lp:
-        return jnp.split(_proj(lp["cross_kv"], out), 2, axis=0)
-    return _proj(lp["cross_k"], out), _proj(lp["cross_v"], out)
+        return jnp.split(dense(lp["cross_kv"], out), 2, axis=0)
+    return dense(lp["cross_k"], out), dense(lp["cross_v"], out)
 
 
 def _heads(x: Float[Array, "HD B T"], n: int) -> Float[Array, "B N T Dh"]:
@@ -221,7 +221,7 @@ class T5(DecoderParts):
             h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, axis=0)
             q, k, v = _self_qkv(cfg, lp, h)
             att = _dense_attention(q, k.transpose(0, 1, 3, 2), v, see, bias)
-            x = x + _proj(lp["o"], _merge(att))
+            x = x + dense(lp["o"], _merge(att))
             x = _ffn(cfg, lp, x)
         return rms_norm(x, enc["final_norm"], cfg.rms_norm_eps, axis=0).transpose(1, 2, 0)
 
@@ -299,14 +299,14 @@ class T5(DecoderParts):
             lp = self.compute(params["layers"][i])
             h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, axis=0)
             q, k, v = _self_qkv(cfg, lp, h)
-            att = _attention(q[:, :, None], k, v, ks[i], vs[i], cache.length, mask, scale=1.0,
+            att = attention(q[:, :, None], k, v, ks[i], vs[i], cache.length, mask, scale=1.0,
                              bias=bias)[:, :, 0]
             ks[i] = kv_cache.write(ks[i], cache.length, k.transpose(0, 1, 3, 2), axis=3)
             vs[i] = kv_cache.write(vs[i], cache.length, v, axis=2)
-            x = x + _proj(lp["o"], _merge(att))
+            x = x + dense(lp["o"], _merge(att))
             h = rms_norm(x, lp["cross_norm"], cfg.rms_norm_eps, axis=0)
-            q = _heads(_proj(lp["cross_q"], h), nh)
-            x = x + _proj(lp["cross_o"], _merge(_dense_attention(q, src.k[i], src.v[i],
+            q = _heads(dense(lp["cross_q"], h), nh)
+            x = x + dense(lp["cross_o"], _merge(_dense_attention(q, src.k[i], src.v[i],
                                                                  see_src)))
             x = _ffn(cfg, lp, x)
             if i + 1 in return_layers:

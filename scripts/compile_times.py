@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 import specjax
-from specjax import _compile, bench, drafters
+from specjax import _compile, bench, methods
 from specjax.core import widths as width_policy
 from specjax.drafters import eagle, redrafter
 from specjax.hsd import calibrate, hsd_generate
@@ -37,9 +37,7 @@ METHODS = ("ar,sd-ngram:7,eagle2:2,2,3,eagle2:3,4,7,redrafter:1,3,redrafter:4,4,
 
 def split_methods(spec: str) -> list[str]:
     """The CLI's own splitting of ``--methods`` (commas inside a method's sizes)."""
-    from specjax.cli import split_methods as split
-
-    return split(spec)
+    return methods.split(spec)
 
 
 def scanned(lm):
@@ -50,20 +48,21 @@ def scanned(lm):
 
 def drafter_for(method: str, lm):
     """``(drafter, dparams, note)`` for an ``sd-``, ``eagle2`` or ``redrafter`` method, as
-    the CLI builds them (``specjax.cli._bench_runners``), heads aside."""
-    if method.startswith("sd-"):
-        return drafters.from_spec(method[3:], lm.model), None, None
-    if method.startswith("eagle2"):
+    ``specjax.methods`` builds them, heads aside."""
+    spec = methods.parse(method)
+    if spec.kind == "sd":
+        built = methods.build(spec, lm)
+        return built.decoder.drafter, None, None
+    if spec.kind == "eagle2":
         try:
-            d, dp = eagle.load_drafter(method, lm, lm.name)
+            d, dp = methods.load_drafter(spec, lm, lm.name)
             return d, dp, "shipped head"
         except Exception as e:  # noqa: BLE001 -- heads are optional here: costs are what we time
-            opts = {k: v for k, v in eagle.parse_spec(method).items() if k != "vocab"}
             head = eagle.init_head(lm.model.config, jax.random.key(0))
-            return (eagle.EagleDrafter(lm.model, **opts),
+            return (eagle.EagleDrafter(lm.model, **spec.drafter_kwargs()),
                     eagle.draft_params(head, lm.model, lm.params),
                     f"random head ({type(e).__name__})")
-    opts = redrafter.parse_spec(method)
+    opts = spec.drafter_kwargs()
     head = redrafter.init_head(lm.model.config.hidden_size, 8192, jax.random.key(0))
     ids = np.arange(8192, dtype=np.int32)
     return (redrafter.RedrafterDrafter(lm.model, **opts), redrafter.draft_params(head, ids),

@@ -24,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from specjax import bench
-from specjax.drafters import eagle
+from specjax import methods as registry
 from specjax.models import load
 
 # name -> (weights and cache, product inputs)
@@ -62,9 +62,9 @@ def main() -> int:
     methods = {}
     for name, (dtype, compute) in CONFIGS.items():
         lm = load("smollm2-135m", dtype=dtype, compute_dtype=compute)
-        drafter, dp = eagle.load_drafter("eagle2", lm, "smollm2-135m")
         methods[name, "ar"] = (lm, bench.ar_method(lm))
-        methods[name, "eagle2"] = (lm, bench.sd_method(lm, drafter, dp))
+        eagle2 = registry.build("eagle2", lm, registry.Options(model_name="smollm2-135m"))
+        methods[name, "eagle2"] = (lm, bench.decoder_method(lm, eagle2))
     runs = {k: [] for k in methods}
     with tqdm(total=len(qs) * len(methods), desc="dtype bench", unit="run") as bar:
         for q in qs:

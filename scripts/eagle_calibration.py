@@ -22,7 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 import specjax
-from specjax import bench
+from specjax import bench, methods
 from specjax.drafters import eagle
 from specjax.models import load
 
@@ -39,7 +39,7 @@ def main() -> None:
     args = ap.parse_args()
 
     lm = load(args.model)
-    drafter, dp = eagle.load_drafter("eagle2", lm, args.model, args.head)
+    drafter, dp = methods.load_drafter("eagle2", lm, args.model, args.head)
     hp, tp, m = dp["head"], lm.params, lm.model
     emb = dp.get("out_embed", eagle.output_embedding(m, tp))
     ids_map = dp.get("vocab_ids")

@@ -38,9 +38,9 @@ def _median_ms(fn, *args, repeats=15):
 
 def _eagle_propose_ms(lm, spec: str, ctx: Context) -> float:
     """One EAGLE-2 ``propose`` (head pass over the pending root, then the tree's levels)."""
-    from specjax.drafters import eagle
+    from specjax import methods
 
-    drafter, dparams = eagle.load_drafter(spec, lm, "smollm2-135m")
+    drafter, dparams = methods.load_drafter(spec, lm, "smollm2-135m")
     b, c = ctx.tokens.shape
     n = int(ctx.length[0])
     ctx = ctx.replace(length=ctx.length + 1, prompt_len=ctx.length,

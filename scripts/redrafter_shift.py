@@ -20,8 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 import specjax
-from specjax import bench
-from specjax.drafters import redrafter
+from specjax import bench, methods
 from specjax.models import load
 from specjax.train import redrafter as train_rd
 from specjax.train.text_corpus import _prefill_fn
@@ -40,7 +39,7 @@ def main() -> None:
     args = ap.parse_args()
 
     lm = load(args.model)
-    _, dp = redrafter.load_drafter("redrafter", lm, args.model, args.head)
+    _, dp = methods.load_drafter("redrafter", lm, args.model, args.head)
     v = lm.model.config.vocab_size
     vid = dp.get("vocab_ids")
     index_of = np.full(v, -1, np.int32)

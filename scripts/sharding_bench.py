@@ -27,7 +27,7 @@ from tqdm import tqdm  # noqa: E402
 
 import specjax  # noqa: E402
 from specjax import bench, sharding  # noqa: E402
-from specjax.drafters import eagle  # noqa: E402
+from specjax import methods as registry  # noqa: E402
 from specjax.models import load  # noqa: E402
 
 MESHES = {"1 device": None, "data=8": (8, 1), "model=3": (1, 3), "data=2,model=3": (2, 3)}
@@ -53,7 +53,7 @@ def main() -> int:
     lm = load("smollm2-135m")
     qs = bench.load_questions(args.questions, limit=args.batch)
     prompts = [lm.encode(q.text, chat=True) for q in qs]
-    drafter, dp = eagle.load_drafter("eagle2", lm, "smollm2-135m") if "eagle2" in \
+    drafter, dp = registry.load_drafter("eagle2", lm, "smollm2-135m") if "eagle2" in \
         args.methods else (None, None)
     placed = {name: (None if MESHES[name] is None else sharding.make_mesh(*MESHES[name]))
               for name in wanted}

@@ -2,7 +2,7 @@
 tokens already cached, relative to a 1-token forward (median of repeats, one process).
 
 For each width it times the whole forward (logits included) with the shipped layout
-(weights as the left operand, columns padded to ``llama.fast_width``) and, for comparison,
+(weights as the left operand, columns padded to ``specjax.models.ops.fast_width``) and, for comparison,
 the same forward with padding switched off. At ``--breakdown`` widths it also reads an XLA
 profile of the forward and sums device time per kind of operation (products with the
 weights, LM head included; attention over the cache; the rest), which is where a wide round's time goes. Writes JSON and
@@ -29,7 +29,7 @@ import numpy as np
 
 import specjax  # noqa: F401  (sets the project's XLA flags before the backend starts)
 from specjax.core import encdec, tree
-from specjax.models import llama, load
+from specjax.models import load, ops
 
 
 def _median_ms(fn, *args, repeats: int) -> float:
@@ -111,9 +111,9 @@ def main() -> None:
            "source_len": args.source_len if lm.is_encoder_decoder else None,
            "capacity": args.capacity, "filled": args.filled, "padded_ms": {},
            "unpadded_ms": {}, "fast_width": {}, "breakdown_ms": {}}
-    shipped = llama.fast_width
+    shipped = ops.fast_width  # project() reads it at trace time
     for variant, fw in (("padded_ms", shipped), ("unpadded_ms", lambda n: n)):
-        llama.fast_width = fw
+        ops.fast_width = fw
         fwd = jax.jit(_forward_fn(lm.model))  # a fresh trace per variant
         for w in widths:
             toks = jnp.ones((1, w), jnp.int32)
@@ -127,7 +127,7 @@ def main() -> None:
                 res["breakdown_ms"][w] = _breakdown(fwd, (params, toks, cache),
                                                     lm.model.config, args.capacity)
                 print(f"breakdown width {w}: {res['breakdown_ms'][w]}", flush=True)
-    llama.fast_width = shipped
+    ops.fast_width = shipped
     one = res["padded_ms"][widths[0]]
     res["relative_to_1"] = {w: t / one for w, t in res["padded_ms"].items()}
     if args.out:

@@ -1,14 +1,15 @@
 """specjax: lossless speculative decoding in JAX.
 
-Layout: ``specjax.core`` (trees, sampling, verification, the decode loops),
+Layout: ``specjax.core`` (trees, sampling, verification, the decoder protocol and loops),
 ``specjax.drafters`` (one file per drafter, EAGLE-2 included), ``specjax.hsd`` (the
-hierarchy recursion, latency model, optimisers and calibration), ``specjax.models`` (the
+hierarchy recursion, latency model, optimisers and calibration), ``specjax.methods`` (every
+method as a typed spec, built into a decoder), ``specjax.models`` (the
 model contract and the ports) and ``specjax.train`` (Optax training of the draft heads).
 """
 
 from specjax import _xla_flags  # noqa: F401  (must run before JAX picks a backend)
 
-from specjax import core, drafters, hsd, models, sharding
+from specjax import core, drafters, hsd, methods, models, sharding
 from specjax.core import sampling, tree
 from specjax.core.decoder import (PAD, Batch, DecodeOutput, Decoder, Request, Stats, decode,
                                   prepare)
@@ -20,7 +21,7 @@ from specjax.drafters import EarlyExitDrafter, ModelDrafter, NGramDrafter
 from specjax.hsd import HSD, Hierarchy, hsd_generate
 
 __version__ = "0.1.0"
-__all__ = ["core", "models", "sampling", "sharding", "tree", "drafters", "hsd", "generate",
+__all__ = ["core", "methods", "models", "sampling", "sharding", "tree", "drafters", "hsd", "generate",
            "GenerateOutput", "PAD", "Greedy", "Sample", "speculative_generate", "SpecOutput",
            "verify", "Draft", "VerifyResult", "Rejection", "Typical", "ModelDrafter",
            "EarlyExitDrafter", "NGramDrafter", "Hierarchy", "hsd_generate",

@@ -10,7 +10,6 @@ import sys
 
 from specjax.commands import bench, decode, hsd, train
 from specjax.commands.common import UsageError, check_args
-from specjax.methods import split as split_methods  # noqa: F401  (the bench's method list)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -632,9 +632,9 @@ def _check_shape(name: str, shape: dict, opts, budget: Budget, probe: dict, out:
 
 
 def _split(spec: str) -> list[str]:
-    from specjax.cli import split_methods
+    from specjax import methods
 
-    return split_methods(spec)
+    return methods.split(spec)
 
 
 def summary(res: dict) -> str:

@@ -50,7 +50,11 @@ def writable(path: str | None, flag: str, directory: bool = False) -> None:
         what = "a directory" if p.is_dir() else "a file"
         raise UsageError(f"{flag} {path} is {what}; give a {'directory' if directory else 'file'}"
                          " path")
-    parent = p.parent if not p.exists() else p
+    if p.exists():  # an existing entry of the right kind: it must be writable itself
+        if not os.access(p, os.W_OK):
+            raise UsageError(f"{flag} {path} cannot be written: it is not writable")
+        return
+    parent = p.parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():

@@ -19,8 +19,7 @@ from jax import lax
 from jaxtyping import Array, Bool, Int
 
 from specjax.core import decoder, encdec, sampling
-from specjax.core.decoder import (PAD, Batch, DecodeOutput, Request, Stats, plan_shapes,
-                                  prepare, stops)
+from specjax.core.decoder import PAD, Batch, DecodeOutput, Request, Stats
 from specjax.sharding import constrain_cache
 from specjax.models.kv_cache import KVCache
 

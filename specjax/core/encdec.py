@@ -22,7 +22,7 @@ _SOURCE_BUCKET = 128  # source buffers are padded to a multiple of this: no per-
 
 def is_encoder_decoder(model: Any) -> bool:
     """Whether ``model`` decodes from an encoded source (it has ``encode`` and ``bind``)."""
-    return bool(getattr(model, "is_encoder_decoder", False))
+    return bool(model.is_encoder_decoder)
 
 
 def source_buffer(model, sources: Sequence[Sequence[int]],

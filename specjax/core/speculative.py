@@ -14,7 +14,6 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 from jax import lax
 from jaxtyping import Array, Bool, Int
@@ -151,7 +150,7 @@ class Speculative:
         tokens = prompt.at[jnp.arange(b), prompt_len].set(first)
         length = prompt_len + 1
         ctx = Context(tokens=tokens, length=length, prompt_len=prompt_len, cache=cache,
-                      params=tparams, hidden=h_all)
+                      params=tparams, hidden=h_all, source=target.source_tokens(tparams))
         one = jnp.ones((b,), jnp.int32)
         return SpecState(tokens=tokens, length=length, num=one, done=req.stops(first, one),
                          cache=cache, dstate=drafter.init(dparams, ctx, self.chunk), key=key,
@@ -162,7 +161,7 @@ class Speculative:
         depth, widths, req = self.depth, self.widths, s.req
         b = s.tokens.shape[0]
         ctx = Context(tokens=s.tokens, length=s.length, prompt_len=req.prompt_len,
-                      cache=s.cache, params=tparams)
+                      cache=s.cache, params=tparams, source=target.source_tokens(tparams))
         key, k_draft, k_verify = jax.random.split(s.key, 3)
         draft, dstate, cache = drafter.propose(dparams, s.dstate, ctx, k_draft, req.sampler)
         if drafter.chain:  # a chain drafter's parents, as constants (the tree work folds away)
@@ -193,7 +192,8 @@ class Speculative:
         kept = jnp.take_along_axis(tokens, (s.length + keep - 1)[:, None], axis=1)[:, 0]
         done = s.done | (active & req.stops(kept, num))
         ctx = Context(tokens=tokens, length=s.length + keep, prompt_len=req.prompt_len,
-                      cache=cache, params=tparams, hidden=hidden)
+                      cache=cache, params=tparams, hidden=hidden,
+                      source=target.source_tokens(tparams))
         dstate = drafter.commit(dparams, dstate, ctx, res)
         return s.replace(tokens=tokens, length=s.length + keep, num=num, done=done, cache=cache,
                          dstate=dstate, key=key,

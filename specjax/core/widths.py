@@ -12,7 +12,7 @@ cost of verifying a partly empty draft at full width:
   without a match is one ordinary decoding step; ReDrafter: every node count from
   ``L + 1`` to ``W·L + 1``, so each node that prefix dedup saves narrows the forward).
   ``merge=True`` lets widths that the target multiplies at the same padded column count
-  (``specjax.models.llama.fast_width``: on XLA:CPU 2-4 become 4, then multiples of 8)
+  (``specjax.models.ops.fast_width``: on XLA:CPU 2-4 become 4, then multiples of 8)
   share the widest one's forward: the weight products, most of a forward's cost, are
   then identical, and fewer forwards compile (ReDrafter 4,4: 3 instead of 13).
 * ``Auto()`` (the default): ``PerWidth(merge=True)`` on the CPU backend, where a width-8
@@ -52,7 +52,7 @@ class PerWidth:
         ws = sorted(set(drafter.verify_widths))
         if not self.merge:
             return tuple(ws)
-        from specjax.models.llama import fast_width
+        from specjax.models.ops import fast_width
 
         return tuple(sorted({max(v for v in ws if fast_width(v) == fast_width(w))
                              for w in ws}))

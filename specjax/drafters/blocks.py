@@ -3,10 +3,10 @@
 A draft head is built from these, not from a model port: RMS norm, grouped-query
 self-attention with RoPE (over an explicit one-layer K/V cache, or a whole sequence under a
 causal mask), a SwiGLU MLP, and the decoder layer that chains them (pre-norm residual
-blocks, the Llama layout). Their numbers are exactly those of ``specjax.models.llama``'s
-layer: every weight is ``[out, in]`` and the left operand of its product (``project``),
-products accumulate in float32, norms and RoPE run in float32 (``tests/test_eagle.py``
-checks the equality bit for bit).
+blocks, the Llama layout), composed of the numerical operations every model port uses
+(``specjax.models.ops``: every weight ``[out, in]`` and the left operand of its product,
+products accumulated in float32, norms and RoPE in float32), so their numbers are exactly
+those of ``specjax.models.llama``'s layer (``tests/test_blocks.py`` checks it bit for bit).
 
 A ``LayerSpec`` holds a layer's sizes. The attention's input width (``in_width``) is its
 own: EAGLE-2 feeds it the residual stream (``D``), EAGLE-3 a ``2D`` concatenation with its
@@ -19,16 +19,17 @@ last hidden state after its final norm (the LM head's input).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
 from specjax.models import kv_cache
 from specjax.models.base import ModelConfig, RopeScaling
+from specjax.models.ops import (apply_rope, attention, dense, gate_up, head_logits,  # noqa: F401
+                                project, rms_norm)
+from specjax.models import ops
 
 Params = Mapping[str, Any]
 
@@ -74,99 +75,6 @@ def features(target, tparams, hidden: Float[Array, "... D"]) -> Float[Array, "..
     return target.final_norm(tparams, hidden)
 
 
-# ----------------------------------------------------------------------------- primitives
-
-def rms_norm(x: Array, weight: Array, eps: float, axis: int = -1) -> Array:
-    """RMSNorm over ``axis`` computed in float32 and cast back before the gain (HF Llama's
-    order). ``axis=0`` normalizes a feature-major ``[D, ...]`` array."""
-    xf = x.astype(jnp.float32)
-    xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=axis, keepdims=True) + eps)
-    if axis in (0, -x.ndim) and x.ndim > 1:
-        weight = weight.reshape((-1,) + (1,) * (x.ndim - 1))
-    return weight * xf.astype(x.dtype)
-
-
-def fast_width(n: int) -> int:
-    """The column count ``project`` multiplies at for ``n`` columns: on XLA:CPU, 2-4 become
-    4 and wider products the next multiple of 8 (narrow odd widths fall off the GEMM's fast
-    micro-tiles); 1 and every width on other backends stay as they are."""
-    if n <= 1 or jax.default_backend() != "cpu":
-        return n
-    return 4 if n <= 4 else -(-n // 8) * 8
-
-
-def project(w: Float[Array, "O I"], x: Float[Array, "I N"]) -> Float[Array, "O N"]:
-    """``w @ x`` accumulated in float32 (``x`` cast to ``w``'s dtype), the columns padded to
-    ``fast_width(N)`` with zeros that are dropped again. Returns float32."""
-    n = x.shape[1]
-    m = fast_width(n)
-    x = x.astype(w.dtype)
-    if m != n:
-        x = jnp.pad(x, ((0, 0), (0, m - n)))
-    # o out features, i in features, n columns (tokens)
-    y = jnp.einsum("oi,in->on", w, x, preferred_element_type=jnp.float32)
-    return y[:, :n] if m != n else y
-
-
-def dense(w: Float[Array, "O I"], x: Float[Array, "I B T"]) -> Float[Array, "O B T"]:
-    """``project`` over a feature-major ``[I, B, T]`` stream."""
-    i, b, t = x.shape
-    return project(w, x.reshape(i, b * t)).reshape(w.shape[0], b, t)
-
-
-def head_logits(head: Float[Array, "V D"], h: Float[Array, "... D"]) -> Float[Array, "... V"]:
-    """``h @ head.T`` as float32 logits, weights-left (``project``; ``h`` cast to ``head``'s
-    dtype). The barrier keeps XLA from folding the transpose into the product's layout."""
-    lead = h.shape[:-1]
-    flat = h.reshape(-1, h.shape[-1]).astype(head.dtype)
-    out = lax.optimization_barrier(project(head, flat.T)).T  # [N, V]
-    return out.reshape(*lead, head.shape[0]).astype(jnp.float32)
-
-
-def apply_rope(x: Float[Array, "N H B T"], positions: Int[Array, "B T"],
-               inv_freq: Float[Array, "H2"]) -> Float[Array, "N H B T"]:
-    """Rotates feature-major heads by their positions (HF's half-split convention), in
-    float32, cast back to ``x``'s dtype."""
-    ang = inv_freq[:, None, None] * positions[None].astype(jnp.float32)  # [H/2,B,T]
-    cos, sin = jnp.cos(ang), jnp.sin(ang)
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=1)
-    return out.astype(x.dtype)
-
-
-def attend(q: Float[Array, "B K G T H"], k_new: Float[Array, "B K T H"],
-           v_new: Float[Array, "B K T H"], k_cache: Float[Array, "B K H S"],
-           v_cache: Float[Array, "B K S H"], length: Int[Array, "B"],
-           mask: Bool[Array, "B T T"], visible: Bool[Array, "B _ S"] | None = None
-           ) -> Float[Array, "B K G T H"]:
-    """Grouped-query attention of new tokens over a cache and each other, scaled by
-    ``H ** -0.5``: query ``i`` sees cache slots ``< length`` (or those with
-    ``visible[b, i, s]``) and new keys ``j`` with ``mask[b, i, j]``. New keys and values are
-    rounded to the cache's dtype first, so a new key reads as it would from the cache. One
-    float32 softmax over both score blocks; the cache is only read."""
-    k_new, v_new = k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype)
-    b, nk, g, t, hd = q.shape
-    s = k_cache.shape[3]
-    qf = q.reshape(b, nk, g * t, hd) * jnp.asarray(1 / math.sqrt(hd), q.dtype)
-    # b batch, k kv-head, s cache slot, n new key, q = (g query heads per kv-head, t query), h head dim
-    old = jnp.einsum("bkqh,bkhs->bkqs", qf, k_cache).astype(jnp.float32).reshape(b, nk, g, t, s)
-    new = jnp.einsum("bkqh,bknh->bkqn", qf, k_new).astype(jnp.float32).reshape(b, nk, g, t, t)
-    if visible is None:
-        visible = (jnp.arange(s)[None, :] < length[:, None])[:, None, :]  # [B,1,S]
-    neg = jnp.finfo(jnp.float32).min
-    old = jnp.where(visible[:, None, None], old, neg)
-    new = jnp.where(mask[:, None, None], new, neg)
-    top = jnp.maximum(old.max(-1, keepdims=True), new.max(-1, keepdims=True))
-    e_old, e_new = jnp.exp(old - top), jnp.exp(new - top)
-    inv = 1.0 / (e_old.sum(-1, keepdims=True) + e_new.sum(-1, keepdims=True))
-    p_old = (e_old * inv).astype(v_cache.dtype).reshape(b, nk, g * t, s)
-    p_new = (e_new * inv).astype(v_cache.dtype).reshape(b, nk, g * t, t)
-    f32 = jnp.float32
-    out = (jnp.einsum("bkqs,bksh->bkqh", p_old, v_cache, preferred_element_type=f32)
-           + jnp.einsum("bkqn,bknh->bkqh", p_new, v_new, preferred_element_type=f32))
-    return out.reshape(b, nk, g, t, hd)
-
-
 # ----------------------------------------------------------------------------- blocks
 
 def layer_shapes(spec: LayerSpec) -> dict[str, tuple[int, ...]]:
@@ -184,19 +92,14 @@ def layer_shapes(spec: LayerSpec) -> dict[str, tuple[int, ...]]:
 def qkv_heads(spec: LayerSpec, p: Params, h: Float[Array, "I B T"]):
     """Queries ``[Nq, H, B, T]``, keys and values ``[Nkv, H, B, T]`` of the attention input
     ``h``, from fused (``qkv``) or split (``q``, ``k``, ``v``: the sharded layout) weights."""
-    _, b, t = h.shape
-    nq, nk, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    if "qkv" in p:
-        qkv = dense(p["qkv"], h).reshape(nq + 2 * nk, hd, b, t)
-        return jnp.split(qkv, [nq, nq + nk], axis=0)
-    return tuple(dense(p[n], h).reshape(c, hd, b, t) for n, c in (("q", nq), ("k", nk), ("v", nk)))
+    return ops.qkv_heads(p, h, spec.num_heads, spec.num_kv_heads, spec.head_dim)
 
 
 def self_attention(spec: LayerSpec, p: Params, h: Float[Array, "I B T"],
                    positions: Int[Array, "B T"], k_cache, v_cache, length, mask,
                    visible=None):
     """Grouped-query self-attention with RoPE of an (already normed) feature-major input
-    ``h`` over a one-layer cache (``attend``): the output ``[D, B, T]`` after ``o``, and the
+    ``h`` over a one-layer cache (``specjax.models.ops.attention``): the output ``[D, B, T]`` after ``o``, and the
     new tokens' keys ``[B, K, H, T]`` and values ``[B, K, T, H]`` (the cache's layouts),
     not yet written."""
     _, b, t = h.shape
@@ -206,7 +109,7 @@ def self_attention(spec: LayerSpec, p: Params, h: Float[Array, "I B T"],
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     q = q.reshape(nk, nq // nk, hd, b, t).transpose(3, 0, 1, 4, 2)  # [B,K,G,T,H]
     v = v.transpose(2, 0, 3, 1)  # [B,K,T,H]
-    att = attend(q, k.transpose(2, 0, 3, 1), v, k_cache, v_cache, length, mask, visible)
+    att = attention(q, k.transpose(2, 0, 3, 1), v, k_cache, v_cache, length, mask, visible)
     out = dense(p["o"], att.transpose(1, 2, 4, 0, 3).reshape(nq * hd, b, t))
     return out, k.transpose(2, 0, 1, 3), v
 
@@ -214,10 +117,7 @@ def self_attention(spec: LayerSpec, p: Params, h: Float[Array, "I B T"],
 def swiglu(p: Params, h: Float[Array, "D B T"], f: int) -> Float[Array, "D B T"]:
     """The SwiGLU MLP ``down(silu(gate h) * up h)`` of a feature-major input, from fused
     (``gate_up``, gate first) or split (``gate``, ``up``) weights; ``f`` is the inner width."""
-    if "gate_up" in p:
-        gate, up = jnp.split(dense(p["gate_up"], h), [f], axis=0)
-    else:
-        gate, up = dense(p["gate"], h), dense(p["up"], h)
+    gate, up = gate_up(p, h, f)
     return dense(p["down"], jax.nn.silu(gate) * up)
 
 
@@ -250,5 +150,5 @@ def causal(batch: int, t: int) -> Bool[Array, "B T T"]:
 
 
 __all__ = ["LayerSpec", "features", "rms_norm", "project", "dense", "head_logits",
-           "apply_rope", "attend", "layer_shapes", "qkv_heads", "self_attention", "swiglu",
+           "apply_rope", "attention", "layer_shapes", "qkv_heads", "self_attention", "swiglu",
            "decoder_layer", "empty_kv", "causal"]

@@ -31,7 +31,7 @@ from flax import nnx, struct
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
-from specjax.core import sampling, tree
+from specjax.core import tree
 from specjax.drafters import blocks
 from specjax.drafters.blocks import features
 from specjax.models.kv_cache import KVCache
@@ -419,7 +419,7 @@ class EagleDrafter:
         return state.replace(feats=feats.astype(state.feats.dtype))
 
 
-# ----------------------------------------------------------------------------- loading
+# ----------------------------------------------------------------------------- shipped heads
 
 SHIPPED = {"smollm2-135m": "heads/smollm2-135m-eagle",  # registry name -> package data
            "gemma3-270m": "heads/gemma3-270m-eagle"}
@@ -430,54 +430,3 @@ def shipped_head(model_name: str):
     from specjax import export
 
     return export.shipped_dir(SHIPPED.get(model_name))
-
-
-def parse_spec(spec: str) -> dict:
-    """``eagle2[:depth,topk,total][:opt,...]`` with opts ``conf`` (expand by confidence),
-    ``norerank``, ``vocab=N`` (draft vocabulary size; ``fullvocab`` = the target's)."""
-    parts = spec.split(":")
-    if parts[0] != "eagle2" or len(parts) > 3:
-        raise ValueError(f"bad EAGLE spec {spec!r}: use eagle2[:depth,topk,total][:opts]")
-    out: dict = {}
-    if len(parts) > 1 and parts[1]:
-        try:
-            out["depth"], out["topk"], out["total_tokens"] = map(int, parts[1].split(","))
-        except ValueError:
-            raise ValueError(f"bad EAGLE sizes {parts[1]!r}: want depth,topk,total") from None
-    for opt in (parts[2].split(",") if len(parts) > 2 else []):
-        if opt == "conf":
-            out["by_value"] = False
-        elif opt == "norerank":
-            out["rerank"] = False
-        elif opt == "fullvocab":
-            out["vocab"] = 0
-        elif opt.startswith("vocab=") and opt[6:].isdigit():
-            out["vocab"] = int(opt[6:])
-        else:
-            raise ValueError(f"unknown EAGLE option {opt!r}: conf, norerank, fullvocab, vocab=N")
-    return out
-
-
-def load_drafter(spec: str, lm, model_name: str, checkpoint_dir=None):
-    """``(EagleDrafter, dparams)`` for ``lm`` from a spec (see ``parse_spec``) and an exported
-    head (default: the one shipped for ``model_name``)."""
-    from specjax import export
-
-    opts = parse_spec(spec)
-    vocab = opts.pop("vocab", None)
-    path = checkpoint_dir or shipped_head(model_name)
-    if path is None:
-        raise FileNotFoundError(f"no EAGLE head ships for {model_name!r}; train one with "
-                                f"`specjax train eagle` and pass --draft-checkpoint DIR")
-    like = init_head(lm.model.config, jax.random.key(0))
-    head, meta = export.load_head(path, "eagle", like=like)
-    ids = meta.get("vocab_ids")
-    n = meta.get("draft_vocab", 0) if vocab is None else vocab
-    sub = None if not n or ids is None else ids[:n]
-    dtype = lm.model.compute_dtype
-    head = jax.tree.map(lambda x: jnp.asarray(x, dtype), head)
-    drafter = EagleDrafter(lm.model, **opts)
-    dparams = draft_params(head, lm.model, lm.params, sub)
-    drafter.check(lm.model)
-    drafter.check_params(dparams)
-    return drafter, dparams

@@ -4,7 +4,6 @@ static shapes."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -82,10 +81,10 @@ class NGramDrafter:
 
     def propose(self, table, state, ctx: Context, key, sampler):
         hist, length = ctx.tokens, ctx.length
-        src = ctx.params.get("source") if isinstance(ctx.params, Mapping) else None
-        if self.over_source and src is not None:  # source ids, -1 (never matched) past its end
-            hist = jnp.concatenate([src.tokens, hist], axis=1)
-            length = length + src.tokens.shape[1]
+        src = ctx.source  # an encoder-decoder target's source ids (-1, never matched, past
+        if self.over_source and src is not None:  # its end), searched before the decoded ones
+            hist = jnp.concatenate([src, hist], axis=1)
+            length = length + src.shape[1]
         toks, found, count = jax.vmap(self._lookup)(hist, length)
         valid = found[:, None] & (jnp.arange(self.depth)[None] < count[:, None])
         valid = valid & (jnp.cumprod(toks >= 0, axis=1) > 0)

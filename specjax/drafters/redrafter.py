@@ -242,7 +242,7 @@ def chains(tokens: Int[Array, "B W L"]) -> Draft:
                  valid=jnp.ones(flat.shape, bool))
 
 
-# ----------------------------------------------------------------------------- loading
+# ----------------------------------------------------------------------------- shipped heads
 
 # registry name -> package data. No ReDrafter head ships: the trained SmolLM2-135M and
 # Gemma-3-270M heads decoded slower than plain decoding (0.84x and 0.78x ``ar``); train one
@@ -260,24 +260,6 @@ def shipped_head(model_name: str):
     return export.shipped_dir(SHIPPED.get(model_name))
 
 
-def parse_spec(spec: str) -> dict:
-    """``redrafter[:W,L][:nodedup]``: beam width and length (drafted tokens per beam)."""
-    parts = spec.split(":")
-    if parts[0] != "redrafter" or len(parts) > 3:
-        raise ValueError(f"bad ReDrafter spec {spec!r}: use redrafter[:W,L][:nodedup]")
-    out: dict = {}
-    if len(parts) > 1 and parts[1]:
-        try:
-            out["width"], out["length"] = map(int, parts[1].split(","))
-        except ValueError:
-            raise ValueError(f"bad ReDrafter sizes {parts[1]!r}: want W,L") from None
-    for opt in (parts[2].split(",") if len(parts) > 2 else []):
-        if opt != "nodedup":
-            raise ValueError(f"unknown ReDrafter option {opt!r}: nodedup")
-        out["dedup"] = False
-    return out
-
-
 def draft_params(head: dict, vocab_ids=None) -> dict:
     """What ``RedrafterDrafter`` reads: the head and, for a reduced draft vocabulary, the
     target ids of its entries."""
@@ -287,33 +269,5 @@ def draft_params(head: dict, vocab_ids=None) -> dict:
     return out
 
 
-def load_drafter(spec: str, lm, model_name: str, checkpoint_dir=None):
-    """``(RedrafterDrafter, dparams)`` for ``lm`` from a spec (see ``parse_spec``) and an
-    exported head (default: the one shipped for ``model_name``)."""
-    from specjax import export
-
-    opts = parse_spec(spec)
-    path = checkpoint_dir or shipped_head(model_name)
-    if path is None:
-        raise FileNotFoundError(f"no ReDrafter head ships for {model_name!r}; train one: "
-                                + RECIPE.format(model=model_name))
-    meta = export.read_meta(path, "redrafter")
-    cfg = lm.model.config
-    if meta.get("hidden_size") != cfg.hidden_size:
-        raise ValueError(f"{path} holds a ReDrafter head for hidden size "
-                         f"{meta.get('hidden_size')}, but {model_name} has {cfg.hidden_size}")
-    like = exportable(init_head(cfg.hidden_size, meta["draft_vocab"], jax.random.key(0),
-                                meta["blocks"]))
-    head, meta = export.load_head(path, "redrafter", like=like)
-    dtype = lm.model.compute_dtype
-    head = jax.tree.map(lambda x: jnp.asarray(x, dtype), head)
-    ids = meta.get("vocab_ids")
-    drafter = RedrafterDrafter(lm.model, **opts)
-    dparams = draft_params(head, None if ids is None else np.asarray(ids, np.int32))
-    drafter.check(lm.model)
-    drafter.check_params(dparams)
-    return drafter, dparams
-
-
 __all__ = ["RedrafterHead", "RedrafterDrafter", "RedrafterState", "init_head", "unroll",
-           "features", "chains", "draft_params", "exportable", "load_drafter", "parse_spec", "shipped_head"]
+           "features", "chains", "draft_params", "exportable", "shipped_head"]

@@ -28,7 +28,6 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 from jax import lax
 from jaxtyping import Array, Bool, Int
@@ -40,7 +39,6 @@ from specjax.core.decoder import PAD, Batch, DecodeOutput, Request, Stats
 from specjax.core.decoding import prefill
 from specjax.sharding import constrain_cache
 from specjax.drafters import Context, NGramDrafter, target_head
-from specjax.models.kv_cache import KVCache
 from specjax.core.verify import Draft, verify
 
 
@@ -272,7 +270,8 @@ class _Run:
         lvl, t0, start = self.h.levels[0], self.h.T[0], s.n[1]
         if isinstance(lvl, NGram):
             ctx = Context(tokens=s.tokens, length=start, prompt_len=self.prompt_len,
-                          cache=None, params=self.tparams)  # the source, for T5
+                          cache=None, params=self.tparams,
+                          source=self.target.source_tokens(self.tparams))  # T5's source
             d, _, _ = lvl.drafter.propose(None, (), ctx, None, sampling.Greedy())
             valid = d.valid[:, :t0] & active[:, None]
             tokens = _write(s.tokens, start[:, None] + jnp.arange(t0)[None], d.tokens[:, :t0],
@@ -320,7 +319,7 @@ class _Run:
         q_off = at - s.n[k]
         if isinstance(lvl, NGram):
             ctx = Context(tokens=s.tokens, length=at, prompt_len=self.prompt_len, cache=None,
-                          params=self.tparams)
+                          params=self.tparams, source=self.target.source_tokens(self.tparams))
             d, _, _ = lvl.drafter.propose(None, (), ctx, None, sampling.Greedy())
             valid = (jnp.cumprod(d.valid[:, :h], axis=1) > 0) & active[:, None]
             tokens = _write(s.tokens, at[:, None] + jnp.arange(h)[None], d.tokens[:, :h], valid)
@@ -465,7 +464,7 @@ class HSD:
         return tuple(out)
 
     def init(self, params, batch: Batch) -> HSDState:
-        (tparams, hparams), target, hierarchy = params, self.target, self.hierarchy
+        (tparams, _), target, hierarchy = params, self.target, self.hierarchy
         top, b, req = self.top, batch.tokens.shape[0], Request.of(batch)
         prompt, prompt_len = batch.tokens, batch.lengths
         cache = constrain_cache(target.init_cache(b, batch.capacity), self.mesh)
