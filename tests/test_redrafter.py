@@ -12,22 +12,21 @@ import numpy as np
 import pytest
 
 import specjax
+import toys
 from specjax.core import sampling
 from specjax.core.speculative import speculative_generate
 from specjax.drafters import redrafter
 from specjax.models.llama import Llama, LlamaConfig, init_params
 
-V = 12
-TOY = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=3,
-                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+V = toys.V
+TOY = toys.LLAMA
 PROMPT = [1, 5, 2, 7, 5]
 REDUCED = [3, 1, 4, 0, 9, 2]
 
 
 @pytest.fixture(scope="module")
 def toy():
-    model = Llama(TOY)
-    tparams = jax.tree.map(lambda x: x * 3.0, init_params(TOY, jax.random.key(1)))
+    model, tparams = toys.llama(seed=1)
     head = redrafter.init_head(TOY.hidden_size, V, jax.random.key(3))
     # non-zero blocks, so the residual path is exercised too
     head["blocks"] = {k: {"w": jax.random.normal(jax.random.key(10 + k), b["w"].shape) * 0.1,
@@ -169,31 +168,8 @@ def test_bad_heads_and_sizes_are_refused(toy):
                                                              "dedup": False}
 
 
-def _real_drafter(lm):
-    """The shipped head when there is one (long accepted paths), else a random head."""
-    if redrafter.shipped_head("smollm2-135m") is not None:
-        return redrafter.load_drafter("redrafter:3,4", lm, "smollm2-135m")
-    head = redrafter.init_head(lm.model.config.hidden_size, 4096, jax.random.key(0))
-    return (redrafter.RedrafterDrafter(lm.model, width=3, length=4),
-            redrafter.draft_params(head, np.arange(4096)))
-
-
-def test_greedy_redrafter_equals_ar_on_real_model(smollm):
-    from test_speculative import PROMPTS
-
-    drafter, dp = _real_drafter(smollm)
-    ids = [smollm.encode(p, chat=c) for p, c in PROMPTS]
-    budgets = [24, 9, 17, 30]
-    ar = specjax.generate(smollm.model, smollm.params, ids, max_new_tokens=budgets,
-                          eos_ids=smollm.eos_ids).to_lists()
-    out = speculative_generate(smollm.model, smollm.params, drafter, dp, ids,
-                               max_new_tokens=budgets, eos_ids=smollm.eos_ids)
-    assert out.to_lists() == ar, "redrafter: batch of 4 differs from ar"
-    if redrafter.shipped_head("smollm2-135m") is not None:  # a trained head drafts usefully
-        assert out.tau > 1.1, f"the shipped head's tau is {out.tau:.2f}"
-    one = speculative_generate(smollm.model, smollm.params, drafter, dp, ids[:1],
-                               max_new_tokens=budgets[0], eos_ids=smollm.eos_ids)
-    assert one.to_lists() == ar[:1], "redrafter: batch of 1 differs from ar"
+# Greedy redrafter equals ar on the real model (batch 4 and 1):
+# tests/test_real_smollm2.py::test_speculative_greedy_equals_ar[redrafter].
 
 
 # --- training -----------------------------------------------------------------------------
@@ -205,14 +181,8 @@ TRAIN_TOY = LlamaConfig(vocab_size=TRAIN_V, hidden_size=32, intermediate_size=64
 
 @pytest.fixture(scope="module")
 def lm():
-    @dataclasses.dataclass
-    class ToyLM:
-        model: Llama
-        params: dict
-        eos_ids: tuple = (0,)
-
-    return ToyLM(Llama(TRAIN_TOY), jax.tree.map(lambda x: x * 3.0,
-                                                init_params(TRAIN_TOY, jax.random.key(4))))
+    return toys.ToyLM(Llama(TRAIN_TOY), jax.tree.map(lambda x: x * 3.0,
+                                                     init_params(TRAIN_TOY, jax.random.key(4))))
 
 
 @pytest.fixture(scope="module")

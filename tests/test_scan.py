@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import specjax
+import toys
 from specjax import sharding
 from specjax.core import tree
 from specjax.drafters import EarlyExitDrafter, NGramDrafter, eagle, redrafter
@@ -21,16 +22,15 @@ from specjax.hsd import Exit, Hierarchy, NGram, hsd_generate
 from specjax.models import llama
 from specjax.models.llama import Llama, LlamaConfig, init_params, stack_layers, unstack_layers
 
-V = 12
-TOY = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=3,
-                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+V = toys.V
+TOY = toys.LLAMA
 PROMPTS = [[1, 5, 2, 7, 5, 2, 7, 5], [3, 3, 1], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [7]]
 BUDGETS = [20, 9, 26, 12]
 
 
 @pytest.fixture(scope="module")
 def toy():
-    tp = jax.tree.map(lambda x: x * 3.0, init_params(TOY, jax.random.key(1)))
+    tp = toys.llama_params(seed=1)
     unrolled, scanned = Llama(TOY), Llama(TOY, scan_layers=True)
     ar = specjax.generate(unrolled, tp, PROMPTS, max_new_tokens=BUDGETS).to_lists()
     return unrolled, tp, scanned, stack_layers(tp), ar
