@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import specjax
+import toys
 from specjax.drafters import eagle
 from specjax.core import sampling
 from specjax.models.llama import Llama, LlamaConfig, init_params
@@ -112,16 +113,14 @@ def test_invalid_tree_size_is_rejected():
 
 # --- the drafter on toy models ----------------------------------------------------------
 
-V = 12
-TOY = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=3,
-                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+V = toys.V
+TOY = toys.LLAMA
 PROMPT = [1, 5, 2, 7, 5]
 
 
 @pytest.fixture(scope="module")
 def toy():
-    model = Llama(TOY)
-    tparams = jax.tree.map(lambda x: x * 3.0, init_params(TOY, jax.random.key(1)))
+    model, tparams = toys.llama(seed=1)
     head = eagle.init_head(TOY, jax.random.key(3))
     return model, tparams, eagle.draft_params(head, model, tparams)
 
@@ -182,29 +181,8 @@ def test_drafter_matches_the_teacher_forced_head(toy):
     np.testing.assert_array_equal(draft.tokens[0, 3:6], jax.lax.top_k(out2[0, -1] @ emb.T, 3)[1])
 
 
-def _real_drafter(lm):
-    """The shipped head when there is one (long accepted paths), else a random head."""
-    if eagle.shipped_head("smollm2-135m") is not None:
-        return eagle.load_drafter("eagle2:4,4,12", lm, "smollm2-135m")
-    head = eagle.init_head(lm.model.config, jax.random.key(0))
-    return (eagle.EagleDrafter(lm.model, depth=4, topk=4, total_tokens=12),
-            eagle.draft_params(head, lm.model, lm.params, vocab_ids=np.arange(4096)))
-
-
-def test_greedy_eagle_equals_ar_on_real_model(smollm):
-    from test_speculative import PROMPTS
-
-    drafter, dp = _real_drafter(smollm)
-    ids = [smollm.encode(p, chat=c) for p, c in PROMPTS]
-    budgets = [24, 9, 17, 30]
-    ar = specjax.generate(smollm.model, smollm.params, ids, max_new_tokens=budgets,
-                          eos_ids=smollm.eos_ids).to_lists()
-    out = speculative_generate(smollm.model, smollm.params, drafter, dp, ids,
-                               max_new_tokens=budgets, eos_ids=smollm.eos_ids)
-    assert out.to_lists() == ar, "eagle2: batch of 4 differs from ar"
-    one = speculative_generate(smollm.model, smollm.params, drafter, dp, ids[:1],
-                               max_new_tokens=budgets[0], eos_ids=smollm.eos_ids)
-    assert one.to_lists() == ar[:1], "eagle2: batch of 1 differs from ar"
+# Greedy eagle equals ar on the real model (batch 4 and 1):
+# tests/test_real_smollm2.py::test_speculative_greedy_equals_ar[eagle2].
 
 
 def test_drafter_state_after_commit_equals_a_fresh_start(toy):
