@@ -18,19 +18,13 @@ from specjax.drafters import EarlyExitDrafter
 from specjax.models.llama import Llama, LlamaConfig, init_params
 from specjax.train import checkpoint, distill
 from specjax.train import exit_heads as train_exits
+from toys import ToyLM
 
 V = 32
 TOY = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=4,
                   num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
 CFG = train_exits.ExitConfig(layers=(1, 2), rank=8, steps=40, batch_tokens=256, max_len=64,
                              lr=3e-2, warmup=4, save_every=10, kl_vocab=24, seed=2)
-
-
-@dataclasses.dataclass
-class ToyLM:
-    model: Llama
-    params: dict
-    eos_ids: tuple = (0,)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""Speculative decoding end to end: greedy exactness on the real model with every drafter,
-sampled losslessness of the whole loop on toy models, KV commit, and bad input."""
+"""Speculative decoding end to end: sampled losslessness of the whole loop on toy models,
+KV commit, and bad input."""
 
 from __future__ import annotations
 
@@ -12,60 +12,27 @@ import pytest
 from scipy import stats
 
 import specjax
+import toys as toy_models  # the module; "toys" is a fixture below
 from specjax.core import sampling, tree
 from specjax.drafters import EarlyExitDrafter, ModelDrafter, NGramDrafter, bigram_table
-from specjax.models.llama import Llama, LlamaConfig, init_params
+from specjax.models.llama import Llama, LlamaConfig
 from specjax.core.speculative import speculative_generate
 
-PROMPTS = [
-    ("Summarize: The cat sat on the mat. The cat was happy on the mat.", False),
-    ("Repeat after me: one two three four, one two three four,", False),
-    ("List the planets of the solar system in order.", True),
-    ("def add(a, b):\n    return a + b\n\ndef sub(a, b):", False),
-]
-
-
-def _drafters(lm):
-    return {
-        "ngram": (NGramDrafter(depth=6), None),
-        "early-exit": (EarlyExitDrafter(lm.model, 10, depth=3), None),
-        # the same model in bfloat16, drafting a top-2 tree: long accepted paths
-        "model-tree": (ModelDrafter(lm.model, depth=3, width=2),
-                       jax.tree.map(lambda x: x.astype(jnp.bfloat16), lm.params)),
-    }
-
-
-@pytest.mark.parametrize("name", ["ngram", "early-exit", "model-tree"])
-def test_greedy_equals_ar_on_real_model(smollm, name):
-    drafter, dparams = _drafters(smollm)[name]
-    ids = [smollm.encode(p, chat=c) for p, c in PROMPTS]
-    budgets = [24, 9, 17, 30]
-    ar = specjax.generate(smollm.model, smollm.params, ids, max_new_tokens=budgets,
-                          eos_ids=smollm.eos_ids).to_lists()
-    out = speculative_generate(smollm.model, smollm.params, drafter, dparams, ids,
-                               max_new_tokens=budgets, eos_ids=smollm.eos_ids)
-    assert out.to_lists() == ar, f"{name}: batch of 4 differs from ar"
-    one = speculative_generate(smollm.model, smollm.params, drafter, dparams, ids[:1],
-                               max_new_tokens=budgets[0], eos_ids=smollm.eos_ids)
-    assert one.to_lists() == ar[:1], f"{name}: batch of 1 differs from ar"
-    assert np.all(np.asarray(out.target_forwards) <= np.asarray(out.lengths))
-    if name == "model-tree":
-        assert out.tau > 2.0, "a bf16 copy of the target should be accepted almost always"
+# Greedy exactness on the real model with every drafter (batch 4 and 1):
+# tests/test_real_smollm2.py::test_speculative_greedy_equals_ar.
 
 
 # --- toy models: the whole loop at temperature 1 --------------------------------------------
 
-V = 12
-TOY = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
-                  num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+V = toy_models.V
+TOY = toy_models.LLAMA
 PROMPT = [1, 5, 2, 7, 5]
 
 
 @pytest.fixture(scope="module")
 def toys():
-    model = Llama(TOY)
-    scale = lambda p: jax.tree.map(lambda x: x * 3.0, p)  # sharper, context-dependent logits
-    return model, scale(init_params(TOY, jax.random.key(1))), scale(init_params(TOY, jax.random.key(2)))
+    model, tparams = toy_models.llama(seed=1)  # params times 3: sharper, context-dependent logits
+    return model, tparams, toy_models.llama_params(seed=2)
 
 
 def _exact_pair(model, params, sampler):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from specjax.drafters import eagle
+from toys import ToyLM
 from specjax.models.llama import Llama, LlamaConfig, init_params
 from specjax.train import checkpoint, distill
 from specjax.train import eagle as train_eagle
@@ -19,13 +20,6 @@ from specjax.train import eagle as train_eagle
 V = 16
 TOY = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
-
-
-@dataclasses.dataclass
-class ToyLM:
-    model: Llama
-    params: dict
-    eos_ids: tuple = (0,)
 
 
 @pytest.fixture(scope="module")
