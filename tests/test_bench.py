@@ -68,7 +68,7 @@ def test_cli_bench_end_to_end(smollm, hf_smollm, monkeypatch, tmp_path, capsys):
 
 
 def test_method_list_keeps_eagle_sizes_and_options_together():
-    from specjax.cli import split_methods
+    from specjax.methods import split as split_methods
 
     got = split_methods("ar, eagle2:4,4,8:conf,vocab=4096,hf,hf-pld,sd-early-exit:12,eagle2")
     assert got == ["ar", "eagle2:4,4,8:conf,vocab=4096", "hf", "hf-pld", "sd-early-exit:12",

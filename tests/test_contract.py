@@ -120,6 +120,7 @@ def test_every_family_implements_the_contract(make):
         model.forward(params, toks, pos, cache, exit_layer=n + 1)
 
     src = model.source_tokens(params)
+    assert model.is_encoder_decoder is (source is not None)
     if source is None:
         assert src is None
     else:

@@ -212,12 +212,14 @@ def test_drafter_state_after_commit_equals_a_fresh_start(toy):
     for prompt in (PROMPT, PROMPT * 3, [3, 3, 1, 4], [7, 2]):
         p = len(prompt)
         buf = jnp.zeros((1, cap), jnp.int32).at[0, :p].set(jnp.asarray(prompt))
-        spec = specjax.Speculative(model, drafter, cap, 64, drafter.verify_widths, chunk=chunk)
-        s = spec.init(tparams, dp, buf, jnp.asarray([p]), jnp.asarray([64]), jax.random.key(0),
-                      eos, greedy)
+        spec = specjax.Speculative(model, drafter, drafter.verify_widths, chunk=chunk)
+        x = specjax.Batch(tokens=buf, lengths=jnp.asarray([p]), budgets=jnp.asarray([64]),
+                          eos=eos, key=jax.random.key(0), sampler=greedy, capacity=cap,
+                          max_out=64)
+        s = spec.init((tparams, dp), x)
         for _ in range(2):  # two rounds: the second drafts from a committed state
-            s = spec.step(tparams, dp, s)
-        accepted.append(int(s.accepted_at[0, 0]))
+            s = spec.step((tparams, dp), s)
+        accepted.append(int(s.stats.accepted_at[0, 0]))
         n = int(s.length[0])
         ctx = Context(tokens=s.tokens, length=s.length, prompt_len=jnp.asarray([len(prompt)]),
                       cache=s.cache, params=tparams)

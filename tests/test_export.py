@@ -17,7 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from specjax import export
+from specjax import export, methods
 from specjax.drafters import eagle, exit_heads, redrafter
 from specjax.models.llama import LlamaConfig
 from specjax.train import checkpoint
@@ -264,4 +264,4 @@ def test_no_redrafter_head_ships_and_the_error_gives_the_recipe():
 
     with pytest.raises(FileNotFoundError, match="train redrafter.*--export DIR.*"
                                                 "--redrafter-checkpoint DIR"):
-        redrafter.load_drafter("redrafter", LM(), "smollm2-135m")
+        methods.load_drafter("redrafter", LM(), "smollm2-135m")

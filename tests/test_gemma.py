@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import specjax
+from specjax import methods
 from specjax.models import load_hf_dir
 from specjax.drafters import eagle
 from specjax.models.gemma import FULL, SLIDING, Gemma, init_params
@@ -275,7 +276,7 @@ def test_gemma3_270m_every_method_equals_ar(gemma3, gemma3_prompts, ar_reference
     drafters = [(specjax.NGramDrafter(), None), (specjax.EarlyExitDrafter(m, 9, depth=3), None),
                 (specjax.ModelDrafter(small, depth=3), init_params(small.config,
                                                                    jax.random.key(1))),
-                eagle.load_drafter("eagle2", gemma3, "gemma3-270m")]  # the shipped head
+                methods.load_drafter("eagle2", gemma3, "gemma3-270m")]  # the shipped head
     for drafter, dparams in drafters:
         out = specjax.speculative_generate(m, p, drafter, dparams, prompts, **kw)
         assert out.to_lists() == ar, type(drafter).__name__

@@ -140,16 +140,16 @@ def test_verification_width_policies_give_the_same_tokens(toy):
     ar = specjax.generate(model, tp, prompts, max_new_tokens=budgets).to_lists()
     for levels, T in [((NG, hsd.Exit()), (4,)), ((NG, hsd.Exit(1), hsd.Exit()), (3, 2))]:
         h = hsd.Hierarchy(levels, T)
-        per = hsd.HSD(model, h, 128, 64, widths="per-width").level_widths()
+        per = hsd.HSD(model, h, widths="per-width").level_widths()
         assert per[1] == (1, T[0] + 1) and all(len(w) == 1 for w in per[2:])
-        assert hsd.HSD(model, h, 128, 64, widths="padded").level_widths()[1] == (T[0] + 1,)
-        assert hsd.HSD(model, h, 128, 64, widths=specjax.core.widths.Auto("gpu")
-                       ).level_widths() == hsd.HSD(model, h, 128, 64, widths="padded"
+        assert hsd.HSD(model, h, widths="padded").level_widths()[1] == (T[0] + 1,)
+        assert hsd.HSD(model, h, widths=specjax.core.widths.Auto("gpu")
+                       ).level_widths() == hsd.HSD(model, h, widths="padded"
                                                    ).level_widths()
         for policy in ("per-width", "padded"):
             out = hsd.hsd_generate(model, tp, h, prompts, max_new_tokens=budgets, widths=policy)
             assert out.to_lists() == ar, (levels, policy)
-    exits = hsd.HSD(model, hsd.Hierarchy(*HIERARCHIES["exit-target"]), 128, 64,
+    exits = hsd.HSD(model, hsd.Hierarchy(*HIERARCHIES["exit-target"]),
                     widths="per-width")
     assert exits.level_widths()[1] == (4,), "an exit bottom always hands over T drafts"
     with pytest.raises(ValueError, match="width policy"):

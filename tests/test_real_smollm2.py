@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import hsd
+from specjax import hsd, methods
 from specjax.drafters import EarlyExitDrafter, ModelDrafter, NGramDrafter
 from specjax.drafters import eagle, exit_heads, redrafter
 
@@ -34,7 +34,7 @@ SPECULATIVE = ["ngram", "early-exit", "model-tree", "eagle2", "redrafter"]
 def _eagle(lm):
     """The shipped head when there is one (long accepted paths), else a random head."""
     if eagle.shipped_head(MODEL) is not None:
-        return eagle.load_drafter("eagle2:4,4,12", lm, MODEL)
+        return methods.load_drafter("eagle2:4,4,12", lm, MODEL)
     head = eagle.init_head(lm.model.config, jax.random.key(0))
     return (eagle.EagleDrafter(lm.model, depth=4, topk=4, total_tokens=12),
             eagle.draft_params(head, lm.model, lm.params, vocab_ids=np.arange(4096)))
@@ -43,7 +43,7 @@ def _eagle(lm):
 def _redrafter(lm):
     """The shipped head when there is one (long accepted paths), else a random head."""
     if redrafter.shipped_head(MODEL) is not None:
-        return redrafter.load_drafter("redrafter:3,4", lm, MODEL)
+        return methods.load_drafter("redrafter:3,4", lm, MODEL)
     head = redrafter.init_head(lm.model.config.hidden_size, 4096, jax.random.key(0))
     return (redrafter.RedrafterDrafter(lm.model, width=3, length=4),
             redrafter.draft_params(head, np.arange(4096)))

@@ -15,6 +15,7 @@ import specjax
 import toys
 from specjax.core import sampling
 from specjax.core.speculative import speculative_generate
+from specjax import methods
 from specjax.drafters import redrafter
 from specjax.models.llama import Llama, LlamaConfig, init_params
 
@@ -131,13 +132,15 @@ def test_commit_keeps_the_feature_of_the_last_accepted_token(toy):
     for prompt in (PROMPT, PROMPT * 3, [3, 3, 1, 4]):
         ctx = _start(model, tparams, prompt)
         buf = ctx.tokens.at[0, len(prompt)].set(0)  # the prompt alone; init emits the root
-        spec = specjax.Speculative(model, drafter, ctx.tokens.shape[1], 64,
-                                   drafter.verify_widths, chunk=16)
-        s = spec.init(tparams, dp, buf, jnp.asarray([len(prompt)]), jnp.asarray([64]),
-                      jax.random.key(0), jnp.asarray([-1]), sampling.Greedy())
+        spec = specjax.Speculative(model, drafter, drafter.verify_widths, chunk=16)
+        x = specjax.Batch(tokens=buf, lengths=jnp.asarray([len(prompt)]),
+                          budgets=jnp.asarray([64]), eos=jnp.asarray([-1]),
+                          key=jax.random.key(0), sampler=sampling.Greedy(),
+                          capacity=ctx.tokens.shape[1], max_out=64)
+        s = spec.init((tparams, dp), x)
         for _ in range(2):
-            s = spec.step(tparams, dp, s)
-        accepted += int(s.accepted_at[0, 0])
+            s = spec.step((tparams, dp), s)
+        accepted += int(s.stats.accepted_at[0, 0])
         n = int(s.length[0])
         fresh = drafter.init(dp, _start(model, tparams, np.asarray(s.tokens[0, :n - 1]).tolist()),
                              16)
@@ -162,10 +165,10 @@ def test_bad_heads_and_sizes_are_refused(toy):
     small = redrafter.draft_params(redrafter.init_head(32, 2, jax.random.key(0)), [1, 2])
     with pytest.raises(ValueError, match="width"):
         drafter.check_params(small)  # 3 beams over a 2-token draft vocabulary
-    with pytest.raises(ValueError, match="ReDrafter sizes"):
-        redrafter.parse_spec("redrafter:3")
-    assert redrafter.parse_spec("redrafter:2,5:nodedup") == {"width": 2, "length": 5,
-                                                             "dedup": False}
+    with pytest.raises(ValueError, match="want W,L"):
+        methods.parse("redrafter:3")
+    assert methods.parse("redrafter:2,5:nodedup").drafter_kwargs() == {
+        "width": 2, "length": 5, "dedup": False}
 
 
 # Greedy redrafter equals ar on the real model (batch 4 and 1):
@@ -271,7 +274,7 @@ def test_cli_train_redrafter_exports_a_head_that_decodes(lm, corpus, tmp_path, m
     meta = json.loads((out / "head.json").read_text())
     assert meta["kind"] == "redrafter" and meta["draft_vocab"] == 12 == len(meta["vocab_ids"])
     assert "/work" not in (out / "head.json").read_text()
-    drafter, dp = redrafter.load_drafter("redrafter:2,3", lm, "toy", out)
+    drafter, dp = methods.load_drafter("redrafter:2,3", lm, "toy", out)
     assert dp["head"]["out"].dtype == jnp.float32  # cast to the target's dtype
     prompts, budgets = [[3, 4, 5], [7, 1]], [10, 6]
     ar = specjax.generate(lm.model, lm.params, prompts, max_new_tokens=budgets).to_lists()
@@ -280,6 +283,6 @@ def test_cli_train_redrafter_exports_a_head_that_decodes(lm, corpus, tmp_path, m
     wide = dataclasses.replace(TRAIN_TOY, hidden_size=48, head_dim=12)
     other = type(lm)(Llama(wide), init_params(wide, jax.random.key(0)))
     with pytest.raises(ValueError, match="hidden size 32, but"):
-        redrafter.load_drafter("redrafter", other, "toy", out)
+        methods.load_drafter("redrafter", other, "toy", out)
     with pytest.raises(export.CheckpointError, match="not an exported head"):
-        redrafter.load_drafter("redrafter", lm, "toy", tmp_path)
+        methods.load_drafter("redrafter", lm, "toy", tmp_path)

@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import specjax
-from specjax import sharding
+from specjax import methods, sharding
 from specjax.drafters import eagle, redrafter
 from specjax.hsd import Exit, Hierarchy, NGram
 from specjax.models import Llama, LlamaConfig
@@ -183,7 +183,7 @@ else:
         ids = [lm.encode("Name three primary colors.", chat=True),
                lm.encode("What is 12 times 7?", chat=True)]
         m = sharding.make_mesh(2, 3)
-        d, dp = eagle.load_drafter("eagle2", lm, "smollm2-135m")
+        d, dp = methods.load_drafter("eagle2", lm, "smollm2-135m")
         runs = {"ar": lambda mesh: specjax.generate(lm.model, lm.params, ids, max_new_tokens=16,
                                                     mesh=mesh),
                 "eagle2": lambda mesh: specjax.speculative_generate(

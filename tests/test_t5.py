@@ -204,7 +204,7 @@ def test_ngram_drafter_copies_from_the_source(toy):
     model, bp = _bound(toy, [[4, 8, 15, 16, 23, 42, 7]])
     tokens = jnp.asarray([[0, 15, 16, 0, 0, 0]])
     ctx = Context(tokens=tokens, length=jnp.asarray([3]), prompt_len=jnp.asarray([1]),
-                  cache=model.init_cache(1, 8), params=bp)
+                  cache=model.init_cache(1, 8), params=bp, source=model.source_tokens(bp))
     draft, _, _ = NGramDrafter(depth=5).propose(None, (), ctx, None, sampling.Greedy())
     assert draft.tokens[0, :3].tolist() == [23, 42, 7]
     assert draft.valid[0].tolist() == [True, True, True, False, False]  # the source ends

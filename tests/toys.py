@@ -51,3 +51,4 @@ class ToyLM:
     model: Llama
     params: dict
     eos_ids: tuple = (0,)
+    mesh: None = None  # not placed on a mesh

@@ -25,7 +25,8 @@ from jax import lax
 
 from specjax.core import sampling
 from specjax._compile import AotCache
-from specjax.core.decoding import PAD, prefill, prepare, stops
+from specjax.core.decoder import PAD, prepare, stops
+from specjax.core.decoding import prefill
 
 NGRAM = 13
 
