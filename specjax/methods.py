@@ -237,7 +237,7 @@ class Options:
     picks shipped heads), the verification-width policy, head directories, and HSD's exit
     layers and tuning settings."""
 
-    model_name: str = ""
+    model_name: str = ""  # "" in build: the loaded model's own registry name (``lm.name``)
     draft_len: int | None = None  # sd-*: draft tokens per round (None: the spec's own)
     widths: Any = None  # specjax.core.widths policy, name or widths (None: Auto)
     draft_checkpoint: str | None = None  # an exported EAGLE head (None: the shipped one)
@@ -274,6 +274,8 @@ def build(spec: MethodSpec | str, lm, options: Options = Options()) -> Built:
     its parameters, heads loaded and checked. Raises ``SpecError`` for a bad spec or
     option, ``FileNotFoundError`` for a missing head, before anything compiles."""
     spec = parse(spec) if isinstance(spec, str) else spec
+    if not options.model_name and isinstance(getattr(lm, "name", None), str):
+        options = dataclasses.replace(options, model_name=lm.name)  # picks its shipped heads
     builders = {"ar": _build_ar, "sd": _build_sd, "eagle2": _build_eagle,
                 "redrafter": _build_redrafter, "hsd": _build_hsd}
     if spec.kind not in builders:

@@ -43,12 +43,14 @@ def test_copy_bandwidth_is_positive():
     assert bench.copy_bandwidth(nbytes=8 << 20, repeats=2) > 1e8
 
 
-@pytest.mark.slow
-def test_cli_bench_end_to_end(smollm, hf_smollm, monkeypatch, tmp_path, capsys):
+def test_cli_bench_end_to_end(monkeypatch, tmp_path, capsys):
+    """The CLI's whole bench path (questions, tokenizing, every method kind, the hf peers on
+    the same weights, the report) on a 4-layer toy saved as an HF directory."""
+    import toys
     from specjax import cli
 
-    monkeypatch.setattr("specjax.models.load", lambda *a, **k: smollm)
-    monkeypatch.setattr(bench, "load_hf", lambda lm: hf_smollm)
+    toy = toys.loaded_llama(tmp_path / "toy")
+    monkeypatch.setattr("specjax.models.load", lambda *a, **k: toy)
     out = tmp_path / "bench.json"
     methods = ["ar", "hf", "hf-pld", "sd-ngram"]
     assert cli.main(["bench", "--methods", ",".join(methods), "--limit", "2",

@@ -238,26 +238,29 @@ def test_hierarchy_specs_parse_strictly_and_run(toy):
     assert out.to_lists() == [s[p:] for s, p in zip(seqs, pls)]
 
 
-@pytest.mark.slow
-def test_cli_calibrate_tune_and_bench_hsd_auto(smollm, monkeypatch, tmp_path, capsys):
+def test_cli_calibrate_tune_and_bench_hsd_auto(monkeypatch, tmp_path, capsys):
+    """calibrate, tune and bench with the tuned hierarchy, through the CLI, on a 4-layer toy
+    saved as an HF directory (plain exits at layers 1 and 3)."""
     import json
 
+    import toys
     from specjax import cli
 
-    monkeypatch.setattr("specjax.models.load", lambda *a, **k: smollm)
-    monkeypatch.setattr("specjax.drafters.exit_heads.shipped_heads", lambda name: None)
+    toy = toys.loaded_llama(tmp_path / "toy")
+    monkeypatch.setattr("specjax.models.load", lambda *a, **k: toy)
     calib = tmp_path / "calib.json"
-    assert cli.main(["calibrate", "--layers", "20,28", "--limit", "2", "--max-new-tokens", "12",
-                     "--widths", "1,4", "--out", str(calib)]) == 0
+    assert cli.main(["calibrate", "--model", "toy", "--layers", "1,3", "--limit", "2",
+                     "--max-new-tokens", "12", "--widths", "1,4", "--out", str(calib)]) == 0
     c = json.loads(calib.read_text())
-    assert c["candidates"] == ["ngram", "exit 20", "exit 28", "target"] and c["positions"] > 0
+    assert c["candidates"] == ["ngram", "exit 1", "exit 3", "target"] and c["positions"] > 0
     a = np.asarray(c["alpha"])
     assert np.all((0 <= a) & (a <= 1)) and a[2, 3] > a[1, 3]  # the deeper exit agrees more
-    assert set(c["cost_ms"]["target"]) == {"1", "4"} and c["cost_ms"]["exit 20"]["1"] > 0
+    assert set(c["cost_ms"]["target"]) == {"1", "4"} and c["cost_ms"]["exit 1"]["1"] > 0
     assert cli.main(["tune", "--calibration", str(calib), "--t-max", "4"]) == 0
     assert "best:" in capsys.readouterr().out
     out = tmp_path / "bench.json"
-    assert cli.main(["bench", "--methods", "ar,hsd:auto", "--calibration", str(calib),
+    assert cli.main(["bench", "--model", "toy", "--methods", "ar,hsd:auto",
+                     "--calibration", str(calib),
                      "--t-max", "4", "--limit", "2", "--max-new-tokens", "12",
                      "--out", str(out)]) == 0
     rep = json.loads(out.read_text())

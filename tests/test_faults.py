@@ -113,11 +113,13 @@ def test_a_bench_file_of_other_settings_is_not_mixed_in(tmp_path):
         bench.restore_runs(out, {})
 
 
-@pytest.mark.slow
-def test_interrupted_bench_resumes_to_the_same_report(smollm, monkeypatch, tmp_path):
+def test_interrupted_bench_resumes_to_the_same_report(monkeypatch, tmp_path):
     """Killed after 2 of 3 questions, then rerun with the same --out: the report equals an
     uninterrupted run's, speed fields aside, and the finished questions are not decoded again."""
-    monkeypatch.setattr("specjax.models.load", lambda *a, **k: smollm)
+    import toys
+
+    toy = toys.loaded_llama(tmp_path / "toy")  # a 4-layer toy: the resume logic is the point
+    monkeypatch.setattr("specjax.models.load", lambda *a, **k: toy)
     calls = []
     real = bench.ar_method
 

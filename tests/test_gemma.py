@@ -125,7 +125,8 @@ def test_tiny_greedy_decoding_equals_transformers(tiny):
 
 def test_tiny_speculation_across_the_window_edge_equals_ar(tiny):
     """Tree verification and commit with prompts and outputs longer than the window: every
-    drafter's greedy output equals ``generate``, at batch 1 and 4."""
+    drafter's greedy output equals ``generate`` on a ragged batch of 4 (batch 1 against
+    batch 4 is checked for every drafter on Llama toys and on Gemma-3-270M)."""
     _, _, model, params = tiny
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, 96, n).tolist() for n in (5, 9, 14, 21)]
@@ -140,11 +141,9 @@ def test_tiny_speculation_across_the_window_edge_equals_ar(tiny):
                 (specjax.ModelDrafter(small, depth=3, width=2), small_params),
                 (eagle.EagleDrafter(model, depth=3, topk=2, total_tokens=5), head)]
     for drafter, dparams in drafters:
-        for rows in ([0], [0, 1, 2, 3]):
-            out = specjax.speculative_generate(model, params, drafter, dparams,
-                                               [prompts[i] for i in rows], max_new_tokens=24,
-                                               eos_ids=())
-            assert out.to_lists() == [ar[i] for i in rows], type(drafter).__name__
+        out = specjax.speculative_generate(model, params, drafter, dparams, prompts,
+                                           max_new_tokens=24, eos_ids=())
+        assert out.to_lists() == ar, type(drafter).__name__
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):

@@ -92,16 +92,17 @@ if jax.device_count() < N_DEVICES:
         print(r.stdout[-600:])
 
     def test_sharded_toys_on_8_simulated_cpu_devices():
-        """Every random-weight test below (each method's sharded output equal to one
-        device's on 2-layer Llama, Gemma and T5 toys, the parameter and cache shardings,
-        data-parallel training) on 8 simulated devices. Runs by default."""
+        """The random-weight tests below on 8 simulated devices (every method's sharded
+        output equal to one device's on a 2-layer Llama toy on data=2,model=4, Gemma and T5
+        toys, the parameter and cache shardings, data-parallel training). Runs by default;
+        the 1-D meshes (data=8, model=8) and T5 v1.1 run with the real weights, opt-in."""
         _run_on_8_devices("not slow")
 
     @pytest.mark.slow
     @pytest.mark.extended
     def test_sharded_real_weights_on_8_simulated_cpu_devices():
-        """The real-weight tests below (SmolLM2-135M on data=2,model=3 and the sharding
-        notebook) on 8 simulated devices: about a minute of loading and compiling on 2 CPU
+        """The tests below marked slow (SmolLM2-135M on data=2,model=3, the sharding
+        notebook, the 1-D meshes and T5 v1.1) on 8 simulated devices: about a minute of loading and compiling on 2 CPU
         cores, so opt-in (``pytest -m slow`` or ``-m extended``, see tests/conftest.py)."""
         _run_on_8_devices("slow")
 else:
@@ -133,9 +134,11 @@ else:
         model, tp = toy
         return specjax.generate(model, tp, PROMPTS, max_new_tokens=NEW).to_lists()
 
-    @pytest.mark.parametrize("mesh, methods", [
+    @pytest.mark.parametrize("mesh, methods", [  # one mesh by default, the 1-D ones opt-in
         ("data=2,model=4", ("ar", "sd-ngram", "eagle2", "redrafter", "hsd")),
-        ("data=8", ("ar", "eagle2")), ("model=8", ("ar", "eagle2"))], ids=lambda x: str(x))
+        pytest.param("data=8", ("ar", "eagle2"), marks=pytest.mark.slow),
+        pytest.param("model=8", ("ar", "eagle2"), marks=pytest.mark.slow)],
+        ids=lambda x: str(x))
     def test_sharded_methods_equal_one_device(toy, unsharded, mesh, methods):
         model, tp = toy
         m = sharding.make_mesh(*MESHES[mesh])
@@ -214,7 +217,8 @@ else:
         assert specjax.speculative_generate(g, gp, ng, None, PROMPTS, max_new_tokens=NEW,
                                             mesh=m).to_lists() == ref
 
-    @pytest.mark.parametrize("gated", [False, True], ids=["t5", "t5-v1_1"])
+    @pytest.mark.parametrize("gated", [False, pytest.param(True, marks=pytest.mark.slow)],
+                             ids=["t5", "t5-v1_1"])
     def test_t5_sharded_equals_one_device(gated):
         """A toy T5 (original and v1.1 layouts): encoder, self- and cross-attention heads and
         MLP columns over model=4, rows and the bound source over data=2; ar, the n-gram

@@ -52,3 +52,43 @@ class ToyLM:
     params: dict
     eos_ids: tuple = (0,)
     mesh: None = None  # not placed on a mesh
+
+
+class ByteTokenizer:
+    """A tokenizer for toy models: one id per byte of the text (offset past the special ids
+    0-2), at most ``limit`` ids, no chat template."""
+
+    chat_template = None
+
+    def __init__(self, vocab_size: int, limit: int = 40):
+        self.vocab_size, self.limit = vocab_size, limit
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [3 + b % (self.vocab_size - 3) for b in text.encode()][: self.limit]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+def loaded_llama(path, seed: int = 0, layers: int = 4):
+    """A ``specjax.models.LoadedModel`` of a random ``layers``-layer Llama saved as an HF
+    directory at ``path`` (so transformers loads the same weights: ``bench.load_hf``), with
+    a ``ByteTokenizer``: what the CLI's commands read, at a toy's compile cost."""
+    import torch
+    import transformers
+
+    from specjax.models import load
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # sharp logits: no near-ties between float32 implementations
+        for p in model.parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if p.ndim == 1 else 0.2 * torch.randn_like(p))
+    model.save_pretrained(str(path))
+    lm = load(str(path), tokenizer=False)
+    return dataclasses.replace(lm, name="toy", tokenizer=ByteTokenizer(cfg.vocab_size),
+                               eos_ids=())

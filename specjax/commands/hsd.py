@@ -100,6 +100,7 @@ def cmd_tune(args) -> int:
           f"({ar / lat:.2f}x); {len(table)} hierarchies searched in {dt:.2f} s")
     if args.out:
         rows = [{**r, "spec": spec(r["sigma"], r["T"], r["horizontal"])} for r in table]
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"best": best, "latency_ms": lat,
                                               "target_alone_ms": ar, "ranking": rows}, indent=1))
     return 0
