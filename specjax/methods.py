@@ -44,6 +44,22 @@ def _sizes(text: str, n: int, what: str, spec: str) -> tuple[int, ...]:
     return out
 
 
+def _sections(text: str, name: str, form: str) -> tuple[str, list[str]]:
+    """``name[:sizes][:opt,...]`` -> ``(sizes, opts)``; ``SpecError`` naming ``form``."""
+    parts = text.split(":")
+    if parts[0] != name or len(parts) > 3:
+        raise SpecError(f"bad spec {text!r}: use {form}")
+    return (parts[1] if len(parts) > 1 else ""), (parts[2].split(",") if len(parts) > 2 else [])
+
+
+def _joined(name: str, sizes, opts: list[str]) -> str:
+    """The text form ``_sections`` reads back, without empty trailing sections."""
+    parts = [name, ",".join(map(str, sizes)) if sizes else "", ",".join(opts)]
+    while parts[-1] == "":
+        parts.pop()
+    return ":".join(parts)
+
+
 @dataclasses.dataclass(frozen=True)
 class AR:
     """``ar``: one token per target forward."""
@@ -99,13 +115,9 @@ class Eagle:
 
     @classmethod
     def parse(cls, text: str) -> "Eagle":
-        parts = text.split(":")
-        if parts[0] != "eagle2" or len(parts) > 3:
-            raise SpecError(f"bad EAGLE spec {text!r}: use eagle2[:depth,topk,total][:opts]")
-        sizes = (_sizes(parts[1], 3, "depth,topk,total", text)
-                 if len(parts) > 1 and parts[1] else None)
-        out = cls(sizes)
-        for opt in (parts[2].split(",") if len(parts) > 2 else []):
+        sizes, opts = _sections(text, "eagle2", "eagle2[:depth,topk,total][:opts]")
+        out = cls(_sizes(sizes, 3, "depth,topk,total", text) if sizes else None)
+        for opt in opts:
             if opt in ("conf", "norerank", "fullvocab"):
                 field = {"conf": "by_value", "norerank": "rerank", "fullvocab": "vocab"}[opt]
                 out = dataclasses.replace(out, **{field: 0 if opt == "fullvocab" else False})
@@ -126,9 +138,7 @@ class Eagle:
         opts = ([] if self.by_value else ["conf"]) + ([] if self.rerank else ["norerank"])
         if self.vocab is not None:
             opts.append("fullvocab" if self.vocab == 0 else f"vocab={self.vocab}")
-        sizes = ",".join(map(str, self.sizes)) if self.sizes else ""
-        return ":".join(["eagle2", sizes, ",".join(opts)] if opts else
-                        ["eagle2", sizes] if sizes else ["eagle2"])
+        return _joined("eagle2", self.sizes, opts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,14 +152,10 @@ class Redrafter:
 
     @classmethod
     def parse(cls, text: str) -> "Redrafter":
-        parts = text.split(":")
-        if parts[0] != "redrafter" or len(parts) > 3:
-            raise SpecError(f"bad ReDrafter spec {text!r}: use redrafter[:W,L][:nodedup]")
-        sizes = _sizes(parts[1], 2, "W,L", text) if len(parts) > 1 and parts[1] else None
-        opts = parts[2].split(",") if len(parts) > 2 else []
+        sizes, opts = _sections(text, "redrafter", "redrafter[:W,L][:nodedup]")
         if any(o != "nodedup" for o in opts):
             raise SpecError(f"unknown ReDrafter option in {text!r}: nodedup")
-        return cls(sizes, not opts)
+        return cls(_sizes(sizes, 2, "W,L", text) if sizes else None, not opts)
 
     def drafter_kwargs(self) -> dict:
         """``RedrafterDrafter``'s settings (the sizes only where given)."""
@@ -157,9 +163,7 @@ class Redrafter:
         return {"dedup": self.dedup, **sizes}
 
     def format(self) -> str:
-        sizes = ",".join(map(str, self.sizes)) if self.sizes else ""
-        return ":".join(["redrafter", sizes, "nodedup"] if not self.dedup else
-                        ["redrafter", sizes] if sizes else ["redrafter"])
+        return _joined("redrafter", self.sizes, [] if self.dedup else ["nodedup"])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -77,7 +77,7 @@ def test_bad_specs_are_one_clear_error(text, msg):
         methods.parse(text)
 
 
-def _same(built, old, toy_lm):
+def _same(built, old):
     new = built(PROMPTS, max_new_tokens=NEW)
     assert isinstance(built.decoder, specjax.Decoder)
     assert new.to_lists() == old.to_lists()
@@ -91,7 +91,7 @@ def test_registry_equals_the_old_entry_points(toy):
                            draft_checkpoint=str(heads / "eagle"),
                            redrafter_checkpoint=str(heads / "redrafter"))
     ar = specjax.generate(lm.model, lm.params, PROMPTS, max_new_tokens=NEW)
-    _same(methods.build("ar", lm, opts), ar, lm)
+    _same(methods.build("ar", lm, opts), ar)
     old = {"sd-ngram:5": (NGramDrafter(depth=5), None),
            "sd-early-exit:2": (EarlyExitDrafter(lm.model, 2), None),
            "eagle2:3,2,5": methods.load_drafter("eagle2:3,2,5", lm, "toy", heads / "eagle"),
@@ -102,13 +102,13 @@ def test_registry_equals_the_old_entry_points(toy):
         ref = specjax.speculative_generate(lm.model, lm.params, drafter, dp, PROMPTS,
                                            max_new_tokens=NEW)
         assert ref.to_lists() == ar.to_lists(), text  # lossless, the old way
-        taus[text] = _same(methods.build(text, lm, opts), ref, lm).tau
+        taus[text] = _same(methods.build(text, lm, opts), ref).tau
     h = Hierarchy((NGram(), Exit(2), Exit()), (4, 3))
     ref = hsd_generate(lm.model, lm.params, h, PROMPTS, max_new_tokens=NEW)
     built = methods.build("hsd:ngram:4,2:3,target", lm, opts)
     assert built.decoder.hierarchy.levels[:2] == (NGram(), Exit(2, built.decoder.hierarchy
                                                                  .levels[1].head))
-    _same(built, ref, lm)
+    _same(built, ref)
     assert ref.to_lists() == ar.to_lists()
     assert max(taus.values()) > 1.0, "no drafter was ever accepted: the comparison is vacuous"
 

@@ -62,7 +62,7 @@ def _runners(args, lm, specs: dict, threads: int, hierarchies: dict) -> dict:
         else:
             built = common.build(spec, lm, args)
             if spec.kind == "hsd":
-                hierarchies[name] = built.name.partition(":")[2]
+                hierarchies[name] = built.spec.hierarchy.format()
             out[name] = bench.decoder_method(lm, built, sampler)
     return out
 

@@ -29,14 +29,20 @@ def _spec_bench_texts(path: str) -> list[str]:
     return [t for r in rows for t in r["turns"]]
 
 
+def _write_summary(out: str, summary: dict, info: dict) -> None:
+    """A corpus's ``summary.json`` (what was built, with how its inputs were selected)."""
+    summary.update(info)
+    Path(out, "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+
+
 def cmd_distill(args) -> int:
     from tqdm import tqdm
-
-    common.writable(args.out, "--out", directory=True)
 
     from specjax.models import load
     from specjax.train import distill
 
+    common.writable(args.out, "--out", directory=True)
     lm = load(args.model)
     exclude = _spec_bench_texts(args.exclude) if args.exclude else []
     prompts, info = distill.select_prompts(args.prompts, args.num_prompts, exclude, args.seed)
@@ -45,20 +51,17 @@ def cmd_distill(args) -> int:
     with tqdm(total=len(prompts), desc="distill", unit="prompt") as bar:
         summary = distill.distill(lm, prompts, args.out, max_new_tokens=args.max_new_tokens,
                                   batch=args.batch, progress=bar)
-    summary.update(info)
-    Path(args.out, "summary.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary, indent=2))
+    _write_summary(args.out, summary, info)
     return 0
 
 
 def cmd_features(args) -> int:
     from tqdm import tqdm
 
-    common.writable(args.out, "--out", directory=True)
-
     from specjax.models import load
     from specjax.train import text_corpus
 
+    common.writable(args.out, "--out", directory=True)
     lm = load(args.model)
     exclude = _spec_bench_texts(args.exclude) if args.exclude else []
     pairs, info = text_corpus.reference_pairs(args.prompts, exclude, args.seed)
@@ -68,9 +71,7 @@ def cmd_features(args) -> int:
     with tqdm(total=args.tokens, desc="features", unit="tok", unit_scale=True) as bar:
         summary = text_corpus.build(lm, pairs, args.out, max_tokens=args.tokens,
                                     max_len=args.max_len, progress=bar)
-    summary.update(info)
-    Path(args.out, "summary.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary, indent=2))
+    _write_summary(args.out, summary, info)
     return 0
 
 

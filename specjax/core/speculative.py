@@ -159,9 +159,9 @@ class Speculative:
     def step(self, params, s: SpecState) -> SpecState:
         (tparams, dparams), target, drafter = params, self.target, self.drafter
         depth, widths, req = self.depth, self.widths, s.req
-        b = s.tokens.shape[0]
+        b, source = s.tokens.shape[0], target.source_tokens(tparams)
         ctx = Context(tokens=s.tokens, length=s.length, prompt_len=req.prompt_len,
-                      cache=s.cache, params=tparams, source=target.source_tokens(tparams))
+                      cache=s.cache, params=tparams, source=source)
         key, k_draft, k_verify = jax.random.split(s.key, 3)
         draft, dstate, cache = drafter.propose(dparams, s.dstate, ctx, k_draft, req.sampler)
         if drafter.chain:  # a chain drafter's parents, as constants (the tree work folds away)
@@ -192,8 +192,7 @@ class Speculative:
         kept = jnp.take_along_axis(tokens, (s.length + keep - 1)[:, None], axis=1)[:, 0]
         done = s.done | (active & req.stops(kept, num))
         ctx = Context(tokens=tokens, length=s.length + keep, prompt_len=req.prompt_len,
-                      cache=cache, params=tparams, hidden=hidden,
-                      source=target.source_tokens(tparams))
+                      cache=cache, params=tparams, hidden=hidden, source=source)
         dstate = drafter.commit(dparams, dstate, ctx, res)
         return s.replace(tokens=tokens, length=s.length + keep, num=num, done=done, cache=cache,
                          dstate=dstate, key=key,

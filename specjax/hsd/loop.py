@@ -230,7 +230,7 @@ class _Run:
 
     def verify_round(self, k: int, s: HSDState, start, draft: Draft, d, active, key):
         """Level ``k`` scores ``draft`` (its ``M[k]`` chain slots, the first ``d`` valid) in
-        one forward and verifies it: ``(accepted [B], next token [B], p, cache)``, with
+        one forward and verifies it: ``(accepted [B], next token [B], p, cache, width)``, with
         ``p`` this level's probabilities ``[B, M[k] + 1, V]`` for the level above (None
         when it verifies deterministically or is the top).
 
@@ -260,10 +260,10 @@ class _Run:
         fns = [functools.partial(at, w) for w in ws]
         ops = (s.tokens, s.caches[k], start, draft, key)
         if len(ws) == 1:
-            return fns[0](*ops)
+            return (*fns[0](*ops), full)
         need = 1 + jnp.max(jnp.where(active, d, 0), initial=0)
         branch = jnp.minimum(jnp.sum(jnp.asarray(ws) < need), len(ws) - 1)
-        return lax.switch(branch, fns, *ops)
+        return (*lax.switch(branch, fns, *ops), jnp.asarray(ws)[branch])
 
     def draft0(self, s: HSDState, active) -> HSDState:
         """Level 0 writes ``T[0]`` drafts after ``n[1]`` (fewer for an n-gram miss)."""
@@ -362,7 +362,7 @@ class _Run:
         draft = Draft(tokens=_take(s.tokens, pos), parents=chain,
                       valid=jnp.arange(m)[None] < d[:, None], probs=s.q[k])
         key, sub = jax.random.split(s.key)
-        accepted, nxt, p, cache = self.verify_round(k, s, start, draft, d, active, sub)
+        accepted, nxt, p, cache, width = self.verify_round(k, s, start, draft, d, active, sub)
         new_n = start + accepted + 1
         tokens = _write(s.tokens, (start + accepted)[:, None], nxt[:, None], active[:, None])
         q = list(s.q)
@@ -380,18 +380,15 @@ class _Run:
                 caches[j] = caches[j].replace(
                     length=jnp.where(active, jnp.minimum(ln, new_n - 1), ln))
         return s.replace(tokens=tokens, n=n, caches=tuple(caches), q=tuple(q), key=key,
-                         stats=self._count(k, s.stats, active, d, accepted))
+                         stats=self._count(k, s.stats, active, d, accepted, width))
 
-    def _count(self, k: int, stats: Stats, active, d, accepted) -> Stats:
+    def _count(self, k: int, stats: Stats, active, d, accepted, width) -> Stats:
         """Level ``k``'s forward, drafts and acceptances; at the top, the width verified."""
         stats = stats.add(k, forwards=active, drafted=jnp.where(active, d, 0),
                           accepted=jnp.where(active, accepted, 0))
         if k < self.top:
             return stats
-        ws = self.widths[k] if self.widths else (self.h.buffer[k] + 1,)
-        need = 1 + jnp.max(jnp.where(active, d, 0), initial=0)  # as verify_round picks it
-        w = jnp.asarray(ws)[jnp.minimum(jnp.sum(jnp.asarray(ws) < need), len(ws) - 1)]
-        return stats.replace(verified=stats.verified + w * active)
+        return stats.replace(verified=stats.verified + width * active)
 
 
 @dataclasses.dataclass(frozen=True)
