@@ -214,7 +214,7 @@ def _shapes(small: bool) -> dict[str, dict]:
     f32, bf16 = jnp.float32, jnp.bfloat16
     if small:
         tl = llama.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
-                               num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                               num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
                                max_position_embeddings=1024)
         tg = gemma.GemmaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
                                num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
@@ -236,15 +236,18 @@ def _shapes(small: bool) -> dict[str, dict]:
                              methods="all", hf=True),
         # bfloat16 storage and bfloat16 products: the usual accelerator recipe, a timing
         # (README "bfloat16": greedy output can then leave ar's on near-ties)
+        # an EAGLE-3 head of the published Llama-3.1-8B head's shapes (fc [4096, 3 x 4096],
+        # a 32000-token draft vocabulary), random: what a user's speedup is made of
         "llama3.1-8b": dict(family="llama", cfg=llama31_8b, dtype=bf16, compute=bf16,
-                            methods="ar,sd-ngram:7,eagle2:3,4,7", hf=True),
+                            methods="ar,sd-ngram:7,eagle2:3,4,7,eagle3:3,4,7,eagle3:7,10,60",
+                            hf=True),
         "gemma3-270m": dict(family="gemma", cfg=gemma.GEMMA3_270M, dtype=f32, compute=f32,
                             methods="all", hf=True),
     }
 
 
-ALL_METHODS = ("ar", "sd-ngram:7", "eagle2:3,4,7", "eagle2:2,2,3", "redrafter:1,3",
-               "redrafter:4,4", "hsd")
+ALL_METHODS = ("ar", "sd-ngram:7", "eagle2:3,4,7", "eagle2:2,2,3", "eagle3:2,2,3",
+               "redrafter:1,3", "redrafter:4,4", "hsd")
 
 
 def random_model(name: str, shape: dict, seed: int = 0, scale: float = 1.0,
@@ -421,18 +424,26 @@ def _bench_args(lm, shape: dict, opts):
 
 
 def _runner(lm, args, method: str, layers: int, seed: int = 1):
-    """``(bench Method, method as run)``: ``specjax bench``'s runner; EAGLE-2 and ReDrafter
+    """``(bench Method, method as run)``: ``specjax bench``'s runner; EAGLE-2, EAGLE-3 (a
+    draft vocabulary of up to 32000 ids, as the published Llama-3.1 head) and ReDrafter
     with a random head (no trained head fits random targets); ``hsd`` as an n-gram, an
     early exit at ``layers`` and the target."""
     import jax
     import jax.numpy as jnp
 
     from specjax import bench, methods
-    from specjax.drafters import eagle, redrafter
+    from specjax.drafters import eagle, eagle3, redrafter
 
     spec = methods.parse(method if method != "hsd" else f"hsd:ngram:4,{layers}:3,target")
     opts = methods.Options(widths=getattr(args, "verify_widths", None), layers=(layers,))
-    if isinstance(spec, methods.Eagle):
+    if isinstance(spec, methods.Eagle3):
+        dv = min(32000, lm.model.config.vocab_size)
+        head = eagle3.init_head(lm.model.config, jax.random.key(seed), dv,
+                                lm.model.compute_dtype)
+        d = eagle3.Eagle3Drafter(lm.model, **spec.drafter_kwargs())
+        dp = eagle3.draft_params(head, lm.model, np.arange(dv))
+        built = methods.speculative(spec, lm, opts, d, dp)
+    elif isinstance(spec, methods.Eagle):
         head = eagle.init_head(lm.model.config, jax.random.key(seed))
         head = jax.tree.map(lambda x: jnp.asarray(x, lm.model.compute_dtype), head)
         sub = None if not spec.vocab else np.arange(spec.vocab)

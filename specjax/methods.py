@@ -8,6 +8,9 @@ Text forms (``parse`` / ``MethodSpec.format``; ``parse(m.format()) == m``):
   the target's first ``L`` layers;
 * ``eagle2[:depth,topk,total][:conf,norerank,fullvocab,vocab=N]``: EAGLE-2's head and
   dynamic tree (an exported head: ``Options.draft_checkpoint``, default the shipped one);
+  a published EAGLE-1/2 head directory (``specjax.drafters.published``) works too;
+* ``eagle3[:depth,topk,total][:conf,norerank]``: a published EAGLE-3 head
+  (``Options.draft_checkpoint``) over the target's fused hidden states;
 * ``redrafter[:W,L][:nodedup]``: ReDrafter's beams as one tree
   (``Options.redrafter_checkpoint``);
 * ``hsd[:SPEC]``: a hierarchy (``specjax.hsd.HierarchySpec``; bare ``hsd`` is tuned from
@@ -112,33 +115,46 @@ class Eagle:
     vocab: int | None = None  # None: the head's own default
 
     kind: ClassVar[str] = "eagle2"
+    default_sizes: ClassVar[tuple[int, int, int] | None] = None  # None: EagleDrafter's
 
     @classmethod
     def parse(cls, text: str) -> "Eagle":
-        sizes, opts = _sections(text, "eagle2", "eagle2[:depth,topk,total][:opts]")
+        sizes, opts = _sections(text, cls.kind, f"{cls.kind}[:depth,topk,total][:opts]")
         out = cls(_sizes(sizes, 3, "depth,topk,total", text) if sizes else None)
         for opt in opts:
-            if opt in ("conf", "norerank", "fullvocab"):
+            if opt in ("conf", "norerank") or (opt == "fullvocab" and cls.kind == "eagle2"):
                 field = {"conf": "by_value", "norerank": "rerank", "fullvocab": "vocab"}[opt]
                 out = dataclasses.replace(out, **{field: 0 if opt == "fullvocab" else False})
-            elif opt.startswith("vocab=") and opt[6:].isdigit():
+            elif opt.startswith("vocab=") and opt[6:].isdigit() and cls.kind == "eagle2":
                 out = dataclasses.replace(out, vocab=int(opt[6:]))
             else:
-                raise SpecError(f"unknown EAGLE option {opt!r}: conf, norerank, fullvocab, "
-                                "vocab=N")
+                raise SpecError(f"unknown {cls.kind} option {opt!r}: " + (
+                    "conf, norerank, fullvocab, vocab=N" if cls.kind == "eagle2" else
+                    "conf, norerank (the head's draft vocabulary is its own)"))
         return out
 
     def drafter_kwargs(self) -> dict:
         """``EagleDrafter``'s settings (the sizes only where given)."""
-        sizes = {} if self.sizes is None else dict(zip(("depth", "topk", "total_tokens"),
-                                                       self.sizes))
+        sizes = self.sizes or self.default_sizes
+        sizes = {} if sizes is None else dict(zip(("depth", "topk", "total_tokens"), sizes))
         return {"by_value": self.by_value, "rerank": self.rerank, **sizes}
 
     def format(self) -> str:
         opts = ([] if self.by_value else ["conf"]) + ([] if self.rerank else ["norerank"])
         if self.vocab is not None:
             opts.append("fullvocab" if self.vocab == 0 else f"vocab={self.vocab}")
-        return _joined("eagle2", self.sizes, opts)
+        return _joined(self.kind, self.sizes, opts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3(Eagle):
+    """``eagle3[:depth,topk,total][:conf,norerank]``: a published EAGLE-3 head
+    (``Options.draft_checkpoint``) drafting the dynamic tree over the target's fused
+    low, middle and high hidden states. Without sizes: EAGLE's own defaults, depth 7,
+    top-k 10 and 60 tokens (sized for accelerators; a CPU wants far fewer)."""
+
+    kind: ClassVar[str] = "eagle3"
+    default_sizes: ClassVar[tuple[int, int, int] | None] = (7, 10, 60)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,11 +224,12 @@ class Peer:
         return self.name
 
 
-MethodSpec = AR | SD | Eagle | Redrafter | HSD | Peer
-_PREFIXES = (("ar", AR), ("sd-", SD), ("eagle2", Eagle), ("redrafter", Redrafter),
-             ("hsd", HSD), ("hf-pld", Peer), ("hf", Peer))
+MethodSpec = AR | SD | Eagle | Eagle3 | Redrafter | HSD | Peer
+_PREFIXES = (("ar", AR), ("sd-", SD), ("eagle2", Eagle), ("eagle3", Eagle3),
+             ("redrafter", Redrafter), ("hsd", HSD), ("hf-pld", Peer), ("hf", Peer))
 FORMS = ("ar", "sd-ngram[:depth]", "sd-early-exit:L", "eagle2[:depth,topk,total][:opts]",
-         "redrafter[:W,L][:nodedup]", "hsd[:SPEC]", "hf", "hf-pld")
+         "eagle3[:depth,topk,total][:opts]", "redrafter[:W,L][:nodedup]", "hsd[:SPEC]", "hf",
+         "hf-pld")
 
 
 def parse(text: str) -> MethodSpec:
@@ -228,7 +245,7 @@ def parse(text: str) -> MethodSpec:
 def split(text: str) -> list[str]:
     """``"ar,eagle2:4,4,8:conf,vocab=4096,hf"`` -> ``["ar", "eagle2:4,4,8:conf,vocab=4096",
     "hf"]``: a comma starts a new method only where a method name follows."""
-    parts = re.split(r",(?=\s*(?:ar\b|hf\b|hf-pld\b|sd-|eagle2|redrafter|hsd))", text)
+    parts = re.split(r",(?=\s*(?:ar\b|hf\b|hf-pld\b|sd-|eagle[23]|redrafter|hsd))", text)
     return [m.strip() for m in parts if m.strip()]
 
 
@@ -281,7 +298,7 @@ def build(spec: MethodSpec | str, lm, options: Options = Options()) -> Built:
     if not options.model_name and isinstance(getattr(lm, "name", None), str):
         options = dataclasses.replace(options, model_name=lm.name)  # picks its shipped heads
     builders = {"ar": _build_ar, "sd": _build_sd, "eagle2": _build_eagle,
-                "redrafter": _build_redrafter, "hsd": _build_hsd}
+                "eagle3": _build_eagle, "redrafter": _build_redrafter, "hsd": _build_hsd}
     if spec.kind not in builders:
         raise SpecError(f"{spec.format()} is a peer for benchmarks, not a specjax decoder")
     return builders[spec.kind](spec, lm, options)
@@ -323,8 +340,13 @@ def _build_eagle(spec: Eagle, lm, opts: Options) -> Built:
     import jax.numpy as jnp
 
     from specjax import export
-    from specjax.drafters import eagle
+    from specjax.drafters import eagle, published
 
+    if opts.draft_checkpoint and published.is_published(opts.draft_checkpoint):
+        return _build_published(spec, lm, opts)
+    if spec.kind == "eagle3":
+        raise SpecError("eagle3 drafts with a published EAGLE-3 head: pass --draft-checkpoint "
+                        "DIR (its config.json and pytorch_model.bin or model.safetensors)")
     path = opts.draft_checkpoint or eagle.shipped_head(opts.model_name)
     if path is None:
         raise FileNotFoundError(f"no EAGLE head ships for {opts.model_name!r}; train one with "
@@ -337,6 +359,25 @@ def _build_eagle(spec: Eagle, lm, opts: Options) -> Built:
     dparams = eagle.draft_params(head, lm.model, lm.params,
                                  None if not n or ids is None else ids[:n])
     drafter = eagle.EagleDrafter(lm.model, **spec.drafter_kwargs())
+    drafter.check_params(dparams)
+    return speculative(spec, lm, opts, drafter, dparams)
+
+
+def _build_published(spec: Eagle, lm, opts: Options) -> Built:
+    """An ``eagle2`` (EAGLE-1/2 head) or ``eagle3`` spec over a published head directory."""
+    from specjax.drafters import published
+
+    head = published.load(opts.draft_checkpoint, lm.model.config)
+    want = {"eagle": "eagle2", "eagle3": "eagle3"}[head.kind]
+    if want != spec.kind:
+        raise SpecError(f"{opts.draft_checkpoint} holds an "
+                        f"{'EAGLE-3' if head.kind == 'eagle3' else 'EAGLE-1/2'} head: use "
+                        f"--method {want}")
+    if spec.vocab is not None:
+        raise SpecError(f"{spec.format()}: a published head drafts over its own vocabulary; "
+                        "vocab options apply to heads specjax exports")
+    drafter, dparams = published.drafter_and_params(head, lm.model, lm.model.compute_dtype,
+                                                    **spec.drafter_kwargs())
     drafter.check_params(dparams)
     return speculative(spec, lm, opts, drafter, dparams)
 
@@ -374,7 +415,8 @@ def load_drafter(spec: MethodSpec | str, lm, model_name: str = "", checkpoint_di
     (default: the one shipped for ``model_name``) loaded onto ``lm``'s devices, checked
     against ``lm`` (hidden size, vocabulary) and cast to its compute dtype."""
     spec = parse(spec) if isinstance(spec, str) else spec
-    field = {"eagle2": "draft_checkpoint", "redrafter": "redrafter_checkpoint"}.get(spec.kind)
+    field = {"eagle2": "draft_checkpoint", "eagle3": "draft_checkpoint",
+             "redrafter": "redrafter_checkpoint"}.get(spec.kind)
     if field is None:
         raise SpecError(f"{spec.format()} has no trained head to load")
     path = None if checkpoint_dir is None else str(checkpoint_dir)

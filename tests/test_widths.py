@@ -35,6 +35,7 @@ class NoDraft:
     verify_widths = (1,)
     chain = True
     needs_features = False
+    feature_layers = ()
     draft_model = None
 
     def check(self, target):

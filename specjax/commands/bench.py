@@ -172,6 +172,7 @@ def register(sub) -> list:
     b.add_argument("--methods", default="ar,hf",
                    help="comma-separated: ar, hf, hf-pld, sd-ngram[:depth], sd-early-exit:L, "
                         "eagle2[:depth,topk,total][:conf,norerank,fullvocab,vocab=N], "
+                        "eagle3[:depth,topk,total][:conf,norerank], "
                         "redrafter[:W,L][:nodedup], hsd[:SPEC]")
     b.add_argument("--draft-len", type=int, help="draft tokens per round for sd-* methods")
     common.add_verify_widths(b)

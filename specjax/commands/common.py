@@ -205,8 +205,10 @@ def add_mesh(s) -> None:
 
 
 def add_heads(s) -> None:
-    s.add_argument("--draft-checkpoint", help="an exported EAGLE head directory (default: the "
-                                              "head shipped for --model)")
+    s.add_argument("--draft-checkpoint", help="an EAGLE head directory: one specjax exported, "
+                   "or a published EAGLE-1/2 or EAGLE-3 head (config.json and "
+                   "pytorch_model.bin or model.safetensors); default: the head shipped for "
+                   "--model")
     s.add_argument("--redrafter-checkpoint", help="an exported ReDrafter head directory "
                                                   "(default: the head shipped for --model)")
 
@@ -241,9 +243,10 @@ def add_method(s) -> None:
     """``--method`` and what completes it (see ``method_text``)."""
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--method", default="ar",
-                   help="ar | sd | eagle2 | redrafter | hsd, completed by --drafter, --eagle, "
-                        "--redrafter or --hierarchy; or a full method spec such as "
-                        "sd-ngram:7, eagle2:3,4,7, redrafter:2,3 or hsd:ngram:4,target")
+                   help="ar | sd | eagle2 | eagle3 | redrafter | hsd, completed by --drafter, "
+                        "--eagle, --redrafter or --hierarchy; or a full method spec such as "
+                        "sd-ngram:7, eagle2:3,4,7, eagle3:7,10,60, redrafter:2,3 or "
+                        "hsd:ngram:4,target")
     s.add_argument("--eagle", default="eagle2", help="EAGLE spec: "
                    "eagle2[:depth,topk,total][:conf,norerank,fullvocab,vocab=N]")
     s.add_argument("--redrafter", default="redrafter",

@@ -26,17 +26,21 @@ from specjax.models.kv_cache import KVCache
 
 
 def prefill(model, params, prompt: Int[Array, "B S"], prompt_len: Int[Array, "B"],
-            cache: KVCache, chunk: int, keep_hidden: bool = False):
+            cache: KVCache, chunk: int, keep_hidden: bool | tuple[int, ...] = False):
     """Writes each row's prompt into the cache in chunks of ``chunk`` tokens.
 
     Returns the last layer's hidden state at each row's final prompt token ``[B, D]`` and
-    the cache with ``length == prompt_len``; with ``keep_hidden``, also the last layer's
-    hidden states at every prompt slot ``[B, S, D]`` (meaningful below ``prompt_len``).
+    the cache with ``length == prompt_len``; with ``keep_hidden``, also the hidden states
+    at every prompt slot (meaningful below ``prompt_len``): ``True``, the last layer's
+    ``[B, S, D]``; a tuple of layers, the residual streams after each of them concatenated
+    in that order ``[B, S, len(layers) * D]`` (``hidden_features``), from the same
+    forwards.
     """
     b = prompt.shape[0]
     n_chunks = (jnp.max(prompt_len) + chunk - 1) // chunk
     depth = model.config.num_layers
-    d = model.config.hidden_size
+    layers = (depth,) if keep_hidden is True else tuple(keep_hidden or ())
+    d = model.config.hidden_size * len(layers)
     dtype = jnp.float32  # hidden states are float32 (bfloat16 weights accumulate in it)
 
     def body(i, carry):
@@ -44,21 +48,31 @@ def prefill(model, params, prompt: Int[Array, "B S"], prompt_len: Int[Array, "B"
         start = i * chunk
         toks = lax.dynamic_slice_in_dim(prompt, start, chunk, axis=1)
         pos = jnp.broadcast_to(start + jnp.arange(chunk), (b, chunk))
-        _, hidden, c = model.forward(params, toks, pos, c, compute_logits=False)
+        _, hidden, c = model.forward(params, toks, pos, c, compute_logits=False,
+                                     return_layers=layers)
         c = c.replace(length=c.length + chunk)
         idx = prompt_len - 1 - start
         here = (idx >= 0) & (idx < chunk)
         h = hidden[depth][jnp.arange(b), jnp.clip(idx, 0, chunk - 1)]
         if keep_hidden:
-            h_all = lax.dynamic_update_slice_in_dim(h_all, hidden[depth], start, axis=1)
+            h_all = lax.dynamic_update_slice_in_dim(h_all, hidden_features(hidden, layers),
+                                                    start, axis=1)
         return jnp.where(here[:, None], h, h_last), c, h_all
 
-    h0 = jnp.zeros((b, d), dtype)
+    h0 = jnp.zeros((b, model.config.hidden_size), dtype)
     h_all = jnp.zeros((b, prompt.shape[1] if keep_hidden else 0, d), dtype)
     cache = cache.replace(length=jnp.zeros_like(cache.length))
     h_last, cache, h_all = lax.fori_loop(0, n_chunks, body, (h0, cache, h_all))
     cache = cache.replace(length=prompt_len.astype(jnp.int32))
     return (h_last, cache, h_all) if keep_hidden else (h_last, cache)
+
+
+def hidden_features(hidden: dict, layers: tuple[int, ...]) -> Array:
+    """The residual streams after each of ``layers`` (a forward's ``hidden`` with them
+    returned), concatenated on the feature axis in that order: ``[..., len(layers) * D]``
+    (the last layer alone for EAGLE-2; layers 2, L/2 and L-3 for EAGLE-3)."""
+    hs = [hidden[l] for l in layers]
+    return hs[0] if len(hs) == 1 else jnp.concatenate(hs, axis=-1)
 
 
 @struct.dataclass

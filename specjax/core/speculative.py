@@ -22,7 +22,7 @@ from specjax import sharding
 from specjax.core import encdec, sampling, tree, widths as width_policy
 from specjax.core import decoder
 from specjax.core.decoder import PAD, Batch, DecodeOutput, Request, Stats
-from specjax.core.decoding import prefill
+from specjax.core.decoding import hidden_features, prefill
 from specjax.sharding import constrain_cache
 from specjax.drafters.base import Context
 from specjax.models.kv_cache import KVCache
@@ -66,18 +66,20 @@ def _pad_result(res: VerifyResult, depth: int) -> VerifyResult:
     return res.replace(path=pad(res.path), tokens=pad(res.tokens))
 
 
-def _verify_width(w: int, target, rule, depth: int, tparams, draft: Draft, root, length, cache,
-                  key, sampler):
-    """Target forward over the root and the first ``w - 1`` nodes, then verification."""
+def _verify_width(w: int, target, rule, depth: int, layers: tuple[int, ...], tparams,
+                  draft: Draft, root, length, cache, key, sampler):
+    """Target forward over the root and the first ``w - 1`` nodes, then verification; the
+    hidden states after ``layers`` concatenated (``hidden_features``; none for ``()``)."""
     n = w - 1
     d = Draft(tokens=draft.tokens[:, :n], parents=draft.parents[:, :n],
               valid=draft.valid[:, :n], probs=None if draft.probs is None else draft.probs[:, :n])
     d = sanitize(d, target.config.vocab_size)  # a malformed node is inert, never run as is
     toks = jnp.concatenate([root, d.tokens], axis=1)
     logits, hidden, cache = target.forward(tparams, toks, tree.positions(length - 1, d.parents),
-                                           cache, tree.attention_mask(d.parents, d.valid))
+                                           cache, tree.attention_mask(d.parents, d.valid),
+                                           return_layers=layers)
     res = verify(logits, d, key, sampler, rule=rule, depth=min(depth, max(n, 1)), sanitized=True)
-    h = hidden[target.config.num_layers]
+    h = hidden_features(hidden, layers or (target.config.num_layers,))
     h = jnp.pad(h, ((0, 0), (0, draft.tokens.shape[1] + 1 - w), (0, 0)))
     return _pad_result(res, depth), cache, h
 
@@ -142,7 +144,7 @@ class Speculative:
         h_all = None
         if drafter.needs_features:
             h_last, cache, h_all = prefill(target, tparams, prompt, prompt_len, cache,
-                                           self.chunk, True)
+                                           self.chunk, drafter.feature_layers)
         else:
             h_last, cache = prefill(target, tparams, prompt, prompt_len, cache, self.chunk)
         key, sub = jax.random.split(batch.key)
@@ -173,7 +175,9 @@ class Speculative:
         need = 1 + jnp.max(jnp.where(live, jnp.arange(draft.tokens.shape[1])[None] + 1, 0),
                            initial=0)  # a drafter may propose no nodes at all
         branch = jnp.minimum(jnp.sum(jnp.asarray(widths)[None, :] < need), len(widths) - 1)
-        fns = [functools.partial(_verify_width, w, target, self.rule, depth) for w in widths]
+        layers = drafter.feature_layers if drafter.needs_features else ()
+        fns = [functools.partial(_verify_width, w, target, self.rule, depth, layers)
+               for w in widths]
         res, cache, hidden = lax.switch(branch, fns, tparams, draft, root, s.length, cache,
                                         k_verify, req.sampler)
 

@@ -41,8 +41,9 @@ class Context:
     """What a drafter may read: ``tokens[b, :length[b]]`` is prompt then emitted tokens; the
     last is the root, not yet in ``cache`` (whose length is ``length - 1``).
 
-    ``hidden`` holds the target's last-layer hidden states (before the final norm) for a
-    drafter with ``needs_features``: at ``init``, of every prompt slot ``[B, C, D]``; at
+    ``hidden`` holds the target's hidden states for a drafter with ``needs_features``
+    (after its ``feature_layers``, concatenated; for EAGLE-2, the last layer's, before the
+    final norm): at ``init``, of every prompt slot ``[B, C, D]``; at
     ``commit``, of the round's verification forward over ``[root, nodes]`` ``[B, N+1, D]``.
     """
 
@@ -65,8 +66,10 @@ class Drafter(Protocol):
       are verified at (ascending; the last covers ``num_nodes + 1``);
     * ``chain``: every draft is a chain (parents ``[-1, 0, 1, ...]``), so the target cache
       commits by moving its length alone;
-    * ``needs_features``: ``Context.hidden`` must hold the target's last-layer hidden
-      states at ``init`` and ``commit``;
+    * ``needs_features``: ``Context.hidden`` must hold the target's hidden states at
+      ``init`` and ``commit``; ``feature_layers``: which ones, the residual streams after
+      those layers concatenated in that order (``(num_layers,)``: the last layer's output,
+      EAGLE-2's and ReDrafter's; EAGLE-3 fuses three; ``()`` without features);
     * ``draft_model``: the model a ``ModelDrafter`` drafts with (its parameters are
       ``dparams``; an encoder-decoder one encodes the source with them), None otherwise;
     * ``check(target)``: ``ValueError`` unless it can draft for ``target``;
@@ -75,6 +78,7 @@ class Drafter(Protocol):
 
     chain: bool
     needs_features: bool
+    feature_layers: tuple[int, ...]
     draft_model: Any
 
     @property

@@ -127,9 +127,11 @@ def decoder_layer(spec: LayerSpec, p: Params, x: Float[Array, "B T D"], k_cache,
     batch-major stream, with a one-layer cache: returns the new stream and the cache with
     the new tokens' K/V written at slot ``length``. ``visible`` ([B,T,S]) replaces the
     default cache visibility (slots ``< length``): a draft tree sees its ancestors' scratch
-    slots. Needs ``in_width == width`` (the attention reads the normed stream)."""
+    slots. Needs ``in_width == width`` (the attention reads the normed stream). A layer
+    without ``attn_norm`` (layer 0 of a published EAGLE-1/2 head) feeds the stream to its
+    attention unnormed."""
     xt = x.transpose(2, 0, 1)  # [D,B,T]
-    h = rms_norm(xt, p["attn_norm"], spec.rms_norm_eps, axis=0)
+    h = rms_norm(xt, p["attn_norm"], spec.rms_norm_eps, axis=0) if "attn_norm" in p else xt
     att, k, v = self_attention(spec, p, h, positions, k_cache, v_cache, length, mask, visible)
     xt = xt + att
     h = rms_norm(xt, p["mlp_norm"], spec.rms_norm_eps, axis=0)

@@ -71,14 +71,27 @@ class EagleHead(nnx.Module):
                  visible=None) -> tuple[Float[Array, "B T D"], Array, Array]:
         """Predicted features from the input embeddings and the previous positions'
         features; K/V of the new tokens are written at slot ``length`` of the head's
-        one-layer cache."""
-        chex.assert_equal_shape([emb, prev_feat])
-        fc = self.fc[...]
-        x = jnp.concatenate([emb.astype(fc.dtype), prev_feat.astype(fc.dtype)], axis=-1)
-        x = jnp.einsum("bte,ed->btd", x, fc) + self.fc_b[...]  # b batch, t token, e = 2D, d = D
-        layer = {n: w[...] for n, w in self.layer.items()}
-        return blocks.decoder_layer(self.spec, layer, x, k_cache, v_cache, length, mask,
-                                    positions, visible)
+        one-layer cache (``apply_head``)."""
+        hp = {"fc": self.fc[...], "fc_b": self.fc_b[...],
+              "layer": {n: w[...] for n, w in self.layer.items()}}
+        return apply_head(self.spec, hp, emb, prev_feat, positions, k_cache, v_cache, length,
+                          mask, visible)
+
+
+def apply_head(spec: blocks.LayerSpec, hp, emb: Float[Array, "B T D"],
+               prev_feat: Float[Array, "B T D"], positions: Int[Array, "B T"], k_cache, v_cache,
+               length, mask, visible=None) -> tuple[Float[Array, "B T D"], Array, Array]:
+    """The EAGLE-1/2 head ``layer(fc([emb; prev_feat]))`` on the pytree ``hp``
+    (``{"fc" [2D, D], "fc_b" [D], "layer"}``, embedding first), one decoder layer of sizes
+    ``spec`` (``blocks.decoder_layer``: a layer without ``attn_norm``, as published heads'
+    layer 0, runs its attention on the unnormed ``fc`` output). Returns the predicted
+    features and the one-layer cache with the new tokens' K/V written at slot ``length``."""
+    chex.assert_equal_shape([emb, prev_feat])
+    fc = hp["fc"]
+    x = jnp.concatenate([emb.astype(fc.dtype), prev_feat.astype(fc.dtype)], axis=-1)
+    x = jnp.einsum("bte,ed->btd", x, fc) + hp["fc_b"]  # b batch, t token, e = 2D, d = D
+    return blocks.decoder_layer(spec, hp["layer"], x, k_cache, v_cache, length, mask,
+                                positions, visible)
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,12 +112,15 @@ def output_embedding(target, tparams) -> Float[Array, "V D"]:
 
 def head_forward(target, hp, tparams, tokens: Int[Array, "B T"], prev_feat: Float[Array, "B T D"],
                  positions: Int[Array, "B T"], k_cache, v_cache, length, mask,
-                 visible=None) -> tuple[Float[Array, "B T D"], Array, Array]:
-    """The head with parameters ``hp`` (an ``EagleHead`` state) on ``tokens``, embedded by
-    the target; see ``EagleHead.__call__``."""
-    head = nnx.merge(head_graphdef(target.config), hp)
-    return head(target.embed(tparams, tokens), prev_feat, positions, k_cache, v_cache, length,
-                mask, visible)
+                 visible=None, spec: blocks.LayerSpec | None = None
+                 ) -> tuple[Float[Array, "B T D"], Array, Array]:
+    """The head with parameters ``hp`` on ``tokens``, embedded by the target (or by the
+    head's own ``"embed"`` rows where it carries them); see ``apply_head``. ``spec``: the
+    head layer's sizes (default: the target's, ``LayerSpec.of(target.config)``)."""
+    spec = blocks.LayerSpec.of(target.config) if spec is None else spec
+    emb = hp["embed"][tokens] if "embed" in hp else target.embed(tparams, tokens)
+    return apply_head(spec, hp, emb, prev_feat, positions, k_cache, v_cache, length, mask,
+                      visible)
 
 
 def training_forward(target, hp, tparams, tokens: Int[Array, "B T"],
@@ -295,10 +311,22 @@ class EagleDrafter:
     total_tokens: int = 24
     by_value: bool = True
     rerank: bool = True
+    spec: blocks.LayerSpec | None = None  # the head layer's sizes (None: the target's)
 
     chain = False  # drafts are trees
     needs_features = True  # reads the target's hidden states (Context.hidden)
     draft_model = None  # drafts with a head on the target, not a model of its own
+
+    @property
+    def layer_spec(self) -> blocks.LayerSpec:
+        """The head layer's sizes: ``spec``, or the target's geometry
+        (``LayerSpec.of(target.config)``, the heads ``specjax train eagle`` makes)."""
+        return blocks.LayerSpec.of(self.target.config) if self.spec is None else self.spec
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target's last layer: its output, final-normed, is the head's feature."""
+        return (self.target.config.num_layers,)
 
     @property
     def num_nodes(self) -> int:
@@ -336,12 +364,21 @@ class EagleDrafter:
         logits = blocks.head_logits(self._embed(dparams, tparams).astype(f.dtype), f)
         return jax.nn.log_softmax(logits, axis=-1)
 
+    def _features(self, tparams, hidden):
+        """The head's feature input from ``Context.hidden``: the final-normed last layer."""
+        return features(self.target, tparams, hidden)
+
+    def _head(self, dparams, tparams, tokens, prev, positions, k, v, length, mask,
+              visible=None):
+        return head_forward(self.target, dparams["head"], tparams, tokens, prev, positions, k,
+                            v, length, mask, visible, spec=self.layer_spec)
+
     def init(self, dparams, ctx, chunk: int) -> EagleState:
-        cfg, tp = self.target.config, ctx.params
+        spec, tp = self.layer_spec, ctx.params
         b, c = ctx.tokens.shape
         dtype = dparams["head"]["fc"].dtype
-        cache = KVCache.zeros(1, b, c + self.scratch, cfg.num_kv_heads, cfg.head_dim, dtype)
-        feats = features(self.target, tp, ctx.hidden)  # [B, C, D] over the prompt
+        cache = KVCache.zeros(1, b, c + self.scratch, spec.num_kv_heads, spec.head_dim, dtype)
+        feats = self._features(tp, ctx.hidden)  # [B, C, F] over the prompt
         prev = shift_features(feats)
         plen = ctx.prompt_len
 
@@ -351,8 +388,8 @@ class EagleDrafter:
             sl = lambda x: lax.dynamic_slice_in_dim(x, start, chunk, axis=1)
             pos = jnp.broadcast_to(start + jnp.arange(chunk), (b, chunk))
             mask = jnp.broadcast_to(jnp.tril(jnp.ones((chunk, chunk), bool)), (b, chunk, chunk))
-            _, k, v = head_forward(self.target, dparams["head"], tp, sl(ctx.tokens), sl(prev),
-                                   pos, k, v, jnp.full((b,), start, jnp.int32), mask)
+            _, k, v = self._head(dparams, tp, sl(ctx.tokens), sl(prev), pos, k, v,
+                                 jnp.full((b,), start, jnp.int32), mask)
             return k, v
 
         n_chunks = (jnp.max(plen) + chunk - 1) // chunk
@@ -363,15 +400,15 @@ class EagleDrafter:
                           feats=pending.astype(dtype))
 
     def propose(self, dparams, state: EagleState, ctx, key, sampler):
-        hp, tp = dparams["head"], ctx.params
+        tp = ctx.params
         b, m = state.feats.shape[:2]
         L = state.cache.length
         count = ctx.length - L  # pending positions, the root last
         pos = L[:, None] + jnp.arange(m)[None]
         toks = jnp.take_along_axis(ctx.tokens, jnp.minimum(pos, ctx.tokens.shape[1] - 1), 1)
         mask = jnp.broadcast_to(jnp.tril(jnp.ones((m, m), bool)), (b, m, m))
-        out, k, v = head_forward(self.target, hp, tp, toks, state.feats, pos,
-                                 state.cache.k[0], state.cache.v[0], L, mask)
+        out, k, v = self._head(dparams, tp, toks, state.feats, pos, state.cache.k[0],
+                               state.cache.v[0], L, mask)
         f_root = jnp.take_along_axis(out, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
         base = L + count  # == ctx.length: first scratch slot
         kk, n_scr = self.topk, (self.depth - 1) * self.topk
@@ -394,8 +431,8 @@ class EagleDrafter:
             vis = (rel < 0) | (scr & (rel < n_scr))
             eye = jnp.broadcast_to(jnp.eye(kk, dtype=bool), (b, kk, kk))
             p = jnp.broadcast_to(root_pos[:, None] + d, (b, kk))
-            f, k, v = head_forward(self.target, hp, tp, tokens, prev, p, k, v,
-                                   base + (d - 1) * kk, eye, vis)
+            f, k, v = self._head(dparams, tp, tokens, prev, p, k, v, base + (d - 1) * kk, eye,
+                                 vis)
             return self._logq(dparams, tp, f), (k, v, f, anc)
 
         f0 = jnp.zeros((b, kk, f_root.shape[-1]), out.dtype)
@@ -415,7 +452,7 @@ class EagleDrafter:
         nodes = jnp.concatenate([jnp.zeros((result.path.shape[0], 1), jnp.int32),
                                  jnp.maximum(result.path, -1) + 1], axis=1)
         h = jnp.take_along_axis(ctx.hidden, nodes[:, :, None], axis=1)
-        feats = features(self.target, ctx.params, h)
+        feats = self._features(ctx.params, h)
         return state.replace(feats=feats.astype(state.feats.dtype))
 
 

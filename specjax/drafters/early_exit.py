@@ -31,6 +31,7 @@ class EarlyExitDrafter(TopKTree):
 
     # chain: TopKTree's (width 1)
     needs_features = False  # its exit reads the target's cache, not its hidden states
+    feature_layers = ()
     draft_model = None  # the target's own layers, not a model of its own
 
     def check(self, target) -> None:

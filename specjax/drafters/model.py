@@ -25,6 +25,7 @@ class ModelDrafter(TopKTree):
 
     # chain: TopKTree's (width 1)
     needs_features = False
+    feature_layers = ()
 
     @property
     def draft_model(self):

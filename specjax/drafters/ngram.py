@@ -37,6 +37,7 @@ class NGramDrafter:
 
     chain = True  # drafts are chains: Speculative commits the cache without a gather
     needs_features = False
+    feature_layers = ()
     draft_model = None
 
     @property

@@ -161,6 +161,11 @@ class RedrafterDrafter:
     draft_model = None  # drafts with a head on the target, not a model of its own
 
     @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target's last layer: its output, final-normed, is the head's feature."""
+        return (self.target.config.num_layers,)
+
+    @property
     def depth(self) -> int:
         return self.length
 

@@ -1,0 +1,266 @@
+"""Draft heads as SafeAILab/EAGLE publishes them: a directory with a Llama-style
+``config.json`` and ``pytorch_model.bin`` (read first) or ``model.safetensors``.
+
+**EAGLE-1/2** (``fc.weight`` [D, 2D]): ``fc`` (with ``fc.bias`` unless the config says
+``"bias": false``) and one decoder layer ``layers.0.*`` with no ``input_layernorm``
+(q/k/v biases where the config has ``qkv_bias``), read as ``eagle.apply_head``'s pytree;
+the target's embedding and LM head complete it.
+
+**EAGLE-3** (``fc.weight`` [D, 3D]): ``fc``, ``midlayer.*`` (``input_layernorm`` of the
+embedding, ``hidden_norm`` of the hidden state, q/k/v over their ``2D`` concatenation),
+``norm``, ``lm_head`` over the draft vocabulary and ``d2t`` (target id = draft id +
+``d2t[draft id]``; ``t2d`` marks the covered target ids), read as ``eagle3.apply_head``'s.
+
+Each tensor name is mapped explicitly; a missing or unexpected tensor, a head for another
+hidden size or vocabulary, or fused layers the target lacks fail with one line naming it.
+A head that carries ``embed_tokens.weight`` drafts with that embedding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specjax.drafters import blocks
+from specjax.export import CheckpointError
+from specjax.models.base import RopeScaling
+
+WEIGHT_FILES = ("pytorch_model.bin", "model.safetensors")  # EAGLE's loader's order
+_ROTARY = ".rotary_emb.inv_freq"  # buffers older transformers saved; derived from the config
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishedHead:
+    """A loaded published head: ``kind`` (``"eagle"`` for EAGLE-1/2, ``"eagle3"``), the
+    layer's sizes, the parameter pytree (numpy, float32), EAGLE-3's target id per draft id
+    and fused layers, and the directory it came from."""
+
+    kind: str
+    spec: blocks.LayerSpec
+    params: dict
+    vocab_ids: np.ndarray | None
+    layers: tuple[int, ...] | None
+    source: str
+
+
+def is_published(path: str | Path) -> bool:
+    """Whether ``path`` is a published head's directory (``config.json`` and a weights
+    file, and no specjax ``head.json``)."""
+    p = Path(path)
+    return ((p / "config.json").is_file() and not (p / "head.json").exists()
+            and any((p / f).is_file() for f in WEIGHT_FILES))
+
+
+def read_config(path: str | Path) -> dict:
+    f = Path(path) / "config.json"
+    try:
+        d = json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {f}: {e}") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{f} is not a config object")
+    return d
+
+
+def read_tensors(path: str | Path) -> tuple[dict[str, np.ndarray], Path]:
+    """Every tensor of the head's weights file as numpy (floats as float32), and the file."""
+    p = Path(path)
+    f = next((p / n for n in WEIGHT_FILES if (p / n).is_file()), None)
+    if f is None:
+        raise CheckpointError(f"{p} has no {' or '.join(WEIGHT_FILES)}")
+    try:
+        raw = _read_bin(f) if f.suffix == ".bin" else _read_safetensors(f)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- torch and safetensors raise assorted errors
+        raise CheckpointError(f"cannot read {f}: corrupt or truncated "
+                              f"({type(e).__name__}: {str(e)[:200]})") from None
+    return {k: v for k, v in raw.items() if not k.endswith(_ROTARY)}, f
+
+
+def _read_bin(f: Path) -> dict[str, np.ndarray]:
+    try:
+        import torch
+    except ImportError:
+        raise CheckpointError(f"{f} is a PyTorch file: reading it needs torch (pip install "
+                              "torch), or convert it to model.safetensors") from None
+    sd = torch.load(f, map_location="cpu", weights_only=True)
+    return {k: (v.float() if v.is_floating_point() else v).numpy() for k, v in sd.items()}
+
+
+def _read_safetensors(f: Path) -> dict[str, np.ndarray]:
+    from safetensors import safe_open
+
+    with safe_open(f, framework="np") as st:
+        out = {k: np.asarray(st.get_tensor(k)) for k in st.keys()}
+    return {k: v.astype(np.float32) if v.dtype.kind == "f" or v.dtype.name == "bfloat16"
+            else v for k, v in out.items()}
+
+
+def layer_spec(cfg: dict, in_width: int) -> blocks.LayerSpec:
+    """The head layer's sizes from its ``config.json``: its own heads, MLP width, eps and
+    RoPE (base ``rope_theta``, default 10000; linear or llama3 scaling; ``dynamic`` NTK
+    scaling changes nothing within ``max_position_embeddings``, so it reads as none)."""
+    d, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    rope = dict(cfg.get("rope_scaling") or {})
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    kind = "default" if kind == "dynamic" else kind
+    fields = {f: rope[f] for f in ("factor", "low_freq_factor", "high_freq_factor",
+                                   "original_max_position_embeddings") if f in rope}
+    try:
+        scaling = RopeScaling(kind, **(fields if kind != "default" else {}))
+    except ValueError as e:
+        raise CheckpointError(f"the head's rope_scaling: {e}") from None
+    return blocks.LayerSpec(
+        width=d, in_width=in_width, num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads", heads),
+        head_dim=cfg.get("head_dim") or d // heads,
+        intermediate_size=cfg["intermediate_size"], rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(cfg.get("rope_theta", 10000.0)), rope_scaling=scaling)
+
+
+def load(path: str | Path, target_cfg) -> PublishedHead:
+    """The published head in ``path`` for a target of configuration ``target_cfg``,
+    checked against it; ``CheckpointError`` with one line naming what does not fit."""
+    p = Path(path)
+    if not is_published(p):
+        raise CheckpointError(f"{p} is not a published EAGLE head (config.json and "
+                              f"{' or '.join(WEIGHT_FILES)})")
+    cfg = read_config(p)
+    tensors, f = read_tensors(p)
+    if "fc.weight" not in tensors:
+        raise CheckpointError(f"{f}: no 'fc.weight': not an EAGLE head")
+    d_t = target_cfg.hidden_size
+    if cfg.get("target_hidden_size", cfg.get("hidden_size")) != d_t:
+        raise CheckpointError(f"{p} is a head for hidden size "
+                              f"{cfg.get('target_hidden_size', cfg.get('hidden_size'))}, but "
+                              f"the target's is {d_t}")
+    if cfg.get("vocab_size", target_cfg.vocab_size) != target_cfg.vocab_size:
+        raise CheckpointError(f"{p} is a head for a vocabulary of {cfg['vocab_size']} tokens, "
+                              f"but the target has {target_cfg.vocab_size}")
+    fused = any(k.startswith("midlayer.") for k in tensors) or "d2t" in tensors
+    loader = _eagle3 if fused else _eagle1
+    return loader(p, f, cfg, tensors, target_cfg)
+
+
+def _take(tensors: dict, want: dict[str, tuple], where: Path, optional=()) -> dict:
+    """``want``'s tensors, shapes checked; ``CheckpointError`` for a missing, unexpected or
+    misshapen one (``optional`` names may be absent)."""
+    missing = [k for k in want if k not in tensors and k not in optional]
+    extra = sorted(set(tensors) - set(want))
+    if missing or extra:
+        raise CheckpointError(f"{where}: " + "; ".join(
+            s for s in (f"missing tensors {missing}" if missing else "",
+                        f"unexpected tensors {extra}" if extra else "") if s))
+    for k, shape in want.items():
+        if k in tensors and tuple(tensors[k].shape) != tuple(shape):
+            raise CheckpointError(f"{where}: {k} has shape {tuple(tensors[k].shape)}; "
+                                  f"expected {tuple(shape)}")
+    return {k: tensors[k] for k in want if k in tensors}
+
+
+def _layer(t: dict, prefix: str, bias: bool) -> dict:
+    """One layer's weights in ``blocks``' names: fused ``qkv`` (and ``qkv_b``),
+    ``gate_up``; ``mlp_norm`` is the post-attention norm."""
+    g = lambda n: t[prefix + n]  # noqa: E731
+    out = {"qkv": np.concatenate([g(f"self_attn.{n}_proj.weight") for n in "qkv"], 0),
+           "o": g("self_attn.o_proj.weight"), "mlp_norm": g("post_attention_layernorm.weight"),
+           "gate_up": np.concatenate([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")], 0),
+           "down": g("mlp.down_proj.weight")}
+    if bias:
+        out["qkv_b"] = np.concatenate([g(f"self_attn.{n}_proj.bias") for n in "qkv"], 0)
+    return out
+
+
+def _layer_shapes(prefix: str, spec: blocks.LayerSpec, bias: bool) -> dict[str, tuple]:
+    d, i, hd, f = spec.width, spec.in_width, spec.head_dim, spec.intermediate_size
+    nq, nk = spec.num_heads * hd, spec.num_kv_heads * hd
+    out = {f"{prefix}self_attn.q_proj.weight": (nq, i), f"{prefix}self_attn.k_proj.weight": (nk, i),
+           f"{prefix}self_attn.v_proj.weight": (nk, i), f"{prefix}self_attn.o_proj.weight": (d, nq),
+           f"{prefix}post_attention_layernorm.weight": (d,),
+           f"{prefix}mlp.gate_proj.weight": (f, d), f"{prefix}mlp.up_proj.weight": (f, d),
+           f"{prefix}mlp.down_proj.weight": (d, f)}
+    if bias:
+        out.update({f"{prefix}self_attn.{n}_proj.bias": (c,)
+                    for n, c in (("q", nq), ("k", nk), ("v", nk))})
+    return out
+
+
+def _eagle1(p: Path, f: Path, cfg: dict, tensors: dict, target_cfg) -> PublishedHead:
+    d, v = target_cfg.hidden_size, target_cfg.vocab_size
+    spec = layer_spec(cfg, d)
+    qkv_bias = bool(cfg.get("qkv_bias", cfg.get("attention_bias", False)))
+    fc_bias = cfg.get("bias", True) is not False
+    want = {"fc.weight": (d, 2 * d), **_layer_shapes("layers.0.", spec, qkv_bias),
+            "embed_tokens.weight": (v, d)}
+    if fc_bias:
+        want["fc.bias"] = (d,)
+    t = _take(tensors, want, f, optional=("embed_tokens.weight",))
+    hp = {"fc": t["fc.weight"].T, "fc_b": t.get("fc.bias", np.zeros((d,), np.float32)),
+          "layer": _layer(t, "layers.0.", qkv_bias)}
+    if "embed_tokens.weight" in t:
+        hp["embed"] = t["embed_tokens.weight"]
+    return PublishedHead("eagle", spec, hp, None, None, str(p))
+
+
+def _eagle3(p: Path, f: Path, cfg: dict, tensors: dict, target_cfg) -> PublishedHead:
+    from specjax.drafters.eagle3 import fused_layers
+
+    d_t, v, n = target_cfg.hidden_size, target_cfg.vocab_size, target_cfg.num_layers
+    d = cfg["hidden_size"]  # the head's own width (target_hidden_size: the target's)
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    try:
+        layers = fused_layers(n) if ids is None else tuple(int(i) for i in ids)
+    except ValueError as e:
+        raise CheckpointError(f"{p}: {e}") from None
+    if any(not 0 <= l < n for l in layers):
+        raise CheckpointError(f"{p} fuses the hidden states entering layers {list(layers)}, "
+                              f"which a {n}-layer target does not have")
+    dv = int(cfg.get("draft_vocab_size", v))
+    spec = layer_spec(cfg, 2 * d)
+    want = {"fc.weight": (d, len(layers) * d_t), "midlayer.input_layernorm.weight": (d,),
+            "midlayer.hidden_norm.weight": (d,), **_layer_shapes("midlayer.", spec, False),
+            "norm.weight": (d,), "lm_head.weight": (dv, d), "d2t": (dv,), "t2d": (v,),
+            "embed_tokens.weight": (v, d)}
+    # EAGLE drops d2t and t2d from a head whose draft vocabulary is the target's; a head
+    # narrower than its target cannot read the target's embedding and carries its own
+    optional = ("t2d",) + (("d2t",) if dv == v else ()) + (() if d != d_t
+                                                            else ("embed_tokens.weight",))
+    t = _take(tensors, want, f, optional=optional)
+    d2t = t.get("d2t", np.zeros((dv,), np.int64))
+    vocab_ids = np.arange(dv) + d2t.astype(np.int64)  # d2t holds offsets
+    if vocab_ids.min() < 0 or vocab_ids.max() >= v or len(np.unique(vocab_ids)) != dv:
+        raise CheckpointError(f"{f}: d2t does not map the {dv} draft ids to distinct target "
+                              f"ids in [0, {v}) (target id = draft id + d2t[draft id])")
+    if "t2d" in t and (int(t["t2d"].sum()) != dv or not t["t2d"][vocab_ids].all()):
+        raise CheckpointError(f"{f}: t2d does not mark exactly the target ids d2t maps to")
+    hp = {"fc": t["fc.weight"], "embed_norm": t["midlayer.input_layernorm.weight"],
+          "hidden_norm": t["midlayer.hidden_norm.weight"],
+          "layer": _layer(t, "midlayer.", False), "norm": t["norm.weight"],
+          "lm_head": t["lm_head.weight"]}
+    if "embed_tokens.weight" in t:
+        hp["embed"] = t["embed_tokens.weight"]
+    return PublishedHead("eagle3", spec, hp, vocab_ids.astype(np.int32), layers, str(p))
+
+
+def drafter_and_params(head: PublishedHead, target, dtype, **sizes) -> tuple[Any, dict]:
+    """``(drafter, dparams)`` for ``head`` on ``target`` (an ``EagleDrafter`` or an
+    ``Eagle3Drafter`` with the head's layer sizes), weights cast to ``dtype``."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.drafters import eagle, eagle3
+
+    hp = jax.tree.map(lambda x: jnp.asarray(x, dtype), head.params)
+    if head.kind == "eagle":
+        return eagle.EagleDrafter(target, spec=head.spec, **sizes), {"head": hp}
+    drafter = eagle3.Eagle3Drafter(target, spec=head.spec, layers=head.layers, **sizes)
+    return drafter, eagle3.draft_params(hp, target, head.vocab_ids)
+
+
+__all__ = ["PublishedHead", "WEIGHT_FILES", "drafter_and_params", "is_published", "load",
+           "read_config", "read_tensors", "layer_spec"]
