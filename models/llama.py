@@ -1,4 +1,6 @@
-"""Llama-family decoder (SmolLM2, Llama 2/3, Mistral-style GQA) as pure JAX functions.
+"""Llama-family decoder (SmolLM2, Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral-style GQA) as pure
+JAX functions. Qwen2 adds q/k/v projection biases (``LlamaConfig.attention_bias``), Qwen3
+a per-head RMSNorm of queries and keys before RoPE (``LlamaConfig.qk_norm``).
 
 The parameters are a plain pytree with one dict of weights per layer, and the layers are
 unrolled: on CPU, XLA copies each layer's weights out of a stacked array inside ``lax.scan``
@@ -24,7 +26,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from specjax.models import kv_cache
 from specjax.models.ops import (apply_rope, attention, dense, fast_width, gate_up,  # noqa: F401
-                                head_logits, project, qkv_heads, rms_norm)
+                                head_logits, head_norm, project, qkv_heads, rms_norm)
 from specjax.models.base import RopeScaling  # re-exported: llama.RopeScaling
 from specjax.models.kv_cache import KVCache
 
@@ -33,7 +35,15 @@ Params = Mapping[str, Any]
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """Architecture of one Llama-family model size."""
+    """Architecture of one Llama-family model size.
+
+    ``attention_bias``: the q, k and v projections have biases (Qwen2/2.5; Llama and Qwen3
+    with ``attention_bias`` in their config.json), kept per layer as ``qkv_b`` (fused) or
+    ``q_b``, ``k_b``, ``v_b`` (split). ``o_bias``: the output projection has one too (``o_b``
+    ``[D]``: Llama's and Qwen3's ``attention_bias`` biases all four, Qwen2 never ``o``).
+    ``qk_norm``: queries and keys get a per-head RMSNorm over ``head_dim`` before RoPE, with
+    gains ``q_norm`` and ``k_norm`` ``[head_dim]`` and epsilon ``rms_norm_eps`` (Qwen3).
+    """
 
     vocab_size: int
     hidden_size: int
@@ -47,6 +57,9 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = True
     max_position_embeddings: int = 8192
+    attention_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -84,21 +97,47 @@ def _block(cfg: LlamaConfig, lp: Params, x: Float[Array, "D B T"], k_cache, v_ca
            mask, positions, visible=None):
     """``_layer`` without the cache write: the new stream and the new tokens' keys
     ``[B, K, H, T]`` and values ``[B, K, T, H]`` (the cache's layouts), for the caller to
-    write (per layer, or into a stacked cache)."""
+    write (per layer, or into a stacked cache).
+
+    The layer's optional weights are used where ``lp`` has them (``check_layer_keys``
+    says whether they match a ``LlamaConfig``): q/k/v biases (``qkv_b`` or ``q_b``,
+    ``k_b``, ``v_b``, inside ``qkv_heads``), ``o_b`` after the output projection, and
+    ``q_norm``/``k_norm`` per-head norms of queries and keys before RoPE."""
     _, b, t = x.shape
     nq, nk, hd, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, axis=0)
-    q, k, v = qkv_heads(lp, h, nq, nk, hd)  # [N,H,B,T]
+    q, k, v = qkv_heads(lp, h, nq, nk, hd)  # [N,H,B,T], biased where the layer has biases
+    if "q_norm" in lp:  # Qwen3: per-head RMSNorm before RoPE
+        q, k = (head_norm(q, lp["q_norm"], cfg.rms_norm_eps),
+                head_norm(k, lp["k_norm"], cfg.rms_norm_eps))
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     q = q.reshape(nk, nq // nk, hd, b, t).transpose(3, 0, 1, 4, 2)  # [B,K,G,T,H]
     v = v.transpose(2, 0, 3, 1)  # [B,K,T,H]
     att = attention(q, k.transpose(2, 0, 3, 1), v, k_cache, v_cache, length, mask, visible)
-    x = x + dense(lp["o"], att.transpose(1, 2, 4, 0, 3).reshape(nq * hd, b, t))
+    o = dense(lp["o"], att.transpose(1, 2, 4, 0, 3).reshape(nq * hd, b, t))
+    x = x + (o if "o_b" not in lp else o + lp["o_b"].astype(jnp.float32)[:, None, None])
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, axis=0)
     gate, up = gate_up(lp, h, f)
     x = x + dense(lp["down"], jax.nn.silu(gate) * up)
     return x, k.transpose(2, 0, 1, 3), v
+
+
+def check_layer_keys(cfg: LlamaConfig, lp: Params) -> None:
+    """``ValueError`` unless one layer's weights carry exactly the extras ``cfg`` asks for:
+    q/k/v biases (``qkv_b``, or ``q_b``/``k_b``/``v_b``) iff ``attention_bias``, ``o_b`` iff
+    ``o_bias``, ``q_norm`` and ``k_norm`` iff ``qk_norm``. Runs at trace time (key checks
+    only), so a config and weights that disagree fail instead of computing another model."""
+    variants = {"attention_bias": (("qkv_b",), ("q_b", "k_b", "v_b")), "o_bias": (("o_b",),),
+                "qk_norm": (("q_norm", "k_norm"),)}
+    for field, layouts in variants.items():
+        want = getattr(cfg, field)
+        present = {n for names in layouts for n in names if n in lp}
+        ok = any(present == set(names) for names in layouts) if want else not present
+        if not ok:
+            raise ValueError(f"LlamaConfig.{field}={want}, but the layer's weights carry "
+                             f"{sorted(present) or 'none'} of its tensors "
+                             f"({' or '.join('+'.join(n) for n in layouts)})")
 
 
 def layer(cfg: LlamaConfig, lp: Params, x: Float[Array, "B T D"], k_cache, v_cache, length,
@@ -239,6 +278,9 @@ class Llama(DecoderParts):
             mask = kv_cache.causal_mask(b, t)
         x = self.embed(params, tokens).astype(jnp.float32).transpose(2, 0, 1)  # [D,B,T] f32
         check_layout(params, cache, self.scan_layers)
+        layers = params["layers"]
+        for lp in ([layers] if self.scan_layers else [layers[i] for i in range(n)]):
+            check_layer_keys(cfg, lp)
         run = self._scanned if self.scan_layers else self._unrolled
         hidden, cache = run(params, x, cache, mask, positions, n, return_layers)
         hidden = {l: h.transpose(1, 2, 0) for l, h in hidden.items()}
@@ -340,8 +382,9 @@ def init_params(cfg: LlamaConfig, key: Array, dtype=jnp.float32) -> Params:
         shapes = layer_shapes(cfg)
         ws = {n: (jax.random.normal(k, s) * 0.05).astype(dtype)
               for (n, s), k in zip(shapes.items(), jax.random.split(lk, len(shapes)))}
-        ws["attn_norm"] = ws["attn_norm"] + 1
-        ws["mlp_norm"] = ws["mlp_norm"] + 1
+        for norm in ("attn_norm", "mlp_norm", "q_norm", "k_norm"):
+            if norm in ws:
+                ws[norm] = ws[norm] + 1
         layers.append(ws)
     params = {"embed": (jax.random.normal(keys[-2], (cfg.vocab_size, d)) * 0.05).astype(dtype),
               "layers": layers, "final_norm": jnp.ones((d,), dtype)}
@@ -356,13 +399,23 @@ def layer_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     ``qkv`` is [(Nq + 2 Nkv) * H, D]: the Q, K and V projections stacked, each head's rows
     in HF's half-split RoPE order. ``gate_up`` is [2F, D], gate first. Weights are the left
     operand of every product, the layout XLA:CPU multiplies fastest at 1-32 columns
-    (docs/design.md).
+    (docs/design.md). With ``attention_bias``, ``qkv_b`` [(Nq + 2 Nkv) * H] holds the
+    Q, K and V biases in ``qkv``'s row order; with ``o_bias``, ``o_b`` [D]; with
+    ``qk_norm``, ``q_norm`` and ``k_norm`` [H] are the per-head gains.
     """
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    return {
-        "attn_norm": (d,), "qkv": ((cfg.num_heads + 2 * cfg.num_kv_heads) * hd, d),
+    n_qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
+    shapes = {
+        "attn_norm": (d,), "qkv": (n_qkv, d),
         "o": (d, cfg.num_heads * hd), "mlp_norm": (d,), "gate_up": (2 * f, d), "down": (d, f),
     }
+    if cfg.attention_bias:
+        shapes["qkv_b"] = (n_qkv,)
+    if cfg.o_bias:
+        shapes["o_b"] = (d,)
+    if cfg.qk_norm:
+        shapes.update(q_norm=(hd,), k_norm=(hd,))
+    return shapes
 
 
 def top_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:

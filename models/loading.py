@@ -82,6 +82,14 @@ HF_KEYS = [
     ("model.layers.{i}.mlp.gate_proj.weight", "layers/gate", _same),
     ("model.layers.{i}.mlp.up_proj.weight", "layers/up", _same),
     ("model.layers.{i}.mlp.down_proj.weight", "layers/down", _same),
+    # present only where the config asks (LlamaConfig.attention_bias, o_bias, qk_norm):
+    # Qwen2's q/k/v biases, Llama's and Qwen3's attention_bias, Qwen3's per-head norms
+    ("model.layers.{i}.self_attn.q_proj.bias", "layers/q_b", _same),
+    ("model.layers.{i}.self_attn.k_proj.bias", "layers/k_b", _same),
+    ("model.layers.{i}.self_attn.v_proj.bias", "layers/v_b", _same),
+    ("model.layers.{i}.self_attn.o_proj.bias", "layers/o_b", _same),
+    ("model.layers.{i}.self_attn.q_norm.weight", "layers/q_norm", _same),
+    ("model.layers.{i}.self_attn.k_norm.weight", "layers/k_norm", _same),
 ]
 
 
@@ -127,24 +135,35 @@ HF_GEMMA_KEYS = [
 
 
 def unfused_shapes(cfg) -> dict[str, tuple[int, ...]]:
-    """Shapes of the per-matrix weights that source formats store, all [out, in]."""
+    """Shapes of the per-matrix weights that source formats store, all [out, in]; the
+    optional ones (biases ``q_b``, ``k_b``, ``v_b``, ``o_b``; head norms ``q_norm``,
+    ``k_norm``) exactly where the config asks for them, so a checkpoint with more or fewer
+    tensors than its config fails to load."""
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    layer = {"attn_norm": (d,), "q": (cfg.num_heads * hd, d), "k": (cfg.num_kv_heads * hd, d),
-             "v": (cfg.num_kv_heads * hd, d), "o": (d, cfg.num_heads * hd), "mlp_norm": (d,),
-             "gate": (f, d), "up": (f, d), "down": (d, f)}
+    nq, nk = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    layer = {"attn_norm": (d,), "q": (nq, d), "k": (nk, d), "v": (nk, d), "o": (d, nq),
+             "mlp_norm": (d,), "gate": (f, d), "up": (f, d), "down": (d, f)}
     if isinstance(cfg, GemmaConfig):
         layer.update(post_attn_norm=(d,), post_mlp_norm=(d,))
-        if cfg.qk_norm:
-            layer.update(q_norm=(hd,), k_norm=(hd,))
+    if getattr(cfg, "attention_bias", False):
+        layer.update(q_b=(nq,), k_b=(nk,), v_b=(nk,))
+    if getattr(cfg, "o_bias", False):
+        layer.update(o_b=(d,))
+    if getattr(cfg, "qk_norm", False):
+        layer.update(q_norm=(hd,), k_norm=(hd,))
     return {**top_shapes(cfg), **{f"layers/{k}": v for k, v in layer.items()}}
 
 
 def pack_layer(w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Fuses one layer's separate matrices into the layout the models read: ``qkv`` and
-    ``gate_up`` stacked; every other weight (norm gains) as it is."""
-    out = {k: v for k, v in w.items() if k not in ("q", "k", "v", "gate", "up")}
+    ``gate_up`` stacked, and the q/k/v biases (where present: all three) into ``qkv_b`` in
+    ``qkv``'s row order; every other weight (norm gains, ``o_b``) as it is."""
+    fused = ("q", "k", "v", "gate", "up", "q_b", "k_b", "v_b")
+    out = {k: v for k, v in w.items() if k not in fused}
     out["qkv"] = np.concatenate([w["q"], w["k"], w["v"]], axis=0)
     out["gate_up"] = np.concatenate([w["gate"], w["up"]], axis=0)
+    if any(n in w for n in ("q_b", "k_b", "v_b")):
+        out["qkv_b"] = np.concatenate([w["q_b"], w["k_b"], w["v_b"]], axis=0)
     return out
 
 
@@ -298,22 +317,81 @@ def load_gguf(path: str | Path, dtype=jnp.float32) -> tuple[Config, dict]:
 
 # --------------------------------------------------------------------------- HF directory
 
-def hf_config(d: dict) -> LlamaConfig:
-    """A LlamaConfig from an HF ``config.json`` (transformers v4 or v5 RoPE fields)."""
+def _hf_rope(d: dict) -> tuple[float, RopeScaling]:
+    """RoPE base and scaling from an HF config: transformers-5 ``rope_parameters`` or
+    transformers-4 ``rope_scaling`` beside a top-level ``rope_theta``. ``WeightLoadError``
+    for a scaling type ``RopeScaling`` does not implement (yarn, dynamic, longrope, ...)."""
     rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
     theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
     kind = rope.pop("rope_type", rope.pop("type", "default"))
     fields = {f: rope[f] for f in ("factor", "low_freq_factor", "high_freq_factor",
                                    "original_max_position_embeddings") if f in rope}
+    partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    if float(partial) != 1.0:
+        raise WeightLoadError(f"partial_rotary_factor {partial} is not supported (RoPE over "
+                              "the whole head)")
+    try:
+        return float(theta), RopeScaling(kind, **fields)
+    except ValueError as e:
+        raise WeightLoadError(f"config.json RoPE scaling: {e}") from None
+
+
+def _hf_sliding_check(d: dict, kind: str) -> None:
+    """``WeightLoadError`` if any layer of a Qwen2/Qwen3 config attends through a sliding
+    window shorter than its context (the Llama port attends to every cached position). As
+    transformers reads the config: the window applies only with ``use_sliding_window``, to
+    the layers ``layer_types`` marks ``sliding_attention`` (default: layers from
+    ``max_window_layers`` on)."""
+    window = d.get("sliding_window") if d.get("use_sliding_window", False) else None
+    if window is None:
+        return
+    n = d["num_hidden_layers"]
+    types = d.get("layer_types") or [
+        "sliding_attention" if i >= d.get("max_window_layers", n) else "full_attention"
+        for i in range(n)]
+    context = d.get("max_position_embeddings", 4096)
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if sliding and int(window) < context:
+        raise WeightLoadError(
+            f"{kind} config.json: use_sliding_window with sliding_window={window} < "
+            f"max_position_embeddings={context} on layers {sliding[:8]} is not supported (the "
+            "Llama-family port attends to every position); Qwen checkpoints ship "
+            "use_sliding_window: false")
+
+
+def hf_config(d: dict) -> LlamaConfig:
+    """A LlamaConfig from an HF ``config.json`` of ``model_type`` ``llama`` (Llama 2/3.x,
+    SmolLM2), ``qwen2`` (Qwen2/2.5) or ``qwen3`` (transformers v4 or v5 RoPE fields).
+
+    Qwen2 always has q/k/v biases and no ``o`` bias; Llama's and Qwen3's ``attention_bias``
+    (default false) biases q, k, v and o; Qwen3 norms each query and key head
+    (``qk_norm``). ``WeightLoadError`` for what the port does not compute: another
+    activation than SiLU, MLP biases, an unsupported RoPE scaling, or a sliding window
+    shorter than the context."""
+    kind = d.get("model_type", "llama")
+    if kind not in ("llama", "qwen2", "qwen3"):
+        raise WeightLoadError(f"model_type {kind!r} is not a Llama-family config "
+                              "(llama, qwen2, qwen3)")
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise WeightLoadError(f"{kind} config.json: hidden_act {act!r} is not supported (silu)")
+    if d.get("mlp_bias", False):
+        raise WeightLoadError(f"{kind} config.json: mlp_bias is not supported (bias-free MLP)")
+    if kind != "llama":
+        _hf_sliding_check(d, kind)
+    theta, scaling = _hf_rope(d)
+    bias = bool(d.get("attention_bias", False))
     heads = d["num_attention_heads"]
     return LlamaConfig(
         vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
         intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
-        num_heads=heads, num_kv_heads=d.get("num_key_value_heads", heads),
-        head_dim=d.get("head_dim") or d["hidden_size"] // heads, rope_theta=float(theta),
-        rope_scaling=RopeScaling(kind, **fields), rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
+        head_dim=d.get("head_dim") or d["hidden_size"] // heads, rope_theta=theta,
+        rope_scaling=scaling, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
         tie_embeddings=d.get("tie_word_embeddings", False),
-        max_position_embeddings=d.get("max_position_embeddings", 4096))
+        max_position_embeddings=d.get("max_position_embeddings", 4096),
+        attention_bias=True if kind == "qwen2" else bias,
+        o_bias=False if kind == "qwen2" else bias, qk_norm=kind == "qwen3")
 
 
 def hf_gemma_config(d: dict) -> GemmaConfig:
@@ -353,7 +431,8 @@ def hf_gemma_config(d: dict) -> GemmaConfig:
         max_position_embeddings=d.get("max_position_embeddings", 8192))
 
 
-_HF_FAMILIES = {"llama": hf_config, "gemma2": hf_gemma_config, "gemma3_text": hf_gemma_config,
+_HF_FAMILIES = {"llama": hf_config, "qwen2": hf_config, "qwen3": hf_config,
+                "gemma2": hf_gemma_config, "gemma3_text": hf_gemma_config,
                 "t5": lambda d: hf_t5_config(d)}
 
 

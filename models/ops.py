@@ -122,14 +122,35 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, mask, visible=None, *,
 
 
 def qkv_heads(lp: Params, h: Float[Array, "D B T"], nq: int, nk: int, hd: int):
-    """Queries, keys and values ``[N, H, B, T]`` of a layer whose weights are fused
+    """Queries, keys and values ``[N, H, B, T]`` (float32) of a layer whose weights are fused
     (``qkv``, the single-device layout) or split (``q``, ``k``, ``v``: the layout
-    ``specjax.sharding`` shards by heads). Both give the same numbers."""
+    ``specjax.sharding`` shards by heads). Both give the same numbers.
+
+    Projection biases (Qwen2's q/k/v biases) are added when the layer has them: fused
+    ``qkv_b`` ``[(Nq + 2 Nkv) * H]`` beside ``qkv``, or split ``q_b`` ``[Nq * H]``, ``k_b``,
+    ``v_b`` ``[Nkv * H]`` beside ``q``, ``k``, ``v``; a layer without them is unbiased."""
     _, b, t = h.shape
     if "qkv" in lp:
-        qkv = dense(lp["qkv"], h).reshape(nq + 2 * nk, hd, b, t)
+        qkv = _biased(dense(lp["qkv"], h), lp.get("qkv_b")).reshape(nq + 2 * nk, hd, b, t)
         return jnp.split(qkv, [nq, nq + nk], axis=0)
-    return tuple(dense(lp[n], h).reshape(c, hd, b, t) for n, c in (("q", nq), ("k", nk), ("v", nk)))
+    return tuple(_biased(dense(lp[n], h), lp.get(n + "_b")).reshape(c, hd, b, t)
+                 for n, c in (("q", nq), ("k", nk), ("v", nk)))
+
+
+def _biased(y: Float[Array, "O B T"], bias: Float[Array, "O"] | None) -> Float[Array, "O B T"]:
+    """``y`` plus a per-row ``bias`` (added in float32, as the product accumulates); ``y``
+    itself without one."""
+    return y if bias is None else y + bias.astype(jnp.float32)[:, None, None]
+
+
+def head_norm(x: Float[Array, "N H B T"], weight: Float[Array, "H"], eps: float
+              ) -> Float[Array, "N H B T"]:
+    """RMSNorm of every head of feature-major queries or keys over its ``H`` features, with
+    one gain ``weight`` shared by the heads (Qwen3's ``q_norm``/``k_norm``, applied before
+    RoPE): float32 statistics, cast back before the gain, as ``rms_norm``."""
+    xf = x.astype(jnp.float32)
+    xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=1, keepdims=True) + eps)
+    return weight.reshape(1, -1, 1, 1) * xf.astype(x.dtype)
 
 
 def gate_up(lp: Params, h: Float[Array, "D B T"], f: int):
@@ -153,4 +174,4 @@ def head_logits(head: Float[Array, "V D"], h: Float[Array, "... D"]) -> Float[Ar
 
 
 __all__ = ["fast_width", "project", "dense", "apply_rope", "rms_norm", "attention",
-           "qkv_heads", "gate_up", "head_logits"]
+           "qkv_heads", "head_norm", "gate_up", "head_logits"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -51,8 +52,9 @@ REGISTRY: dict[str, Callable[[], Path]] = {
 }
 
 #: end-of-turn tokens that stop generation besides the tokenizer's EOS, where the vocabulary
-#: has them (Gemma's instruction format ends each turn with ``<end_of_turn>``)
-END_OF_TURN = ("<end_of_turn>",)
+#: has them: Gemma's instruction format ends each turn with ``<end_of_turn>``, Llama 3's
+#: with ``<|eot_id|>``, Qwen's (ChatML) with ``<|im_end|>``
+END_OF_TURN = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>")
 
 
 def encode(tokenizer, text: str, chat: bool = False) -> list[int]:
@@ -162,7 +164,7 @@ def _gguf_tokenizer(path: Path):
 
 
 def load(name_or_path: str, dtype=jnp.float32, tokenizer: bool = True,
-         check: Callable[[Any, LlamaConfig], None] | None = None,
+         check: Callable[[Any, loading.Config], None] | None = None,
          compute_dtype=jnp.float32, scan_layers: bool = False) -> LoadedModel:
     """Loads a registered model, a ``.gguf`` file, or an HF directory, with its tokenizer.
 
@@ -177,9 +179,12 @@ def load(name_or_path: str, dtype=jnp.float32, tokenizer: bool = True,
     ``scan_layers=True`` (Llama-family models only; ``ValueError`` otherwise) returns the
     model that runs its layers under one ``lax.scan``, with the weights stacked
     (``llama.stack_layers``): one layer body compiles instead of ``num_layers``.
-    """
-    from transformers import AutoTokenizer
 
+    ``eos_ids``: the tokenizer's EOS and the ``END_OF_TURN`` tokens its vocabulary has,
+    then, for an HF directory, its ``generation_config.json`` ``eos_token_id`` entries
+    (``generation_eos_ids``). Without a tokenizer there are none (prompts and stops are the
+    caller's ids), except a T5 config's ``eos_token_id``.
+    """
     path = resolve(name_or_path)
     if path.is_dir():
         cfg = loading.hf_dir_config(path)
@@ -194,6 +199,8 @@ def load(name_or_path: str, dtype=jnp.float32, tokenizer: bool = True,
             check(tok, cfg)
         cfg, params = loading.load_gguf(path, dtype)
     eos = stop_ids(tok)
+    if tok is not None and path.is_dir():  # the directory's own stop list, after the tokenizer's
+        eos += tuple(i for i in generation_eos_ids(path) if i not in eos)
     if not eos and getattr(cfg, "eos_token_id", None) is not None:  # T5 without a tokenizer
         eos = (int(cfg.eos_token_id),)
     model = loading.model_for(cfg, compute_dtype)
@@ -220,6 +227,22 @@ def _dir_tokenizer(path: Path):
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
         return None
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def generation_eos_ids(path: str | Path) -> tuple[int, ...]:
+    """The ``eos_token_id`` (an int or a list) of an HF directory's
+    ``generation_config.json``, in its order; ``()`` when the file or the field is absent.
+    ``ValueError`` naming the file for an unreadable one. ``load`` adds these to a
+    tokenizer's stop ids (Llama 3 instruct lists ``<|eot_id|>`` and ``<|eom_id|>`` there)."""
+    f = Path(path) / "generation_config.json"
+    if not f.is_file():
+        return ()
+    try:
+        eos = json.loads(f.read_text()).get("eos_token_id")
+        ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        return tuple(dict.fromkeys(int(i) for i in ids))
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{f}: unreadable eos_token_id ({e})") from None
 
 
 def stop_ids(tokenizer) -> tuple[int, ...]:

@@ -6,10 +6,11 @@ over ``model``, and the output projections (``o``, ``down``; T5's ``cross_o``, `
 their input columns, so each device computes whole heads and whole MLP columns and one
 all-reduce per block sums them. T5's encoder layers and cross-attention (``cross_q``,
 ``cross_k``, ``cross_v``) split the same way. Embeddings and LM heads are split over the
-vocabulary where it divides. Norms, T5's relative-bias tables and small draft-head tensors
-are replicated. The KV cache is split over ``data`` (rows) and ``model`` (KV heads, where
-they divide), and so is a T5's bound source (its cross-attention K/V); token buffers over
-``data``.
+vocabulary where it divides. Q/K/V biases (``q_b``, ``k_b``, ``v_b``) split with their
+rows' heads. Norms (Qwen3's per-head ``q_norm``, ``k_norm`` too), the output bias ``o_b``,
+T5's relative-bias tables and small draft-head tensors are replicated. The KV cache is
+split over ``data`` (rows) and ``model`` (KV heads, where they divide), and so is a T5's
+bound source (its cross-attention K/V); token buffers over ``data``.
 
 Sharding never changes a result: XLA's SPMD partitioner runs the same program on the
 mesh, so greedy tokens equal the one-device run (``tests/test_sharding.py``).
@@ -96,14 +97,15 @@ def check_batch(batch: int, mesh: Mesh | None) -> None:
 # ----------------------------------------------------------------------------- layouts
 
 def split_layout(config, params: Any) -> Any:
-    """The same parameters with every fused ``qkv`` split into ``q``, ``k``, ``v``, every
-    fused ``gate_up`` (T5: a gated ``wi``) into ``gate``, ``up`` and T5's ``cross_kv`` into
-    ``cross_k``, ``cross_v`` (the layout sharded by heads; the models read both). Exact:
-    only rows are regrouped."""
+    """The same parameters with every fused ``qkv`` split into ``q``, ``k``, ``v`` (and its
+    biases ``qkv_b`` into ``q_b``, ``k_b``, ``v_b``), every fused ``gate_up`` (T5: a gated
+    ``wi``) into ``gate``, ``up`` and T5's ``cross_kv`` into ``cross_k``, ``cross_v`` (the
+    layout sharded by heads; the models read both). Exact: only rows are regrouped."""
     nq, nk, hd = config.num_heads, config.num_kv_heads, config.head_dim
     f = config.intermediate_size
     fused = {"qkv": (("q", "k", "v"), [nq * hd, (nq + nk) * hd]),
-             "gate_up": (("gate", "up"), [f]), "cross_kv": (("cross_k", "cross_v"), [nq * hd])}
+             "gate_up": (("gate", "up"), [f]), "cross_kv": (("cross_k", "cross_v"), [nq * hd]),
+             "qkv_b": (("q_b", "k_b", "v_b"), [nq * hd, (nq + nk) * hd])}
     if getattr(config, "gated", False):  # T5 v1.1 / Flan: wi = [gate; up]
         fused["wi"] = (("gate", "up"), [f])
 
@@ -112,7 +114,7 @@ def split_layout(config, params: Any) -> Any:
             y = {k: walk(v) for k, v in x.items()}
             for name, (parts, at) in fused.items():
                 if name in y:
-                    y.update(zip(parts, _split_rows(y.pop(name), at)))
+                    y.update(zip(parts, _split_rows(y.pop(name), at, name.endswith("_b"))))
             return y
         if isinstance(x, (list, tuple)):
             return type(x)(walk(v) for v in x)
@@ -121,8 +123,11 @@ def split_layout(config, params: Any) -> Any:
     return walk(params)
 
 
-def _split_rows(w, at):
-    """Row blocks of an ``[out, in]`` weight (or a stacked ``[L, out, in]`` one)."""
+def _split_rows(w, at, bias: bool = False):
+    """Row blocks of an ``[out, in]`` weight (or a stacked ``[L, out, in]`` one); with
+    ``bias``, blocks of an ``[out]`` bias (or a stacked ``[L, out]`` one)."""
+    if bias:
+        return tuple(w[..., a:b] for a, b in zip([0] + at, at + [w.shape[-1]]))
     return tuple(w[..., a:b, :] for a, b in zip([0] + at, at + [w.shape[-2]]))
 
 
@@ -136,8 +141,11 @@ def param_specs(config, params: Any, mesh: Mesh) -> Any:
     rows = {"q": div(nq), "k": div(nk), "v": div(nk), "gate": div(f), "up": div(f),
             "cross_q": div(nq), "cross_k": div(nq), "cross_v": div(nq), "wi": div(f)}
     cols = {"o": div(nq), "down": div(f), "cross_o": div(nq), "wo": div(f)}
+    biases = {"q_b": div(nq), "k_b": div(nk), "v_b": div(nk)}  # [out] or stacked [L, out]
 
     def leaf(name, x):
+        if name in biases:
+            return P(*(None,) * (np.ndim(x) - 1), MODEL) if biases[name] else P()
         lead = (None,) * (np.ndim(x) - 2)  # a stacked layer axis (scan_layers) stays whole
         if np.ndim(x) >= 2 and rows.get(name):
             return P(*lead, MODEL, None)
