@@ -128,7 +128,7 @@ class Eagle:
             elif opt.startswith("vocab=") and opt[6:].isdigit() and cls.kind == "eagle2":
                 out = dataclasses.replace(out, vocab=int(opt[6:]))
             else:
-                raise SpecError(f"unknown {cls.kind} option {opt!r}: " + (
+                raise SpecError(f"unknown EAGLE option {opt!r} for {cls.kind}: " + (
                     "conf, norerank, fullvocab, vocab=N" if cls.kind == "eagle2" else
                     "conf, norerank (the head's draft vocabulary is its own)"))
         return out

@@ -305,7 +305,7 @@ def test_method_and_head_kind_must_agree(target, tmp_path):
         methods.build("eagle2", lm, methods.Options(draft_checkpoint=str(root / "head")))
     with pytest.raises(methods.SpecError, match="needs|pass --draft-checkpoint"):
         methods.build("eagle3", lm, methods.Options())
-    with pytest.raises(methods.SpecError, match="unknown eagle3 option 'vocab=8'"):
+    with pytest.raises(methods.SpecError, match="unknown EAGLE option 'vocab=8' for eagle3"):
         methods.parse("eagle3:2,2,4:vocab=8")
     assert methods.parse("eagle3:7,10,60:conf").format() == "eagle3:7,10,60:conf"
     assert methods.parse("eagle3").drafter_kwargs()["total_tokens"] == 60
