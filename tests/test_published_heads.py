@@ -317,3 +317,20 @@ def test_eagle3_refuses_a_misplaced_layer_count():
         eagle3.Eagle3Drafter(model, depth=2, topk=2, total_tokens=4, layers=(2, 3, 9)).check(model)
     with pytest.raises(ValueError, match="which a 2-layer target does not have"):
         eagle3.fused_layers(2)
+
+
+def test_a_narrower_eagle3_head_reads_the_targets_width(tmp_path):
+    """A head narrower than its target (``target_hidden_size``) carries its own embedding;
+    its fc reads the target's 3 x 32 fused features into 16."""
+    sd, cfg = write_eagle3_head(tmp_path, hidden=16, heads=2, kv_heads=1, intermediate=32,
+                                vocab=V, draft_vocab=DV, target_hidden=H, own_embedding=True)
+    head = published.load(tmp_path, TARGET)
+    assert head.spec.width == 16 and head.params["fc"].shape == (16, 3 * H)
+    _, _, tokens, fused = _inputs(3, 3 * H)
+    out = _run(eagle3.apply_head, head.spec, _hp(head),
+               sd["embed_tokens.weight"][tokens].numpy(), fused.numpy())
+    ref, _ = torch_eagle3_logits(sd, cfg, None, tokens, fused)
+    assert np.abs(np.asarray(eagle3.draft_logits(head.spec, _hp(head), out)) - ref.numpy()).max() < 1e-4
+    _corrupt(tmp_path, lambda sd: sd.pop("embed_tokens.weight"))
+    with pytest.raises(CheckpointError, match="missing tensors.*embed_tokens"):
+        published.load(tmp_path, TARGET)
