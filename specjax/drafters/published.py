@@ -152,10 +152,10 @@ def _take(tensors: dict, want: dict[str, tuple], where: Path, optional=()) -> di
     misshapen one (``optional`` names may be absent)."""
     missing = [k for k in want if k not in tensors and k not in optional]
     extra = sorted(set(tensors) - set(want))
-    if missing or extra:
-        raise CheckpointError(f"{where}: " + "; ".join(
-            s for s in (f"missing tensors {missing}" if missing else "",
-                        f"unexpected tensors {extra}" if extra else "") if s))
+    problems = ([f"missing tensors {missing}"] if missing else []) + (
+        [f"unexpected tensors {extra}"] if extra else [])
+    if problems:
+        raise CheckpointError(f"{where}: " + "; ".join(problems))
     for k, shape in want.items():
         if k in tensors and tuple(tensors[k].shape) != tuple(shape):
             raise CheckpointError(f"{where}: {k} has shape {tuple(tensors[k].shape)}; "
