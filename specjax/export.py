@@ -175,6 +175,15 @@ def export_head(params: Any, out_dir: str | Path, meta: dict, dtype=jnp.bfloat16
 
 # ----------------------------------------------------------------------------- reading
 
+def read_kind(path: str | Path) -> str | None:
+    """The ``kind`` an exported head's ``head.json`` names, or None (no readable one)."""
+    try:
+        meta = json.loads((Path(path) / HEAD_JSON).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return meta.get("kind") if isinstance(meta, dict) else None
+
+
 def read_meta(path: str | Path, kind: str) -> dict:
     """``head.json`` of an exported head of ``kind``; a clear error otherwise."""
     p = Path(path).absolute()

@@ -345,8 +345,7 @@ def _build_eagle(spec: Eagle, lm, opts: Options) -> Built:
     if opts.draft_checkpoint and published.is_published(opts.draft_checkpoint):
         return _build_published(spec, lm, opts)
     if spec.kind == "eagle3":
-        raise SpecError("eagle3 drafts with a published EAGLE-3 head: pass --draft-checkpoint "
-                        "DIR (its config.json and pytorch_model.bin or model.safetensors)")
+        return _build_eagle3(spec, lm, opts)
     path = opts.draft_checkpoint or eagle.shipped_head(opts.model_name)
     if path is None:
         raise FileNotFoundError(f"no EAGLE head ships for {opts.model_name!r}; train one with "
@@ -359,6 +358,32 @@ def _build_eagle(spec: Eagle, lm, opts: Options) -> Built:
     dparams = eagle.draft_params(head, lm.model, lm.params,
                                  None if not n or ids is None else ids[:n])
     drafter = eagle.EagleDrafter(lm.model, **spec.drafter_kwargs())
+    drafter.check_params(dparams)
+    return speculative(spec, lm, opts, drafter, dparams)
+
+
+def _build_eagle3(spec: Eagle, lm, opts: Options) -> Built:
+    """``eagle3`` over a head ``specjax train onpolicy --kind eagle3`` exported."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax import export
+    from specjax.drafters import eagle3
+
+    path = opts.draft_checkpoint
+    if not path or export.read_kind(path) != "eagle3":
+        raise SpecError("eagle3 drafts with an EAGLE-3 head: pass --draft-checkpoint DIR, a "
+                        "published head (config.json and pytorch_model.bin or "
+                        "model.safetensors) or one `specjax train onpolicy --kind eagle3` "
+                        "exported")
+    meta = export.read_meta(path, "eagle3")
+    ids = meta["vocab_ids"]
+    like = eagle3.init_head(lm.model.config, jax.random.key(0), len(ids))
+    head, _ = export.load_head(path, "eagle3", like=like)
+    head = jax.tree.map(lambda x: jnp.asarray(x, lm.model.compute_dtype), head)
+    drafter = eagle3.Eagle3Drafter(lm.model, layers=tuple(meta["layers"]),
+                                   **spec.drafter_kwargs())
+    dparams = eagle3.draft_params(head, lm.model, ids)
     drafter.check_params(dparams)
     return speculative(spec, lm, opts, drafter, dparams)
 

@@ -55,8 +55,8 @@ def resume(run_dir: str | Path, meta: dict, fresh: dict) -> tuple[dict, Any]:
 
 class RunLog:
     """``run_dir/log.jsonl``, one JSON row per call. ``rewind(step)`` drops the rows a killed
-    run wrote after its last checkpoint, so a resumed log matches the checkpoint it
-    continues from."""
+    run wrote after its last checkpoint (rows whose ``key``, the step by default, lies past
+    it), so a resumed log matches the checkpoint it continues from."""
 
     def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / "log.jsonl"
@@ -66,7 +66,7 @@ class RunLog:
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
 
-    def rewind(self, step: int) -> None:
+    def rewind(self, step: int, key: str = "step") -> None:
         if not self.path.exists():
             return
         rows = []
@@ -75,7 +75,7 @@ class RunLog:
                 row = json.loads(line)
             except json.JSONDecodeError:  # a line cut short by the kill
                 continue
-            if row.get("step", 0) <= step:
+            if row.get(key, 0) <= step:
                 rows.append(line)
         tmp = self.path.with_name("log.jsonl.tmp")
         tmp.write_text("".join(r + "\n" for r in rows))

@@ -218,6 +218,137 @@ def cmd_train_redrafter(args) -> int:
     return 0
 
 
+def _onpolicy_init(args, lm, kind):
+    """``(init params or None, vocabulary order or None)`` from ``--init`` (``shipped``: the
+    head that ships for the model; ``none``: a random head)."""
+    import jax
+
+    from specjax import export
+    from specjax.drafters import eagle
+
+    if args.init == "none":
+        return None, None
+    path = eagle.shipped_head(args.model) if args.init == "shipped" else args.init
+    if path is None:
+        raise common.UsageError(f"--init shipped: no EAGLE head ships for {args.model!r}; "
+                                "give --init none or a head directory")
+    saved = export.read_kind(path)
+    meta = export.read_meta(path, saved if saved in ("eagle", "eagle3") else kind.name)
+    ids = meta.get("vocab_ids")
+    if meta["kind"] != kind.name:  # an EAGLE-2 head gives an EAGLE-3 run its vocabulary only
+        return None, ids
+    if kind.name == "eagle":
+        like = eagle.init_head(lm.model.config, jax.random.key(0))
+    else:
+        from specjax.drafters import eagle3
+
+        like = eagle3.init_head(lm.model.config, jax.random.key(0), len(ids))
+    head, _ = export.load_head(path, kind.name, like=like)
+    return head, ids
+
+
+def cmd_train_onpolicy(args) -> int:
+    import dataclasses
+
+    import numpy as np
+
+    common.writable(args.run, "--run", directory=True)
+    common.writable(args.shards, "--shards", directory=True)
+    common.writable(args.export, "--export", directory=True)
+    from tqdm import tqdm
+
+    from specjax import export
+    from specjax.models import load
+    from specjax.train import onpolicy, shards, ttt
+
+    kind = ttt.EAGLE3 if args.kind == "eagle3" else ttt.EAGLE2
+    cfg = onpolicy.OnPolicyConfig(
+        rounds=args.rounds, batch=args.batch, max_new_tokens=args.max_new_tokens,
+        passes=args.passes, batch_tokens=args.batch_tokens, lr=args.lr, warmup=args.warmup,
+        draft_vocab=args.draft_vocab, val_prompts=args.val_prompts, val_every=args.val_every,
+        seed=args.seed, loss=ttt.LossConfig(k=args.ttt, noise=args.noise))
+    lm = load(args.model)
+    exclude = _spec_bench_texts(args.exclude) if args.exclude else []
+    pool = onpolicy.prompt_pool(args.prompts, exclude, args.seed)
+    need = cfg.val_prompts + cfg.rounds * cfg.batch
+    if need > len(pool):
+        raise common.UsageError(f"{cfg.rounds} rounds of {cfg.batch} prompts and "
+                                f"{cfg.val_prompts} held out need {need} prompts; "
+                                f"{args.prompts} has {len(pool)}")
+    thash = shards.target_hash(lm.model.config, lm.params)
+    store = shards.ShardStore(args.shards, onpolicy.store_header(
+        lm, cfg, Path(args.exclude).name if args.exclude else "none", thash),
+        lm.model.config.vocab_size)
+    init, order = _onpolicy_init(args, lm, kind)
+    vfile = Path(args.run, "vocab_ids.npy")
+    if vfile.exists():
+        vocab_ids = np.load(vfile)
+    else:
+        if order is None:
+            raise common.UsageError("a random head needs a vocabulary order: give --init "
+                                    "shipped or an exported head of this model")
+        n = cfg.draft_vocab or lm.model.config.vocab_size
+        vocab_ids = np.asarray(order[:n], np.int32)
+        Path(args.run).mkdir(parents=True, exist_ok=True)
+        np.save(vfile, vocab_ids)
+    print(f"{len(pool)} prompts; the store holds {len(store)} rounds ({store.tokens()} tokens) "
+          f"of target {thash}; {cfg}", flush=True)
+    with tqdm(total=cfg.rounds, desc=f"on-policy {kind.name}", unit="round") as bar:
+        state = onpolicy.train(lm, kind, cfg, args.run, store, pool, vocab_ids, init=init,
+                               progress=bar, log=RunLog(args.run),
+                               stop_after=args.stop_after)
+    if args.export:
+        meta = {"kind": kind.name, "model": args.model, "draft_vocab": 0,
+                "train": {**dataclasses.asdict(cfg), "onpolicy": True},
+                "steps_done": int(state["step"]), "tokens_seen": int(state["tokens"]),
+                "init": args.init if args.init in ("shipped", "none") else Path(args.init).name,
+                "data": {"kind": "onpolicy", "store_target": store.manifest["target"],
+                         "rounds": len(store), "tokens": store.tokens()},
+                "vocab_ids": (order if kind.name == "eagle" and order is not None
+                              else vocab_ids.tolist())}
+        if kind.name == "eagle3":
+            meta["layers"] = list(kind.layers(lm.model.config)[:-1])
+        out = export.export_head(state["params"], args.export, meta)
+        print(f"exported the head (bfloat16) to {out}")
+    return 0
+
+
+def _add_onpolicy(tsub):
+    to = tsub.add_parser("onpolicy", help="an EAGLE-2 or EAGLE-3 head trained online on the "
+                                          "target's own batched answers (self-distillation)")
+    to.add_argument("--model", default="smollm2-135m")
+    to.add_argument("--kind", choices=["eagle", "eagle3"], default="eagle")
+    to.add_argument("--prompts", required=True, help="directory of training prompt files")
+    to.add_argument("--exclude", help="Spec-Bench question.jsonl: overlapping prompts are dropped")
+    to.add_argument("--shards", required=True,
+                    help="token shard store (manifest.json): replayed, then extended")
+    to.add_argument("--run", required=True, help="run directory: checkpoints; resumes")
+    to.add_argument("--rounds", type=int, default=8, help="decode batches in all (replayed "
+                                                          "ones included)")
+    to.add_argument("--batch", type=int, default=32, help="prompts decoded together")
+    to.add_argument("--max-new-tokens", type=int, default=128)
+    to.add_argument("--passes", type=int, default=1, help="optimizer passes over each round")
+    to.add_argument("--batch-tokens", type=int, default=4096)
+    to.add_argument("--lr", type=float, default=3e-4)
+    to.add_argument("--warmup", type=int, default=20)
+    to.add_argument("--ttt", type=int, default=1,
+                    help="training-time test: steps the head is unrolled on its own outputs")
+    to.add_argument("--noise", type=float, default=0.1,
+                    help="uniform noise on step 0's input features, relative to their RMS")
+    to.add_argument("--draft-vocab", type=int, default=8192,
+                    help="EAGLE-3: the head's vocabulary; EAGLE-2: the cross-entropy's rows")
+    to.add_argument("--val-prompts", type=int, default=48)
+    to.add_argument("--val-every", type=int, default=4)
+    to.add_argument("--seed", type=int, default=0)
+    to.add_argument("--init", default="shipped",
+                    help="shipped (the model's shipped head), none, or an exported head; "
+                         "EAGLE-3 takes only its vocabulary order")
+    to.add_argument("--stop-after", type=int, help="stop after this many rounds of this call")
+    to.add_argument("--export", help="write the trained head (bfloat16) here")
+    to.set_defaults(fn=cmd_train_onpolicy)
+    return to
+
+
 def register(sub) -> list:
     """Adds this module's commands to ``sub``; returns their parsers."""
     ds = sub.add_parser("distill", help="self-distilled training data: the target answers "
@@ -317,7 +448,8 @@ def register(sub) -> list:
                     help="KL over the corpus's most frequent tokens (0: all)")
     tx.add_argument("--export", help="write the trained heads (bfloat16) here")
     tx.set_defaults(fn=cmd_train_exits)
+    to = _add_onpolicy(tsub)
     for t in (te, tr, tx):
         t.add_argument("--mesh", help="data-parallel training on a device mesh, e.g. data=8 "
                        "(rows split over data, gradients summed by XLA)")
-    return [ds, fe, te, tr, tx]
+    return [ds, fe, te, tr, tx, to]

@@ -1,0 +1,222 @@
+"""On-policy self-distillation and EAGLE-3's training-time test, on a 4-layer toy Llama:
+the online loop's features are a prefill's, TTT at k=1 is the plain loss and at k>1 runs
+the head on its own outputs exactly as drafting does, a killed run resumes to the same
+parameters without touching the shard store, and a store refuses another target."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import export, methods
+from specjax.core.decoding import generate
+from specjax.drafters import blocks, eagle, eagle3
+from specjax.train import eagle as train_eagle
+from specjax.train import onpolicy, shards, ttt
+from toys import loaded_llama
+
+CFG = onpolicy.OnPolicyConfig(rounds=3, batch=4, max_new_tokens=10, val_prompts=4,
+                              val_every=2, batch_tokens=128, lr=1e-2, warmup=2,
+                              draft_vocab=48, loss=ttt.LossConfig(k=2))
+POOL = [(f"toy#{i}", "word " * (i % 5 + 1) + f"number {i}") for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    return loaded_llama(tmp_path_factory.mktemp("toy"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def examples(lm):
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(3, 128, size=n)) for n in (5, 9, 17, 30)]
+    return onpolicy.decode_round(lm, prompts, 12, ttt.EAGLE3.layers(lm.model.config))
+
+
+def _store(lm, root, thash=None):
+    th = thash or shards.target_hash(lm.model.config, lm.params)
+    return shards.ShardStore(root, onpolicy.store_header(lm, CFG, "none", th),
+                             lm.model.config.vocab_size)
+
+
+def test_online_features_equal_a_separate_prefill(lm, examples):
+    """Features kept while decoding (prefill for the prompt, one decode step per answer
+    token) equal one prefill of the finished sequence to 1e-5 of their scale, for every
+    layer EAGLE-3 and EAGLE-2 read; the answers are the target's greedy continuation."""
+    layers = ttt.EAGLE3.layers(lm.model.config)
+    again = onpolicy.prefill_features(lm, [(t, pl) for t, pl, _ in examples], layers)
+    for (tok, pl, f), (_, _, g) in zip(examples, again):
+        assert f.shape == (len(tok), len(layers) * lm.model.config.hidden_size)
+        scale = np.abs(g).max()
+        assert np.abs(f[:-1] - g[:-1]).max() <= 1e-5 * scale
+        assert np.abs(f[pl:-1]).max() > 0  # answer positions were filled, not left zero
+    ar = generate(lm.model, lm.params, [list(t[:pl]) for t, pl, _ in examples],
+                  max_new_tokens=12).to_lists()
+    assert ar == [list(t[pl:]) for t, pl, _ in examples]
+
+
+def _batch(examples, d):
+    idx = list(range(len(examples)))
+    toks, feats, mask = onpolicy.batch_arrays([(t, p, f[:, -d:]) for t, p, f in examples], idx)
+    full = onpolicy.batch_arrays(examples, idx)[1]
+    return toks, feats, full, mask
+
+
+def test_ttt_at_k1_is_the_plain_loss(lm, examples):
+    target, tp = lm.model, lm.params
+    d = target.config.hidden_size
+    toks, last, full, mask = _batch(examples, d)
+    key = jax.random.key(5)
+    hp = eagle.init_head(target.config, jax.random.key(1))
+    ids = jnp.arange(0, 96, dtype=jnp.int32)
+    plain_cfg = train_eagle.TrainConfig(noise=0.1, w_reg=1.0, w_ce=0.1)
+    plain, _ = train_eagle.loss_fn(hp, tp, toks, last, ttt.shift(last, -1), mask, key, ids,
+                                   target=target, cfg=plain_cfg)
+    got, m = ttt.loss_fn(hp, tp, toks, last, mask, key, ids, kind=ttt.EAGLE2, target=target,
+                         cfg=ttt.LossConfig(k=1, noise=0.1))
+    np.testing.assert_allclose(float(got), float(plain), rtol=1e-6)
+    assert set(m) == {"loss", "loss0", "acc0"}
+    # EAGLE-3 at k=1: the teacher-forced cross-entropy over the draft vocabulary
+    h3 = eagle3.init_head(target.config, jax.random.key(2), 48)
+    vids = jnp.arange(10, 58, dtype=jnp.int32)
+    got3, _ = ttt.loss_fn(h3, tp, toks, full, mask, key, vids, kind=ttt.EAGLE3, target=target,
+                          cfg=ttt.LossConfig(k=1, noise=0.0))
+    spec = eagle3.layer_spec(target.config)
+    b, t = toks.shape
+    zk, zv = blocks.empty_kv(spec, b, t, jnp.float32)
+    out, _, _ = eagle3.apply_head(spec, h3, target.embed(tp, toks), ttt.shift(full[..., :-d], -1),
+                                  jnp.broadcast_to(jnp.arange(t), (b, t)), zk, zv,
+                                  jnp.zeros((b,), jnp.int32), blocks.causal(b, t))
+    tl = jnp.einsum("btd,vd->btv", blocks.features(target, tp, full[..., -d:]),
+                    target.output_head(tp)[vids])
+    ce = -jnp.sum(jax.nn.softmax(tl) * jax.nn.log_softmax(eagle3.draft_logits(spec, h3, out)), -1)
+    np.testing.assert_allclose(float(got3), float(jnp.sum(ce * mask) / mask.sum()), rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", [ttt.EAGLE2, ttt.EAGLE3])
+def test_ttt_steps_read_the_heads_own_outputs_as_drafting_does(lm, examples, kind):
+    """Step s of the unroll at entry p equals the head drafting s tokens after position p
+    (one-layer cache, its own output fed back); a teacher-forced step 1 (the target's
+    feature in place of the head's output) does not."""
+    target, tp = lm.model, lm.params
+    d = target.config.hidden_size
+    toks, _, full, _ = _batch(examples, d)
+    if kind.name == "eagle":
+        hp = eagle.init_head(target.config, jax.random.key(1))
+        hp["layer"]["o"] = hp["layer"]["o"] * 10
+        teacher = blocks.features(target, tp, full[..., -d:])
+        prev0 = ttt.shift(teacher, -1)
+        run = lambda *a: eagle.head_forward(target, hp, tp, *a)  # noqa: E731
+    else:
+        hp = eagle3.init_head(target.config, jax.random.key(2), 48)
+        teacher, prev0 = None, ttt.shift(full[..., :-d], -1)
+        spec = eagle3.layer_spec(target.config)
+        run = lambda tk, *a: eagle3.apply_head(spec, hp, target.embed(tp, tk), *a)  # noqa: E731
+    outs = ttt.unroll(kind, target, hp, tp, toks, prev0, 3)
+    row, p = 3, 20
+    spec = kind.spec(target.config)
+    k, v = blocks.empty_kv(spec, 1, 64, jnp.float32)
+    pos = jnp.arange(p + 1)[None]
+    out, k, v = run(toks[row:row + 1, :p + 1], prev0[row:row + 1, :p + 1], pos, k, v,
+                    jnp.zeros((1,), jnp.int32), blocks.causal(1, p + 1))
+    f = out[:, p:p + 1]
+    np.testing.assert_allclose(outs[0][row, p], f[0, 0], atol=1e-5)
+    one = jnp.ones((1, 1, 1), bool)
+    for s in (1, 2):
+        f_next, k, v = run(toks[row:row + 1, p + s:p + s + 1], f, jnp.asarray([[p + s]]), k, v,
+                           jnp.asarray([p + s], jnp.int32), one)
+        np.testing.assert_allclose(outs[s][row, p], f_next[0, 0], atol=1e-4, rtol=1e-4)
+        f = f_next
+    if teacher is not None:  # teacher forcing at step 1 gives another output
+        tf = ttt.unroll(kind, target, hp, tp, toks, prev0, 1)[0]
+        np.testing.assert_allclose(tf[row, p + 1], outs[0][row, p + 1], atol=1e-5)
+        assert float(jnp.abs(outs[1][row, p] - tf[row, p + 1]).max()) > 1e-2
+
+
+def _params(state):
+    return jax.tree.map(np.asarray, state["params"])
+
+
+def test_a_killed_run_resumes_to_the_same_parameters_and_store(lm, tmp_path):
+    vids = np.arange(48, dtype=np.int32)
+    run = lambda name, **kw: onpolicy.train(  # noqa: E731
+        lm, ttt.EAGLE3, CFG, tmp_path / name, _store(lm, tmp_path / f"s_{name}"), POOL, vids,
+        **kw)
+    whole = _params(run("whole"))
+    manifest = (tmp_path / "s_whole" / "manifest.json").read_text()
+    logs = []
+    run("killed", stop_after=1, log=logs.append)
+    resumed = _params(run("killed", log=logs.append))
+    jax.tree.map(np.testing.assert_array_equal, resumed, whole)
+    assert (tmp_path / "s_killed" / "manifest.json").read_text() == manifest
+    assert [r["round"] for r in logs] == [1, 2, 3]
+    assert "val_top1" in logs[1] and len(logs[1]["val_top1"]) == 3
+    # killed after round 3's shard was written, before its checkpoint: the round replays
+    ckpt = tmp_path / "killed" / "ckpt"
+    shutil.rmtree(ckpt / "3")
+    again = _params(run("killed", log=logs.append))
+    assert logs[-1]["replayed"] and not logs[2]["replayed"]
+    assert (tmp_path / "s_killed" / "manifest.json").read_text() == manifest
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), again, whole)
+
+
+def test_a_later_run_replays_the_store_and_extends_it(lm, tmp_path):
+    vids = np.arange(128, dtype=np.int32)
+    cfg = dataclasses.replace(CFG, rounds=2, loss=ttt.LossConfig(k=1))
+    store = _store(lm, tmp_path / "store")
+    onpolicy.train(lm, ttt.EAGLE2, cfg, tmp_path / "a", store, POOL, vids)
+    logs = []
+    onpolicy.train(lm, ttt.EAGLE2, dataclasses.replace(cfg, rounds=3), tmp_path / "b",
+                   _store(lm, tmp_path / "store"), POOL, vids, log=logs.append)
+    assert [r["replayed"] for r in logs] == [True, True, False]
+    m = json.loads((tmp_path / "store" / "manifest.json").read_text())
+    assert len(m["shards"]) == 3 and m["val"]["prompt_ids"]
+    ids = [i for s in m["shards"] for i in s["prompt_ids"]]
+    assert len(set(ids)) == len(ids) and not set(ids) & set(m["val"]["prompt_ids"])
+    z = np.load(tmp_path / "store" / m["shards"][0]["file"])
+    assert z["tokens"].dtype == np.uint16
+
+
+def test_a_store_refuses_another_target_and_damage(lm, tmp_path):
+    th = shards.target_hash(lm.model.config, lm.params)
+    other = jax.tree.map(lambda x: x, lm.params)
+    leaf = jax.tree.leaves(other)[0]
+    other = jax.tree.map(lambda x: x.at[(0,) * x.ndim].add(1e-3) if x is leaf else x, other)
+    assert shards.target_hash(lm.model.config, other) != th
+    assert shards.target_hash(lm.model.config, lm.params) == th
+    store = _store(lm, tmp_path / "s")
+    store.append(["a#0", "a#1"], [(np.arange(5), 2), (np.arange(7), 3)])
+    with pytest.raises(shards.ShardError, match="holds tokens of target .* not of"):
+        _store(lm, tmp_path / "s", thash="0" * 16)
+    with pytest.raises(shards.ShardError, match="other settings"):
+        shards.ShardStore(tmp_path / "s", {**onpolicy.store_header(
+            lm, dataclasses.replace(CFG, max_new_tokens=99), "none", th)}, 128)
+    assert [list(t) for t, _ in _store(lm, tmp_path / "s").read(0)] == [list(range(5)),
+                                                                        list(range(7))]
+    f = tmp_path / "s" / "shard_00000.npz"
+    f.write_bytes(f.read_bytes()[:-3] + b"xyz")
+    with pytest.raises(shards.ShardError, match="does not match its SHA-256"):
+        _store(lm, tmp_path / "s").read(0)
+
+
+def test_an_exported_eagle3_head_decodes_as_ar(lm, tmp_path):
+    """A trained EAGLE-3 head (export kind ``eagle3``) loads through ``--method eagle3``."""
+    vids = np.arange(20, 68, dtype=np.int32)
+    state = onpolicy.train(lm, ttt.EAGLE3, dataclasses.replace(CFG, rounds=1), tmp_path / "r",
+                           _store(lm, tmp_path / "s"), POOL, vids)
+    layers = list(ttt.EAGLE3.layers(lm.model.config)[:-1])
+    export.export_head(state["params"], tmp_path / "head",
+                       {"kind": "eagle3", "vocab_ids": vids.tolist(), "layers": layers},
+                       dtype=jnp.float32)
+    built = methods.build("eagle3:2,3,6", lm,
+                          methods.Options(draft_checkpoint=str(tmp_path / "head")))
+    prompts, budgets = [[5, 9, 17, 3, 44], [1, 2, 8]], [16, 11]
+    ar = generate(lm.model, lm.params, prompts, max_new_tokens=budgets).to_lists()
+    out = built(prompts, max_new_tokens=budgets)
+    assert out.to_lists() == ar and out.drafted.sum() > 0

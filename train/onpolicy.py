@@ -1,0 +1,389 @@
+"""On-policy self-distillation: the target answers training prompts in batches, and an EAGLE
+head trains online on each batch, from features its own decoding already computed.
+
+A round decodes one batch of prompts with the target (greedy, batched, one jitted
+``lax.while_loop``) and keeps, at every prompt and answer position, the residual streams the
+head reads (``ttt.Kind.layers``), taken from the prefill and from each decode step's
+forward: no second pass and no feature corpus on disk. The round's token ids go to a
+``ShardStore`` (committed to the repository, a few bytes per token), then the head trains
+on the round's sequences, prompts and answers, and the run checkpoints (Orbax).
+
+A later run replays the shards already in the store (features from one prefill of their
+tokens, ``prefill_features``) and decodes new rounds past them, so data and head grow from
+run to run. Rounds are a function of the store and the seed, so a run killed after a
+checkpoint resumes to the parameters of one that never stopped; the store's manifest is
+written before training on a round, so a resumed run replays that round instead of
+decoding it again (the manifest is unchanged).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from pathlib import Path
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from jax import lax
+
+from specjax._compile import AotCache
+from specjax.core.decoder import PAD, prepare, stops
+from specjax.core.decoding import hidden_features, prefill
+from specjax.train import distill, loop, ttt
+from specjax.train.shards import ShardStore, target_hash
+
+Example = tuple  # (tokens int32 [n], prompt_len, feats float32 [n, F]; the last row is zero)
+
+
+# ----------------------------------------------------------------------------- prompts
+
+def prompt_pool(data_dir: str | Path, exclude: Sequence[str] = (), seed: int = 0
+                ) -> list[tuple[str, str]]:
+    """Every training prompt as ``(id, text)`` in one seeded order, GSM8K, self-instruct and
+    T0 in turn (until each runs out), without any that shares a 13-word span with ``exclude`` (Spec-Bench). An id
+    is ``source#line`` and never changes."""
+    banned = set().union(*(distill.ngrams(t) for t in exclude)) if exclude else set()
+    src = distill.read_prompts(data_dir)
+    groups = {"gsm8k": [], "self_instruct": [], "t0": []}
+    for name, texts in sorted(src.items()):
+        g = "t0" if name.startswith("t0/") else name
+        groups[g] += [(f"{name}#{i}", t) for i, t in enumerate(texts)]
+    rng = random.Random(seed)
+    for g in groups.values():
+        rng.shuffle(g)
+    out, iters = [], [iter(g) for g in groups.values()]
+    while iters:  # round-robin over the sources until each runs out
+        for it in list(iters):
+            row = next(it, None)
+            if row is None:
+                iters.remove(it)
+            elif not (banned and distill.ngrams(row[1]) & banned):
+                out.append(row)
+    return out
+
+
+# ----------------------------------------------------------------------------- decoding
+
+@struct.dataclass
+class _State:
+    tokens: jax.Array
+    feats: jax.Array
+    num: jax.Array
+    done: jax.Array
+    last: jax.Array
+    cache: object
+
+
+def _decode(params, prompt, prompt_len, budget, eos_ids, *, model, capacity: int,
+            max_out: int, chunk: int, layers: tuple[int, ...]):
+    """Greedy answers, and the residual streams after ``layers`` at every prompt position
+    (from the prefill) and every answer position but the last (from the decode steps)."""
+    b = prompt.shape[0]
+    cache = model.init_cache(b, capacity)
+    h_last, cache, h_prompt = prefill(model, params, prompt, prompt_len, cache, chunk, layers)
+    first = jnp.argmax(model.logits(params, h_last), -1).astype(jnp.int32)
+    one = jnp.ones((b,), jnp.int32)
+    s = _State(tokens=jnp.full((b, max_out), PAD, jnp.int32).at[:, 0].set(first),
+               feats=jnp.zeros((b, max_out, h_prompt.shape[-1]), jnp.float32), num=one,
+               done=stops(first, one, budget, eos_ids), last=first, cache=cache)
+    rows = jnp.arange(b)
+
+    def step(s: _State) -> _State:
+        logits, hid, cache = model.forward(params, s.last[:, None], s.cache.length[:, None],
+                                           s.cache, return_layers=layers)
+        tok = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
+        active = ~s.done
+        h = hidden_features(hid, layers)[:, 0].astype(jnp.float32)
+        return _State(tokens=s.tokens.at[rows, jnp.where(active, s.num, max_out)]
+                      .set(tok, mode="drop"),
+                      feats=s.feats.at[rows, jnp.where(active, s.num - 1, max_out)]
+                      .set(h, mode="drop"),
+                      num=s.num + active, done=s.done | stops(tok, s.num + active, budget, eos_ids),
+                      last=jnp.where(active, tok, s.last), cache=cache.advance(active))
+
+    s = lax.while_loop(lambda s: jnp.any(~s.done), step, s)
+    return s.tokens, s.num, h_prompt, s.feats
+
+
+_DECODE = AotCache(_decode, ("model", "capacity", "max_out", "chunk", "layers"))
+
+
+def decode_round(lm, prompts: Sequence[list[int]], max_new_tokens: int,
+                 layers: tuple[int, ...], chunk: int = 64) -> list[Example]:
+    """The target's greedy answers to ``prompts`` (one batch), with features."""
+    x = prepare(lm.model, prompts, max_new_tokens, eos_ids=lm.eos_ids, chunk=chunk)
+    (toks, num, hp, hg), _ = _DECODE(lm.params, x.tokens, x.lengths, x.budgets, x.eos,
+                                     model=lm.model, capacity=x.capacity, max_out=x.max_out,
+                                     chunk=chunk, layers=tuple(layers))
+    toks, num, hp, hg = map(np.asarray, (toks, num, hp, hg))
+    out = []
+    for i, p in enumerate(prompts):
+        n, pl = int(num[i]), len(p)
+        seq = np.concatenate([np.asarray(p, np.int32), toks[i, :n]])
+        f = np.concatenate([hp[i, :pl], hg[i, :n - 1], np.zeros((1, hp.shape[-1]), hp.dtype)])
+        out.append((seq, pl, f))
+    return out
+
+
+def _prefill_all(params, tokens, lengths, *, model, capacity: int, chunk: int,
+                 layers: tuple[int, ...]):
+    cache = model.init_cache(tokens.shape[0], capacity)
+    return prefill(model, params, tokens, lengths, cache, chunk, layers)[2]
+
+
+_PREFILL = AotCache(_prefill_all, ("model", "capacity", "chunk", "layers"))
+
+
+def prefill_features(lm, examples: Sequence[tuple[np.ndarray, int]], layers: tuple[int, ...],
+                     chunk: int = 64) -> list[Example]:
+    """Features of stored sequences, from one prefill of each (batched): what
+    ``decode_round`` returned for them, up to float rounding."""
+    seqs = [np.asarray(t, np.int32) for t, _ in examples]
+    x = prepare(lm.model, seqs, 1, chunk=chunk)
+    h, _ = _PREFILL(lm.params, x.tokens, x.lengths, model=lm.model, capacity=x.capacity,
+                    chunk=chunk, layers=tuple(layers))
+    h = np.asarray(h)
+    return [(t, pl, np.concatenate([h[i, :len(t) - 1], np.zeros((1, h.shape[-1]), h.dtype)]))
+            for i, (t, pl) in enumerate(examples)]
+
+
+# ----------------------------------------------------------------------------- batches
+
+@dataclasses.dataclass(frozen=True)
+class OnPolicyConfig:
+    """A run: ``rounds`` decode batches of ``batch`` prompts (``max_new_tokens`` each,
+    prompts longer than ``max_prompt_tokens`` skipped), ``passes`` optimizer passes over each
+    round's sequences in minibatches of about ``batch_tokens`` tokens; ``val_prompts``
+    held-out prompts (the first of the pool) scored every ``val_every`` rounds."""
+
+    rounds: int = 8
+    batch: int = 32
+    max_new_tokens: int = 128
+    max_prompt_tokens: int = 384
+    passes: int = 1
+    batch_tokens: int = 4096
+    lr: float = 3e-4
+    warmup: int = 20
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    draft_vocab: int = 8192
+    val_prompts: int = 48
+    val_every: int = 4
+    seed: int = 0
+    loss: ttt.LossConfig = ttt.LossConfig()
+
+
+def minibatches(examples: Sequence[Example], batch_tokens: int, key: int) -> list[list[int]]:
+    """Example indices per minibatch: sorted by length, cut at about ``batch_tokens``
+    padded tokens, in an order seeded by ``key``."""
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i][0]))
+    plan, cur = [], []
+    for i in order:
+        t = _bucket(len(examples[i][0]))
+        if cur and t * (len(cur) + 1) > batch_tokens:
+            plan.append(cur)
+            cur = []
+        cur.append(i)
+    plan.append(cur)
+    return [plan[j] for j in np.random.default_rng(key).permutation(len(plan))]
+
+
+def _bucket(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+def batch_arrays(examples: Sequence[Example], idx: Sequence[int], answers_only: bool = False):
+    """``(tokens [B, T], feats [B, T, F], mask [B, T])`` of the chosen examples; ``mask``
+    marks positions whose feature and next token are known (answer positions only with
+    ``answers_only``: the predictions of answer tokens)."""
+    t = _bucket(max(len(examples[i][0]) for i in idx))
+    f = examples[idx[0]][2].shape[-1]
+    toks = np.zeros((len(idx), t), np.int32)
+    feats = np.zeros((len(idx), t, f), np.float32)
+    mask = np.zeros((len(idx), t), np.float32)
+    for r, i in enumerate(idx):
+        tok, pl, fe = examples[i]
+        n = len(tok)
+        toks[r, :n], feats[r, :n] = tok, fe
+        mask[r, (pl - 1 if answers_only else 0):n - 1] = 1.0
+    return toks, feats, mask
+
+
+# ----------------------------------------------------------------------------- training
+
+def optimizer(cfg: OnPolicyConfig) -> optax.GradientTransformation:
+    """AdamW at a constant rate after a linear warmup (online: no planned end), clipped."""
+    sched = optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, cfg.warmup),
+                                  optax.constant_schedule(cfg.lr)], [cfg.warmup])
+    return optax.chain(optax.clip_by_global_norm(cfg.clip),
+                       optax.adamw(sched, weight_decay=cfg.weight_decay))
+
+
+def make_step(kind: ttt.Kind, target, cfg: OnPolicyConfig, opt):
+    @jax.jit
+    def step(state, tparams, toks, feats, mask, vocab_ids):
+        key = jax.random.fold_in(jax.random.key(cfg.seed), state["step"])
+        grads, metrics = jax.grad(ttt.loss_fn, has_aux=True)(
+            state["params"], tparams, toks, feats, mask, key, vocab_ids, kind=kind,
+            target=target, cfg=cfg.loss)
+        updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
+        return {**state, "params": optax.apply_updates(state["params"], updates),
+                "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    return step
+
+
+def make_eval(kind: ttt.Kind, target, k: int = 3):
+    """Jitted held-out scoring without noise, unrolled ``k`` steps on the head's own
+    outputs: sums of per-step top-1 hits on answer positions, and their counts."""
+    quiet = ttt.LossConfig(k=k, noise=0.0)
+
+    @jax.jit
+    def evaluate(params, tparams, toks, feats, mask, vocab_ids):
+        _, m = ttt.loss_fn(params, tparams, toks, feats, mask, jax.random.key(0), vocab_ids,
+                           kind=kind, target=target, cfg=quiet)
+        counts = [jnp.sum(ttt.shift(mask, s) * mask) for s in range(k)]
+        return jnp.stack([m[f"acc{s}"] * c for s, c in enumerate(counts)]), jnp.stack(counts)
+
+    return evaluate
+
+
+def validate(evaluate, params, tparams, val: Sequence[Example], vocab_ids,
+             batch_tokens: int) -> dict:
+    """Held-out top-1 per draft step (the head unrolled on its own outputs, the teacher's
+    tokens fed) on the target's answers: ``val_top1`` [step 1, step 2, ...]."""
+    hits, counts = 0.0, 0.0
+    for idx in minibatches(val, batch_tokens, 0):
+        h, c = evaluate(params, tparams, *batch_arrays(val, idx, answers_only=True), vocab_ids)
+        hits, counts = hits + np.asarray(h), counts + np.asarray(c)
+    return {"val_top1": [round(float(x), 4) for x in hits / np.maximum(counts, 1)],
+            "val_tokens": int(counts[0])}
+
+
+# ----------------------------------------------------------------------------- the run
+
+def store_header(lm, cfg: OnPolicyConfig, exclude: str, thash: str) -> dict:
+    """What a shard store is bound to: the target (name and ``target_hash``), the sampling
+    settings and how prompts were chosen."""
+    return {"target": {"name": Path(str(lm.source)).name, "hash": thash},
+            "sampling": {"decoding": "greedy", "max_new_tokens": cfg.max_new_tokens},
+            "prompts": {"seed": cfg.seed, "batch": cfg.batch, "exclude": exclude,
+                        "max_prompt_tokens": cfg.max_prompt_tokens,
+                        "val_prompts": cfg.val_prompts}}
+
+
+def _encode(lm, pool, cfg: OnPolicyConfig) -> tuple[list[str], list[list[int]]]:
+    ids, toks = [], []
+    for pid, text in pool:
+        t = lm.encode(text, chat=lm.has_chat_template)
+        if len(t) <= cfg.max_prompt_tokens:
+            ids.append(pid)
+            toks.append(t)
+    return ids, toks
+
+
+def _round_data(lm, store: ShardStore, which, pool, cfg: OnPolicyConfig, layers):
+    """``(examples, replayed, seconds)`` of a round (a shard number) or of ``"val"``: read
+    from the store and prefilled, or decoded and appended to it."""
+    t0 = time.perf_counter()
+    ids, toks = _encode(lm, pool, cfg)
+    order = sorted(range(len(toks)), key=lambda i: len(toks[i]))  # similar lengths together
+    ids, toks = [ids[i] for i in order], [toks[i] for i in order]
+    known = store.has(which) if isinstance(which, str) else which < len(store)
+    if known:
+        entry = store.manifest[which] if isinstance(which, str) else store.manifest["shards"][which]
+        if entry["prompt_ids"] != ids:
+            raise ValueError(f"shard {which} of {store.root} answers other prompts than this run "
+                             "chooses: the prompt data changed")
+        ex = prefill_features(lm, store.read(which), layers)
+    else:
+        ex = decode_round(lm, toks, cfg.max_new_tokens, layers)
+        store.append(ids, [(t, pl) for t, pl, _ in ex],
+                     name=which if isinstance(which, str) else None)
+    return ex, known, time.perf_counter() - t0
+
+
+def init_params(kind: ttt.Kind, target_cfg, cfg: OnPolicyConfig, init=None) -> dict:
+    """A fresh head of ``kind`` (float32), or ``init``'s parameters cast to float32."""
+    from specjax.drafters import eagle, eagle3
+
+    key = jax.random.key(cfg.seed)
+    fresh = (eagle.init_head(target_cfg, key) if kind.name == "eagle"
+             else eagle3.init_head(target_cfg, key, cfg.draft_vocab))
+    if init is None:
+        return fresh
+    return jax.tree.map(lambda a, b: jnp.asarray(b, a.dtype), fresh, init)
+
+
+def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: ShardStore,
+          pool: Sequence[tuple[str, str]], vocab_ids: np.ndarray, *, init=None,
+          stop_after: int | None = None, log=None, progress=None) -> dict:
+    """Trains (or resumes) the head in ``run_dir`` up to ``cfg.rounds`` rounds (or
+    ``stop_after`` more) over ``pool`` (``prompt_pool``: its first ``val_prompts`` are held
+    out), replaying the rounds ``store`` holds and decoding the rest into it. ``vocab_ids``:
+    the draft vocabulary (EAGLE-3's head rows; EAGLE-2's cross-entropy rows). Returns the
+    state; a checkpoint is written after every round."""
+    target, tparams = lm.model, lm.params
+    layers = kind.layers(target.config)
+    opt = optimizer(cfg)
+    params = init_params(kind, target.config, cfg, init)
+    fresh = {"params": params, "opt_state": opt.init(params), "step": jnp.asarray(0, jnp.int32),
+             "round": jnp.asarray(0, jnp.int32), "tokens": jnp.asarray(0, jnp.int32)}
+    meta = {"kind": kind.name, "store": store.manifest["target"], "vocab": len(vocab_ids),
+            **{k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("rounds", "val_every")}}
+    state, mngr = loop.resume(run_dir, meta, fresh)
+    step = make_step(kind, target, cfg, opt)
+    evaluate = make_eval(kind, target)
+    vids = jnp.asarray(vocab_ids, jnp.int32)
+    val, _, _ = _round_data(lm, store, "val", pool[:cfg.val_prompts], cfg, layers)
+    start = int(state["round"])
+    end = cfg.rounds if stop_after is None else min(cfg.rounds, start + stop_after)
+    if isinstance(log, loop.RunLog):
+        log.rewind(start, key="round")
+    per = cfg.batch
+    for r in range(start, end):
+        lo = cfg.val_prompts + r * per
+        ex, replayed, secs = _round_data(lm, store, r, pool[lo:lo + per], cfg, layers)
+        t0, metrics = time.perf_counter(), {}
+        for p in range(cfg.passes):
+            for idx in minibatches(ex, cfg.batch_tokens, hash((cfg.seed, r, p)) % 2**32):
+                toks, feats, mask = batch_arrays(ex, idx)
+                state, metrics = step(state, tparams, toks, feats, mask, vids)
+                state["tokens"] = state["tokens"] + int(mask.sum())
+        state["round"] = jnp.asarray(r + 1, jnp.int32)
+        mngr.save(r + 1, args=loop.checkpoint.ocp.args.StandardSave(state), force=True)
+        answer = sum(len(t) - pl for t, pl, _ in ex)
+        row = {"round": r + 1, "step": int(state["step"]), "tokens_seen": int(state["tokens"]),
+               **{k: round(float(v), 4) for k, v in metrics.items()},
+               "replayed": replayed, "data_seconds": round(secs, 1),
+               "answer_tokens": answer, "data_tok_per_s": round(answer / secs, 1),
+               "train_seconds": round(time.perf_counter() - t0, 1)}
+        if (r + 1) % cfg.val_every == 0 or r + 1 == end:
+            row.update(validate(evaluate, state["params"], tparams, val, vids, cfg.batch_tokens))
+        if log is not None:
+            log(row)
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix({k: row[k] for k in ("tokens_seen", "data_tok_per_s")})
+    mngr.wait_until_finished()
+    mngr.close()
+    return state
+
+
+def vocab_by_frequency(examples, vocab_size: int, n: int) -> np.ndarray:
+    """The ``n`` most frequent token ids of the examples' answers (ties: lower id first)."""
+    counts = np.zeros(vocab_size, np.int64)
+    for tok, pl, *_ in examples:
+        np.add.at(counts, np.asarray(tok)[pl:], 1)
+    return np.argsort(-counts, kind="stable")[:n].astype(np.int32)
+
+
+__all__ = ["OnPolicyConfig", "batch_arrays", "decode_round", "make_eval", "make_step",
+           "minibatches", "optimizer", "init_params", "store_header", "train", "vocab_by_frequency", "prefill_features", "prompt_pool", "validate",
+           "ShardStore", "target_hash"]
