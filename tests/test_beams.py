@@ -55,7 +55,7 @@ def test_beams_and_packed_tree_match_hand_computed_example():
     np.testing.assert_array_equal(beams.mask(t)[0], want)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), b=st.integers(1, 3), w=st.integers(1, 5),
        l=st.integers(1, 4), v=st.integers(2, 4))
 def test_packed_tree_invariants_on_random_beams(seed, b, w, l, v):

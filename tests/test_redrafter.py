@@ -129,17 +129,18 @@ def test_commit_keeps_the_feature_of_the_last_accepted_token(toy):
     dp = _informed(model, tparams, dp)
     drafter = redrafter.RedrafterDrafter(model, width=3, length=3)
     accepted = 0
+    spec = specjax.Speculative(model, drafter, drafter.verify_widths, chunk=16)
+    init, step = jax.jit(spec.init), jax.jit(spec.step)  # one compile for the three prompts
     for prompt in (PROMPT, PROMPT * 3, [3, 3, 1, 4]):
         ctx = _start(model, tparams, prompt)
         buf = ctx.tokens.at[0, len(prompt)].set(0)  # the prompt alone; init emits the root
-        spec = specjax.Speculative(model, drafter, drafter.verify_widths, chunk=16)
         x = specjax.Batch(tokens=buf, lengths=jnp.asarray([len(prompt)]),
                           budgets=jnp.asarray([64]), eos=jnp.asarray([-1]),
                           key=jax.random.key(0), sampler=sampling.Greedy(),
                           capacity=ctx.tokens.shape[1], max_out=64)
-        s = spec.init((tparams, dp), x)
+        s = init((tparams, dp), x)
         for _ in range(2):
-            s = spec.step((tparams, dp), s)
+            s = step((tparams, dp), s)
         accepted += int(s.stats.accepted_at[0, 0])
         n = int(s.length[0])
         fresh = drafter.init(dp, _start(model, tparams, np.asarray(s.tokens[0, :n - 1]).tolist()),
