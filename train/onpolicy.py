@@ -19,7 +19,6 @@ decoding it again (the manifest is unchanged).
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 import time
 from pathlib import Path
@@ -346,6 +345,9 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
     end = cfg.rounds if stop_after is None else min(cfg.rounds, start + stop_after)
     if isinstance(log, loop.RunLog):
         log.rewind(start, key="round")
+    if start == 0 and log is not None:  # where the head starts from
+        log({"round": 0, "step": 0, "tokens_seen": 0,
+             **validate(evaluate, state["params"], tparams, val, vids, cfg.batch_tokens)})
     per = cfg.batch
     for r in range(start, end):
         lo = cfg.val_prompts + r * per
@@ -376,6 +378,24 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
     return state
 
 
+def store_corpus(lm, root: str | Path, batch: int = 16, progress=None) -> list[Example]:
+    """Every sequence of a shard store (its held-out set excepted) with the target's last
+    hidden state (before the final norm) at each position: the corpus layout of
+    ``specjax.train.distill`` (features float32), from one prefill per batch. Refuses a
+    store written by another target (``ShardError``)."""
+    store = ShardStore.open(root, target_hash(lm.model.config, lm.params),
+                            lm.model.config.vocab_size)
+    layers = (lm.model.config.num_layers,)
+    out = []
+    for i in range(len(store)):
+        rows = store.read(i)
+        for j in range(0, len(rows), batch):
+            out += prefill_features(lm, rows[j:j + batch], layers)
+        if progress is not None:
+            progress.update(1)
+    return out
+
+
 def vocab_by_frequency(examples, vocab_size: int, n: int) -> np.ndarray:
     """The ``n`` most frequent token ids of the examples' answers (ties: lower id first)."""
     counts = np.zeros(vocab_size, np.int64)
@@ -386,4 +406,4 @@ def vocab_by_frequency(examples, vocab_size: int, n: int) -> np.ndarray:
 
 __all__ = ["OnPolicyConfig", "batch_arrays", "decode_round", "make_eval", "make_step",
            "minibatches", "optimizer", "init_params", "store_header", "train", "vocab_by_frequency", "prefill_features", "prompt_pool", "validate",
-           "ShardStore", "target_hash"]
+           "ShardStore", "store_corpus", "target_hash"]

@@ -73,6 +73,18 @@ class ShardStore:
             self.manifest = {**header, "token_dtype": np.dtype(self.dtype).name, "shards": []}
             self._save()
 
+    @classmethod
+    def open(cls, root: str | Path, thash: str, vocab_size: int) -> "ShardStore":
+        """An existing store, whatever its settings, if target ``thash`` wrote it
+        (``ShardError`` otherwise, ``FileNotFoundError`` without a manifest)."""
+        path = Path(root) / "manifest.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{root} holds no shard store (no manifest.json): write one "
+                                    "with `specjax train onpolicy`")
+        m = json.loads(path.read_text())
+        header = {k: v for k, v in m.items() if k not in ("shards", "token_dtype", "val")}
+        return cls(root, {**header, "target": {**m["target"], "hash": thash}}, vocab_size)
+
     def _check(self, header: dict) -> None:
         old, new = self.manifest.get("target", {}), header.get("target", {})
         if old.get("hash") != new.get("hash"):

@@ -183,7 +183,13 @@ def cmd_train_redrafter(args) -> int:
                                val_examples=args.val_examples,
                                all_positions=not args.answers_only)
     lm = load(args.model)
-    corpus = distill.load_shards(args.data)
+    if args.shards:  # self-distilled token shards: features from one prefill of each batch
+        from specjax.train import onpolicy
+
+        with tqdm(desc="target features", unit="shard") as bar:
+            corpus = onpolicy.store_corpus(lm, args.shards, progress=bar)
+    else:
+        corpus = distill.load_shards(args.data)
     d = corpus[0][2].shape[-1]
     if d != lm.model.config.hidden_size:
         raise ValueError(f"{args.data} holds features of width {d}, but {args.model} has hidden "
@@ -202,20 +208,31 @@ def cmd_train_redrafter(args) -> int:
         state, ids = train_rd.train(lm.model, lm.params, corpus, cfg, args.run, progress=bar,
                                     log=RunLog(args.run), init=init,
                                     mesh=common.mesh(args, rows=None),
-                                    meta={"model": args.model, "data": Path(args.data).name,
+                                    meta={"model": args.model,
+                                          "data": Path(args.data or args.shards).name,
                                           "init": args.init and Path(args.init).name})
     if args.export:
-        summary = Path(args.data, "summary.json")
+        summary = Path(args.data or "-", "summary.json")
         meta = {"kind": "redrafter", "model": args.model,
                 "hidden_size": lm.model.config.hidden_size, "blocks": cfg.blocks,
                 "draft_vocab": lm.model.config.vocab_size if ids is None else len(ids),
                 "train": dataclasses.asdict(cfg), "steps_done": int(state["step"]),
-                "data": json.loads(summary.read_text()) if summary.exists() else None,
+                "data": (json.loads(summary.read_text()) if summary.exists() else
+                         _store_summary(args.shards) if args.shards else None),
                 "init": args.init and Path(args.init).name,
                 "vocab_ids": None if ids is None else ids.tolist()}
         out = export.export_head(redrafter.exportable(state["params"]), args.export, meta)
         print(f"exported the head (bfloat16) to {out}")
     return 0
+
+
+def _store_summary(root: str) -> dict:
+    """What an exported head records of the shard store it trained on."""
+    m = json.loads(Path(root, "manifest.json").read_text())
+    return {"kind": "onpolicy", "store": Path(root).name, "target": m["target"],
+            "sampling": m["sampling"], "rounds": len(m["shards"]),
+            "tokens": sum(s["tokens"] for s in m["shards"]),
+            "answer_tokens": sum(s["answer_tokens"] for s in m["shards"])}
 
 
 def _onpolicy_init(args, lm, kind):
@@ -302,8 +319,7 @@ def cmd_train_onpolicy(args) -> int:
                 "train": {**dataclasses.asdict(cfg), "onpolicy": True},
                 "steps_done": int(state["step"]), "tokens_seen": int(state["tokens"]),
                 "init": args.init if args.init in ("shipped", "none") else Path(args.init).name,
-                "data": {"kind": "onpolicy", "store_target": store.manifest["target"],
-                         "rounds": len(store), "tokens": store.tokens()},
+                "data": _store_summary(args.shards),
                 "vocab_ids": (order if kind.name == "eagle" and order is not None
                               else vocab_ids.tolist())}
         if kind.name == "eagle3":
@@ -407,7 +423,10 @@ def register(sub) -> list:
     tr = tsub.add_parser("redrafter", help="the ReDrafter head, on a corpus from "
                                            "`specjax features` or `specjax distill`")
     tr.add_argument("--model", default="smollm2-135m")
-    tr.add_argument("--data", required=True)
+    src = tr.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", help="a corpus from `specjax features` or `specjax distill`")
+    src.add_argument("--shards", help="a token shard store from `specjax train onpolicy` "
+                                      "(the target's own answers; features by prefill)")
     tr.add_argument("--run", required=True, help="run directory: checkpoints; resumes")
     tr.add_argument("--steps", type=int, default=600)
     tr.add_argument("--batch-tokens", type=int, default=1024)
