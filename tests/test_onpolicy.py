@@ -181,6 +181,11 @@ def test_a_later_run_replays_the_store_and_extends_it(lm, tmp_path):
     assert len(set(ids)) == len(ids) and not set(ids) & set(m["val"]["prompt_ids"])
     z = np.load(tmp_path / "store" / m["shards"][0]["file"])
     assert z["tokens"].dtype == np.uint16
+    # ReDrafter's corpus from the same store: every shard's sequences with the last layer
+    corpus = onpolicy.store_corpus(lm, tmp_path / "store")
+    assert len(corpus) == sum(len(s["prompt_ids"]) for s in m["shards"])
+    assert [len(t) for t, _, _ in corpus[:4]] == [len(t) for t, _ in store.read(0)]
+    assert corpus[0][2].shape == (len(corpus[0][0]), lm.model.config.hidden_size)
 
 
 def test_a_store_refuses_another_target_and_damage(lm, tmp_path):

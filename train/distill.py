@@ -23,10 +23,9 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from specjax.core import sampling
 from specjax._compile import AotCache
 from specjax.core.decoder import PAD, prepare, stops
-from specjax.core.decoding import prefill
+from specjax.core.decoding import hidden_features, prefill
 
 NGRAM = 13
 
@@ -99,52 +98,58 @@ class _State:
 
 
 def _answer(params, prompt, prompt_len, budget, eos_ids, *, model, capacity: int,
-            max_out: int, chunk: int):
-    """Greedy answers and the hidden state at every prompt and answer position."""
+            max_out: int, chunk: int, layers: tuple[int, ...]):
+    """Greedy answers, and the residual streams after ``layers`` (float32, concatenated)
+    at every prompt position (from the prefill) and every answer position but the last
+    (from the decode step that fed it): the features cost no second forward."""
     b = prompt.shape[0]
     cache = model.init_cache(b, capacity)
-    h_last, cache, h_prompt = prefill(model, params, prompt, prompt_len, cache, chunk, True)
+    h_last, cache, h_prompt = prefill(model, params, prompt, prompt_len, cache, chunk, layers)
     first = jnp.argmax(model.logits(params, h_last), -1).astype(jnp.int32)
     one = jnp.ones((b,), jnp.int32)
-    d = model.config.hidden_size
     s = _State(tokens=jnp.full((b, max_out), PAD, jnp.int32).at[:, 0].set(first),
-               feats=jnp.zeros((b, max_out, d), jnp.bfloat16), num=one,
+               feats=jnp.zeros((b, max_out, h_prompt.shape[-1]), jnp.float32), num=one,
                done=stops(first, one, budget, eos_ids), last=first, cache=cache)
+    rows = jnp.arange(b)
 
     def step(s: _State) -> _State:
         logits, hid, cache = model.forward(params, s.last[:, None], s.cache.length[:, None],
-                                           s.cache)
+                                           s.cache, return_layers=layers)
         tok = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
         active = ~s.done
-        slot = jnp.where(active, s.num, max_out)
-        h = hid[model.config.num_layers][:, 0].astype(jnp.bfloat16)
-        return _State(tokens=s.tokens.at[jnp.arange(b), slot].set(tok, mode="drop"),
-                      feats=s.feats.at[jnp.arange(b), jnp.where(active, s.num - 1, max_out)]
+        h = hidden_features(hid, layers)[:, 0].astype(jnp.float32)
+        return _State(tokens=s.tokens.at[rows, jnp.where(active, s.num, max_out)]
+                      .set(tok, mode="drop"),
+                      feats=s.feats.at[rows, jnp.where(active, s.num - 1, max_out)]
                       .set(h, mode="drop"),
                       num=s.num + active, done=s.done | stops(tok, s.num + active, budget, eos_ids),
                       last=jnp.where(active, tok, s.last), cache=cache.advance(active))
 
     s = lax.while_loop(lambda s: jnp.any(~s.done), step, s)
-    return s.tokens, s.num, h_prompt.astype(jnp.bfloat16), s.feats
+    return s.tokens, s.num, h_prompt, s.feats
 
 
-_ANSWER = AotCache(_answer, ("model", "capacity", "max_out", "chunk"))
+_ANSWER = AotCache(_answer, ("model", "capacity", "max_out", "chunk", "layers"))
 
 
-def answer_batch(lm, prompts: Sequence[list[int]], max_new_tokens: int, chunk: int = 64):
-    """Examples ``(tokens, prompt_len, feats[len, D] bfloat16)`` for a batch of prompts."""
+def answer_batch(lm, prompts: Sequence[list[int]], max_new_tokens: int, chunk: int = 64,
+                 layers: tuple[int, ...] | None = None, dtype=ml_dtypes.bfloat16):
+    """Examples ``(tokens, prompt_len, feats[len, F])`` for a batch of prompts: the greedy
+    answer after each prompt, and the residual streams after ``layers`` (default: the last
+    layer) at every position but the last (zero there: its successor was never generated),
+    stored as ``dtype``."""
+    layers = (lm.model.config.num_layers,) if layers is None else tuple(layers)
     x = prepare(lm.model, prompts, max_new_tokens, eos_ids=lm.eos_ids, chunk=chunk)
     (toks, num, hp, hg), _ = _ANSWER(lm.params, x.tokens, x.lengths, x.budgets, x.eos,
                                      model=lm.model, capacity=x.capacity, max_out=x.max_out,
-                                     chunk=chunk)
+                                     chunk=chunk, layers=layers)
     toks, num, hp, hg = map(np.asarray, (toks, num, hp, hg))
     out = []
     for i, p in enumerate(prompts):
         n, pl = int(num[i]), len(p)
         seq = np.concatenate([np.asarray(p, np.int32), toks[i, :n]])
-        # features of every position but the last (whose successor was never generated)
         f = np.concatenate([hp[i, :pl], hg[i, :n - 1], np.zeros((1, hp.shape[-1]), hp.dtype)])
-        out.append((seq, pl, f))
+        out.append((seq, pl, f.astype(dtype)))
     return out
 
 

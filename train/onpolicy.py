@@ -28,12 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import struct
-from jax import lax
 
 from specjax._compile import AotCache
-from specjax.core.decoder import PAD, prepare, stops
-from specjax.core.decoding import hidden_features, prefill
+from specjax.core.decoder import prepare
+from specjax.core.decoding import prefill
 from specjax.train import distill, loop, ttt
 from specjax.train.shards import ShardStore, target_hash
 
@@ -69,65 +67,11 @@ def prompt_pool(data_dir: str | Path, exclude: Sequence[str] = (), seed: int = 0
 
 # ----------------------------------------------------------------------------- decoding
 
-@struct.dataclass
-class _State:
-    tokens: jax.Array
-    feats: jax.Array
-    num: jax.Array
-    done: jax.Array
-    last: jax.Array
-    cache: object
-
-
-def _decode(params, prompt, prompt_len, budget, eos_ids, *, model, capacity: int,
-            max_out: int, chunk: int, layers: tuple[int, ...]):
-    """Greedy answers, and the residual streams after ``layers`` at every prompt position
-    (from the prefill) and every answer position but the last (from the decode steps)."""
-    b = prompt.shape[0]
-    cache = model.init_cache(b, capacity)
-    h_last, cache, h_prompt = prefill(model, params, prompt, prompt_len, cache, chunk, layers)
-    first = jnp.argmax(model.logits(params, h_last), -1).astype(jnp.int32)
-    one = jnp.ones((b,), jnp.int32)
-    s = _State(tokens=jnp.full((b, max_out), PAD, jnp.int32).at[:, 0].set(first),
-               feats=jnp.zeros((b, max_out, h_prompt.shape[-1]), jnp.float32), num=one,
-               done=stops(first, one, budget, eos_ids), last=first, cache=cache)
-    rows = jnp.arange(b)
-
-    def step(s: _State) -> _State:
-        logits, hid, cache = model.forward(params, s.last[:, None], s.cache.length[:, None],
-                                           s.cache, return_layers=layers)
-        tok = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
-        active = ~s.done
-        h = hidden_features(hid, layers)[:, 0].astype(jnp.float32)
-        return _State(tokens=s.tokens.at[rows, jnp.where(active, s.num, max_out)]
-                      .set(tok, mode="drop"),
-                      feats=s.feats.at[rows, jnp.where(active, s.num - 1, max_out)]
-                      .set(h, mode="drop"),
-                      num=s.num + active, done=s.done | stops(tok, s.num + active, budget, eos_ids),
-                      last=jnp.where(active, tok, s.last), cache=cache.advance(active))
-
-    s = lax.while_loop(lambda s: jnp.any(~s.done), step, s)
-    return s.tokens, s.num, h_prompt, s.feats
-
-
-_DECODE = AotCache(_decode, ("model", "capacity", "max_out", "chunk", "layers"))
-
-
 def decode_round(lm, prompts: Sequence[list[int]], max_new_tokens: int,
                  layers: tuple[int, ...], chunk: int = 64) -> list[Example]:
-    """The target's greedy answers to ``prompts`` (one batch), with features."""
-    x = prepare(lm.model, prompts, max_new_tokens, eos_ids=lm.eos_ids, chunk=chunk)
-    (toks, num, hp, hg), _ = _DECODE(lm.params, x.tokens, x.lengths, x.budgets, x.eos,
-                                     model=lm.model, capacity=x.capacity, max_out=x.max_out,
-                                     chunk=chunk, layers=tuple(layers))
-    toks, num, hp, hg = map(np.asarray, (toks, num, hp, hg))
-    out = []
-    for i, p in enumerate(prompts):
-        n, pl = int(num[i]), len(p)
-        seq = np.concatenate([np.asarray(p, np.int32), toks[i, :n]])
-        f = np.concatenate([hp[i, :pl], hg[i, :n - 1], np.zeros((1, hp.shape[-1]), hp.dtype)])
-        out.append((seq, pl, f))
-    return out
+    """The target's greedy answers to ``prompts`` (one batch, one jitted loop), with the
+    residual streams after ``layers`` in float32 (``distill.answer_batch``)."""
+    return distill.answer_batch(lm, prompts, max_new_tokens, chunk, layers, np.float32)
 
 
 def _prefill_all(params, tokens, lengths, *, model, capacity: int, chunk: int,
