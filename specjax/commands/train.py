@@ -243,9 +243,10 @@ def _onpolicy_init(args, lm, kind):
     from specjax import export
     from specjax.drafters import eagle
 
-    if args.init == "none":
-        return None, None
-    path = eagle.shipped_head(args.model) if args.init == "shipped" else args.init
+    shipped = eagle.shipped_head(args.model)
+    if args.init == "none":  # a random head; the shipped head's vocabulary order if any
+        return None, (export.read_meta(shipped, "eagle").get("vocab_ids") if shipped else None)
+    path = shipped if args.init == "shipped" else args.init
     if path is None:
         raise common.UsageError(f"--init shipped: no EAGLE head ships for {args.model!r}; "
                                 "give --init none or a head directory")
@@ -302,8 +303,9 @@ def cmd_train_onpolicy(args) -> int:
         vocab_ids = np.load(vfile)
     else:
         if order is None:
-            raise common.UsageError("a random head needs a vocabulary order: give --init "
-                                    "shipped or an exported head of this model")
+            raise common.UsageError("a random head needs a vocabulary order, and no EAGLE head "
+                                    f"ships for {args.model!r}: give --init with an exported "
+                                    "head of this model")
         n = cfg.draft_vocab or lm.model.config.vocab_size
         vocab_ids = np.asarray(order[:n], np.int32)
         Path(args.run).mkdir(parents=True, exist_ok=True)
