@@ -84,16 +84,25 @@ _PREFILL = AotCache(_prefill_all, ("model", "capacity", "chunk", "layers"))
 
 
 def prefill_features(lm, examples: Sequence[tuple[np.ndarray, int]], layers: tuple[int, ...],
-                     chunk: int = 64) -> list[Example]:
-    """Features of stored sequences, from one prefill of each (batched): what
-    ``decode_round`` returned for them, up to float rounding."""
+                     chunk: int = 64, group: int = 8) -> list[Example]:
+    """Features of stored sequences, from one prefill of each (in groups of ``group``
+    sequences of similar length, the last group padded with repeats, so padding costs
+    little and few shapes compile): what ``decode_round`` returned for them, up to float
+    rounding."""
     seqs = [np.asarray(t, np.int32) for t, _ in examples]
-    x = prepare(lm.model, seqs, 1, chunk=chunk)
-    h, _ = _PREFILL(lm.params, x.tokens, x.lengths, model=lm.model, capacity=x.capacity,
-                    chunk=chunk, layers=tuple(layers))
-    h = np.asarray(h)
-    return [(t, pl, np.concatenate([h[i, :len(t) - 1], np.zeros((1, h.shape[-1]), h.dtype)]))
-            for i, (t, pl) in enumerate(examples)]
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    feats: dict[int, np.ndarray] = {}
+    for j in range(0, len(order), group):
+        idx = order[j:j + group]
+        rows = idx + [idx[-1]] * (group - len(idx))
+        x = prepare(lm.model, [seqs[i] for i in rows], 1, chunk=chunk)
+        h, _ = _PREFILL(lm.params, x.tokens, x.lengths, model=lm.model, capacity=x.capacity,
+                        chunk=chunk, layers=tuple(layers))
+        h = np.asarray(h)
+        for r, i in enumerate(idx):
+            n = len(seqs[i])
+            feats[i] = np.concatenate([h[r, :n - 1], np.zeros((1, h.shape[-1]), h.dtype)])
+    return [(t, pl, feats[i]) for i, (t, pl) in enumerate(examples)]
 
 
 # ----------------------------------------------------------------------------- batches
