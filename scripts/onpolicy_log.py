@@ -48,7 +48,9 @@ def main() -> None:
            f"ar,{args.method}", "--questions", args.questions, "--limit", str(args.limit),
            "--max-new-tokens", "128", "--out", str(bench_out)]
     if args.head != "shipped":
-        cmd += ["--draft-checkpoint", args.head]
+        flag = "--redrafter-checkpoint" if args.method.startswith("redrafter") else \
+            "--draft-checkpoint"
+        cmd += [flag, args.head]
     subprocess.run(cmd, check=True)
     rep = json.loads(bench_out.read_text())
     m, ar = rep["methods"][args.method], rep["methods"]["ar"]
@@ -58,7 +60,15 @@ def main() -> None:
            "speedup_vs_ar_12q": round(m["tokens_per_s"] / ar["tokens_per_s"], 3),
            "greedy_mismatch_vs_ar": rep.get("greedy_mismatch_vs_ar"),
            "bench": str(bench_out.relative_to(out.parent))}
-    if args.run:
+    if args.run and args.method.startswith("redrafter"):  # `specjax train redrafter`'s log
+        rows = [json.loads(l) for l in (Path(args.run) / "log.jsonl").read_text().splitlines()]
+        val = [r for r in rows if any(k.startswith("val_acc") for k in r)][-1]
+        head = json.loads((Path(args.head) / "head.json").read_text())
+        accs = sorted(k for k in val if k.startswith("val_acc") and k[7:].isdigit())
+        row.update(steps=rows[-1]["step"],
+                   steps_x_batch_tokens=rows[-1]["step"] * head["train"]["batch_tokens"],
+                   val_top1=[round(val[k], 4) for k in accs], store=head["data"])
+    elif args.run:
         last, val = last_rows(Path(args.run))
         head = json.loads((Path(args.head) / "head.json").read_text())
         row.update(tokens_seen=last["tokens_seen"], rounds=last["round"], steps=last["step"],

@@ -235,6 +235,13 @@ def _store_summary(root: str) -> dict:
             "answer_tokens": sum(s["answer_tokens"] for s in m["shards"])}
 
 
+def _init_dir(args) -> str:
+    """The head directory ``--init`` names (``shipped``: the model's shipped EAGLE head)."""
+    from specjax.drafters import eagle
+
+    return eagle.shipped_head(args.model) if args.init == "shipped" else args.init
+
+
 def _onpolicy_init(args, lm, kind):
     """``(init params or None, vocabulary order or None)`` from ``--init`` (``shipped``: the
     head that ships for the model; ``none``: a random head)."""
@@ -320,7 +327,7 @@ def cmd_train_onpolicy(args) -> int:
         meta = {"kind": kind.name, "model": args.model, "draft_vocab": 0,
                 "train": {**dataclasses.asdict(cfg), "onpolicy": True},
                 "steps_done": int(state["step"]), "tokens_seen": int(state["tokens"]),
-                "init": args.init if args.init in ("shipped", "none") else Path(args.init).name,
+                "init": "none" if args.init == "none" else Path(_init_dir(args)).name,
                 "data": _store_summary(args.shards),
                 "vocab_ids": (order if kind.name == "eagle" and order is not None
                               else vocab_ids.tolist())}
