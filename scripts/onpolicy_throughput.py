@@ -1,6 +1,7 @@
 """Tokens per second of on-policy data: the target's batched greedy decoding with the
 head's features kept (``specjax.train.onpolicy.decode_round``), at batch 1 and at larger
-batches, on the first training round's prompts; compile time excluded (each shape runs
+batches, on the training rounds' first ``--n`` prompts (those a run keeps: at most 384
+tokens); compile time excluded (each shape runs
 once before it is timed). Plain ``ar`` (``specjax.generate``, no features) at batch 1 is
 the reference.
 
@@ -32,8 +33,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     lm = load(args.model)
-    pool = onpolicy.prompt_pool(args.prompts)[48:48 + args.n]
-    toks = sorted((lm.encode(t, chat=lm.has_chat_template) for _, t in pool), key=len)
+    cfg = onpolicy.OnPolicyConfig()  # prompts past max_prompt_tokens are skipped, as in a run
+    enc = (lm.encode(t, chat=lm.has_chat_template) for _, t in onpolicy.prompt_pool(args.prompts)[48:])
+    toks = sorted([t for t in enc if len(t) <= cfg.max_prompt_tokens][:args.n], key=len)
     layers = ttt.EAGLE2.layers(lm.model.config)
     rows = []
     for b in [int(x) for x in args.batches.split(",")]:
