@@ -20,9 +20,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
 def last_rows(run: Path) -> tuple[dict, dict]:
     """The run log's last row, and its last row with held-out scores."""
     rows = [json.loads(l) for l in (run / "log.jsonl").read_text().splitlines() if l.strip()]
@@ -36,7 +33,7 @@ def main() -> None:
     ap.add_argument("--head", required=True, help="the exported head, or 'shipped'")
     ap.add_argument("--method", required=True)
     ap.add_argument("--label", required=True)
-    ap.add_argument("--questions", default=str(ROOT.parent / "shared/data/spec_bench/question.jsonl"))
+    ap.add_argument("--questions", default="../shared/data/spec_bench/question.jsonl")
     ap.add_argument("--limit", type=int, default=12)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()

@@ -20,13 +20,10 @@ import specjax
 from specjax.models import load
 from specjax.train import onpolicy, ttt
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--prompts", default=str(ROOT.parent / "shared/data/train_prompts"))
+    ap.add_argument("--prompts", default="../shared/data/train_prompts")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--n", type=int, default=32, help="prompts timed at every batch size")
     ap.add_argument("--max-new-tokens", type=int, default=128)
