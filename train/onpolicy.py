@@ -33,6 +33,7 @@ from specjax._compile import AotCache
 from specjax.core.decoder import prepare
 from specjax.core.decoding import prefill
 from specjax.train import distill, loop, ttt
+from specjax.train.eagle import _bucket  # padded lengths: multiples of 64
 from specjax.train.shards import ShardStore, target_hash
 
 Example = tuple  # (tokens int32 [n], prompt_len, feats float32 [n, F]; the last row is zero)
@@ -144,10 +145,6 @@ def minibatches(examples: Sequence[Example], batch_tokens: int, key: int) -> lis
         cur.append(i)
     plan.append(cur)
     return [plan[j] for j in np.random.default_rng(key).permutation(len(plan))]
-
-
-def _bucket(n: int) -> int:
-    return -(-n // 64) * 64
 
 
 def batch_arrays(examples: Sequence[Example], idx: Sequence[int], answers_only: bool = False):
@@ -349,14 +346,6 @@ def store_corpus(lm, root: str | Path, batch: int = 16, progress=None) -> list[E
     return out
 
 
-def vocab_by_frequency(examples, vocab_size: int, n: int) -> np.ndarray:
-    """The ``n`` most frequent token ids of the examples' answers (ties: lower id first)."""
-    counts = np.zeros(vocab_size, np.int64)
-    for tok, pl, *_ in examples:
-        np.add.at(counts, np.asarray(tok)[pl:], 1)
-    return np.argsort(-counts, kind="stable")[:n].astype(np.int32)
-
-
 __all__ = ["OnPolicyConfig", "batch_arrays", "decode_round", "make_eval", "make_step",
-           "minibatches", "optimizer", "init_params", "store_header", "train", "vocab_by_frequency", "prefill_features", "prompt_pool", "validate",
+           "minibatches", "optimizer", "init_params", "store_header", "train", "prefill_features", "prompt_pool", "validate",
            "ShardStore", "store_corpus", "target_hash"]

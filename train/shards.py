@@ -16,6 +16,7 @@ and renamed, shard first: a kill leaves either the old store or the new one.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from pathlib import Path
 from typing import Sequence
@@ -120,8 +121,6 @@ class ShardStore:
         toks = np.concatenate([np.asarray(t) for t, _ in examples])
         if toks.min() < 0 or toks.max() > np.iinfo(self.dtype).max:
             raise ValueError(f"token ids outside {np.dtype(self.dtype).name}")
-        import io
-
         buf = io.BytesIO()
         np.savez_compressed(buf, tokens=toks.astype(self.dtype),
                             lengths=np.asarray([len(t) for t, _ in examples], np.int32),
