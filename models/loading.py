@@ -4,16 +4,28 @@ of a Llama, Gemma or T5 model (``model_for`` builds the model class for the conf
 Each source format has an explicit table from its tensor names to ours. Loading fails with a
 message naming the tensor or path when a tensor is missing, unexpected, or of the wrong
 shape; it never fills in or drops weights silently.
+
+Llama-family and Gemma weights stream (``stream_params``): names and shapes are checked from
+the file headers first, then each leaf of the pytree is read tensor by tensor in its stored
+dtype (bfloat16 stays bfloat16), fused, cast to the requested dtype and placed on its
+device(s) at once, optionally straight onto a mesh's shardings. Host memory thus stays near
+the weights' own size (``docs/results/load_memory_cpu.json``). An HF directory's weights are
+the files transformers reads (``hf_weight_table``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import re
+import struct
 from pathlib import Path
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from specjax.models.gemma import GemmaConfig, gemma3_layer_types
@@ -154,16 +166,18 @@ def unfused_shapes(cfg) -> dict[str, tuple[int, ...]]:
     return {**top_shapes(cfg), **{f"layers/{k}": v for k, v in layer.items()}}
 
 
+#: fused weights of the layout the models read, each the row-wise concatenation of its parts
+FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up"), "qkv_b": ("q_b", "k_b", "v_b")}
+
+
 def pack_layer(w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Fuses one layer's separate matrices into the layout the models read: ``qkv`` and
     ``gate_up`` stacked, and the q/k/v biases (where present: all three) into ``qkv_b`` in
     ``qkv``'s row order; every other weight (norm gains, ``o_b``) as it is."""
-    fused = ("q", "k", "v", "gate", "up", "q_b", "k_b", "v_b")
-    out = {k: v for k, v in w.items() if k not in fused}
-    out["qkv"] = np.concatenate([w["q"], w["k"], w["v"]], axis=0)
-    out["gate_up"] = np.concatenate([w["gate"], w["up"]], axis=0)
-    if any(n in w for n in ("q_b", "k_b", "v_b")):
-        out["qkv_b"] = np.concatenate([w["q_b"], w["k_b"], w["v_b"]], axis=0)
+    out = {k: v for k, v in w.items() if not any(k in parts for parts in FUSED.values())}
+    for name, parts in FUSED.items():
+        if any(p in w for p in parts):
+            out[name] = np.concatenate([w[p] for p in parts], axis=0)
     return out
 
 
@@ -176,47 +190,169 @@ def _match(name: str, keys) -> tuple[str, int | None, Transform] | None:
     return None
 
 
-def assemble(cfg: LlamaConfig, tensors: dict[str, np.ndarray], keys, source: str,
-             dtype=jnp.float32, ignore: tuple[str, ...] = ()) -> dict:
-    """Maps source tensors to a params pytree, checking names and shapes exactly."""
-    shapes = unfused_shapes(cfg)
-    per_layer: dict[str, list] = {k: [None] * cfg.num_layers for k in shapes if k.startswith("layers/")}
-    flat: dict[str, np.ndarray] = {}
-    for name, w in tensors.items():
+# --------------------------------------------------------------------------- tensor sources
+
+class TensorSource:
+    """Named tensors that are read one at a time: ``shapes`` (name -> shape, no data read)
+    and ``read(name, rows)`` (a fresh host array in the stored dtype; ``rows=(a, b)`` reads
+    only rows a..b of the first axis). Subclasses may read straight into a buffer."""
+
+    shapes: dict[str, tuple[int, ...]]
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+        raise NotImplementedError
+
+    def read_into(self, name: str, out: np.ndarray) -> None:
+        """Writes tensor ``name`` into ``out`` (its shape), cast to ``out``'s dtype."""
+        out[...] = self.read(name)
+
+
+class DictSource(TensorSource):
+    """Tensors already in memory (a dict of arrays)."""
+
+    def __init__(self, tensors: dict[str, np.ndarray]):
+        self.tensors = tensors
+        self.shapes = {k: tuple(np.shape(v)) for k, v in tensors.items()}
+
+    def read(self, name, rows=None):
+        w = np.asarray(self.tensors[name])
+        return w if rows is None else w[rows[0]:rows[1]]
+
+
+# --------------------------------------------------------------------------- streaming assembly
+
+def check_names(cfg, shapes: dict[str, tuple[int, ...]], keys, source: str,
+                ignore: tuple[str, ...] = ()) -> dict[str, tuple[str, int | None, Transform]]:
+    """Each source tensor's (our unfused name, layer or None, transform), from names and
+    shapes alone. ``WeightLoadError`` naming the tensor for one that is unexpected or of the
+    wrong shape (in ``shapes``' order), then for the missing ones (up to 8 named)."""
+    want = unfused_shapes(cfg)
+    found: dict[str, tuple[str, int | None, Transform]] = {}
+    for name, shape in shapes.items():
         if name in ignore:
             continue
         hit = _match(name, keys)
-        if hit is None or (hit[0] not in shapes) or (hit[1] is not None and hit[1] >= cfg.num_layers):
-            raise WeightLoadError(f"{source}: unexpected tensor {name!r} (shape {w.shape}) "
+        if hit is None or hit[0] not in want or (hit[1] is not None and hit[1] >= cfg.num_layers):
+            raise WeightLoadError(f"{source}: unexpected tensor {name!r} (shape {shape}) "
                                   f"for a {cfg.num_layers}-layer {family(cfg)} with "
                                   f"tie_embeddings={cfg.tie_embeddings}")
-        ours, layer, fn = hit
-        want = shapes[ours]
-        try:
-            arr = fn(np.asarray(w), cfg)
-        except ValueError as e:
-            raise WeightLoadError(f"{source}: tensor {name!r} has shape {w.shape}, which does not "
-                                  f"fit {ours} of shape {want}: {e}") from None
-        if arr.shape != tuple(want):
-            raise WeightLoadError(f"{source}: tensor {name!r} has shape {w.shape}; expected "
-                                  f"a tensor mapping to {ours} of shape {tuple(want)}, got {arr.shape}")
-        if layer is None:
-            flat[ours] = arr
-        else:
-            per_layer[ours][layer] = arr
-    missing = [k for k in shapes if not k.startswith("layers/") and k not in flat]
-    missing += [f"{k}[{i}]" for k, ws in per_layer.items() for i, w in enumerate(ws) if w is None]
-    if missing:
-        src = {ours: pat for pat, ours, _ in keys}
-        names = [src[m.split("[")[0]].replace("{i}", m.split("[")[1][:-1]) if "[" in m else src[m]
-                 for m in missing]
+        if tuple(shape) != tuple(want[hit[0]]):
+            raise WeightLoadError(f"{source}: tensor {name!r} has shape {tuple(shape)}; expected "
+                                  f"a tensor mapping to {hit[0]} of shape {tuple(want[hit[0]])}")
+        found[name] = hit
+    have = {(ours, layer) for ours, layer, _ in found.values()}
+    src = {ours: pat for pat, ours, _ in keys}
+    names = [src[k] for k in want if not k.startswith("layers/") and (k, None) not in have]
+    names += [src[k].replace("{i}", str(i)) for k in want if k.startswith("layers/")
+              for i in range(cfg.num_layers) if (k, i) not in have]
+    if names:
         raise WeightLoadError(f"{source}: missing tensors {names[:8]}"
                               f"{' and %d more' % (len(names) - 8) if len(names) > 8 else ''}")
-    params = {k: jnp.asarray(v, dtype) for k, v in flat.items()}
-    for i in range(cfg.num_layers):
-        layer = pack_layer({k.split("/")[1]: ws[i] for k, ws in per_layer.items()})
-        params.setdefault("layers", []).append({k: jnp.asarray(v, dtype) for k, v in layer.items()})
+    return found
+
+
+def _leaves(cfg, found, split: bool, stacked: bool):
+    """The params tree's leaves as (path, parts): ``parts[i]`` lists (source name,
+    transform) of the rows of layer i's leaf (one entry per layer when ``stacked``, else one
+    list), in the order a layer-by-layer load keeps few weights alive at once."""
+    by_ours = {(ours, layer): (name, fn) for name, (ours, layer, fn) in found.items()}
+    top = [((k,), [[by_ours[(k, None)]]]) for k in top_shapes(cfg)]
+    names = [k.split("/")[1] for k in unfused_shapes(cfg) if k.startswith("layers/")]
+    groups = {n: (n,) for n in names}
+    if not split:
+        groups = {n: (n,) for n in names if not any(n in p for p in FUSED.values())}
+        groups.update({f: p for f, p in FUSED.items() if p[0] in names})
+    part = lambda i, parts: [by_ours[(f"layers/{p}", i)] for p in parts]  # noqa: E731
+    if stacked:
+        return top + [(("layers", g), [part(i, ps) for i in range(cfg.num_layers)])
+                      for g, ps in groups.items()]
+    return top + [(("layers", i, g), [part(i, ps)]) for i in range(cfg.num_layers)
+                  for g, ps in groups.items()]
+
+
+def _fill(src: TensorSource, cfg, name: str, fn: Transform, out: np.ndarray) -> None:
+    """Tensor ``name`` with ``fn`` applied, written into ``out``. Only a transformed tensor
+    (a norm gain, llama.cpp's Q/K permutation) passes through float32."""
+    if fn is _same:
+        src.read_into(name, out)
+    else:
+        out[...] = fn(np.asarray(src.read(name), np.float32), cfg)
+
+
+def _build(src: TensorSource, cfg, parts, stacked: bool, dtype) -> np.ndarray:
+    """One leaf on the host in ``dtype``: each layer's parts concatenated by rows, the
+    layers stacked when ``stacked``; filled in place (no concatenation copies)."""
+    layer_rows = [sum(src.shapes[n][0] for n, _ in p) for p in parts]
+    tail = src.shapes[parts[0][0][0]][1:]
+    shape = ((len(parts), layer_rows[0]) if stacked else (layer_rows[0],)) + tail
+    out = np.empty(shape, dtype)
+    for i, p in enumerate(parts):
+        view, row = (out[i] if stacked else out), 0
+        for name, fn in p:
+            n = src.shapes[name][0]
+            _fill(src, cfg, name, fn, view[row:row + n])
+            row += n
+    return out
+
+
+def placer(cfg, mesh=None) -> Callable[[tuple, np.ndarray], jax.Array]:
+    """``place(path, host)``: the host array on the device(s). Without a mesh,
+    ``jax.device_put`` on the default device; with one, sharded by
+    ``specjax.sharding.param_spec`` of its path (``shard_params``' placement), each
+    device receiving only its slice (``jax.make_array_from_callback``)."""
+    if mesh is None:
+        return lambda path, host: jax.device_put(host)
+    from jax.sharding import NamedSharding
+
+    from specjax import sharding
+
+    def place(path, host):
+        spec = sharding.param_spec(cfg, path, host.shape, mesh)
+        return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec),
+                                            lambda idx: host[idx])
+    return place
+
+
+def stream_params(cfg, src: TensorSource, keys, source: str, dtype=jnp.float32, mesh=None,
+                  stacked: bool = False, ignore: tuple[str, ...] = ()) -> dict:
+    """The params pytree of ``src``'s tensors, names and shapes checked first
+    (:func:`check_names`), then built one leaf at a time, cast to ``dtype`` per tensor and
+    placed at once (:func:`placer`), so the host holds about one leaf beyond what is placed:
+    one layer's fused matrix, the embedding, or with ``stacked`` one weight of all layers.
+
+    Layout: without a mesh, ``pack_layer``'s (``qkv``, ``gate_up``, ``qkv_b``); with one,
+    the split layout ``specjax.sharding.shard_params`` returns, on the same shardings.
+    ``layers`` is a list of per-layer dicts, or with ``stacked`` one dict of ``[L, ...]``
+    arrays (``llama.stack_layers``' layout). Values equal reading every tensor in float32
+    and casting to ``dtype``."""
+    found = check_names(cfg, src.shapes, keys, source, ignore)
+    if mesh is not None:
+        from specjax import sharding
+
+        sharding.check_model(cfg, mesh)
+    dtype, place = jnp.dtype(dtype), placer(cfg, mesh)
+    params: dict = {}
+    pending = None
+    for path, parts in _leaves(cfg, found, split=mesh is not None, stacked=stacked):
+        host = _build(src, cfg, parts, stacked and path[0] == "layers", dtype)
+        if path[0] == "layers" and "layers" not in params:
+            params["layers"] = {} if stacked else [{} for _ in range(cfg.num_layers)]
+        node = params
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = place(path, host)
+        if pending is not None:  # one transfer in flight at most: its host copy is freed
+            pending.block_until_ready()
+        pending, host = node[path[-1]], None
     return params
+
+
+def assemble(cfg: LlamaConfig, tensors: dict[str, np.ndarray], keys, source: str,
+             dtype=jnp.float32, ignore: tuple[str, ...] = (), mesh=None,
+             stacked: bool = False) -> dict:
+    """:func:`stream_params` over tensors already in memory: maps source tensors to a params
+    pytree, checking names and shapes exactly."""
+    return stream_params(cfg, DictSource(tensors), keys, source, dtype, mesh, stacked, ignore)
 
 
 # --------------------------------------------------------------------------- GGUF
@@ -294,9 +430,28 @@ def gguf_file_config(path: str | Path) -> Config:
         raise WeightLoadError(f"{path}: not a readable GGUF file ({e})") from e
 
 
-def load_gguf(path: str | Path, dtype=jnp.float32) -> tuple[Config, dict]:
-    """Reads and dequantizes a llama- or gemma3-architecture GGUF file (any ggml
-    quantization)."""
+class GGUFSource(TensorSource):
+    """The tensors of an open ``gguf.GGUFReader``, each dequantized to float32 when read."""
+
+    def __init__(self, reader):
+        self.by_name = {t.name: t for t in reader.tensors}
+        self.shapes = {t.name: tuple(reversed(t.shape.tolist())) for t in reader.tensors}
+
+    def read(self, name, rows=None):
+        import gguf
+
+        t = self.by_name[name]
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+        w = w.reshape(self.shapes[name])
+        return w if rows is None else w[rows[0]:rows[1]]
+
+
+def load_gguf(path: str | Path, dtype=jnp.float32, mesh=None,
+              stacked: bool = False) -> tuple[Config, dict]:
+    """Reads a llama- or gemma3-architecture GGUF file (any ggml quantization), dequantizing
+    one tensor at a time and placing each leaf as it is made (:func:`stream_params`: with
+    ``mesh``, sharded as ``specjax.sharding.shard_params`` would; ``stacked`` for
+    ``scan_layers``)."""
     import gguf
 
     path = Path(path)
@@ -307,12 +462,8 @@ def load_gguf(path: str | Path, dtype=jnp.float32) -> tuple[Config, dict]:
     except Exception as e:  # gguf raises assorted errors on corrupt files
         raise WeightLoadError(f"{path}: not a readable GGUF file ({e})") from e
     cfg = gguf_config(reader)
-    tensors = {}
-    for t in reader.tensors:
-        w = gguf.quants.dequantize(t.data, t.tensor_type)
-        tensors[t.name] = np.asarray(w, np.float32).reshape(tuple(reversed(t.shape.tolist())))
     keys = GGUF_GEMMA_KEYS if isinstance(cfg, GemmaConfig) else GGUF_KEYS
-    return cfg, assemble(cfg, tensors, keys, str(path), dtype)
+    return cfg, stream_params(cfg, GGUFSource(reader), keys, str(path), dtype, mesh, stacked)
 
 
 # --------------------------------------------------------------------------- HF directory
@@ -449,33 +600,192 @@ def hf_dir_config(path: str | Path) -> Config:
     return _HF_FAMILIES[kind](d)
 
 
-def load_hf_dir(path: str | Path, dtype=jnp.float32) -> tuple[Config, dict]:
-    """Loads ``config.json`` and every ``*.safetensors`` file of a local HF directory."""
-    from safetensors.flax import load_file
+# --------------------------------------------------------------------------- safetensors, lazily
 
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
+              "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn,
+              "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32,
+              "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor lies in a safetensors file: absolute byte range ``[start, end)``."""
+
+    file: Path
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def safetensors_header(f: Path) -> dict[str, StoredTensor]:
+    """Every tensor of the safetensors file ``f`` (in header order), from its header alone
+    (8-byte little-endian length, then JSON). ``WeightLoadError`` naming ``f`` for a file
+    that is not complete safetensors: a bad header, an unknown dtype, or a byte range that
+    does not match the shape or lies past the end of the file."""
+    size = f.stat().st_size
+    try:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if n > min(size - 8, 100 << 20):
+                raise ValueError(f"header length {n} exceeds the file")
+            header = json.loads(fh.read(n))
+        out = {}
+        for name, e in header.items():
+            if name == "__metadata__":
+                continue
+            dtype, shape = np.dtype(_ST_DTYPES[e["dtype"]]), tuple(int(s) for s in e["shape"])
+            a, b = (8 + n + int(o) for o in e["data_offsets"])
+            if b - a != math.prod(shape) * dtype.itemsize or b > size or a < 8 + n:
+                raise ValueError(f"tensor {name!r}: bytes {a}..{b} of a {size}-byte file do "
+                                 f"not hold {e['dtype']} {list(shape)}")
+            out[name] = StoredTensor(f, dtype, shape, a, b)
+        return out
+    except (ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
+        raise WeightLoadError(f"{f}: not a readable safetensors file ({e})") from None
+
+
+class SafetensorsSource(TensorSource):
+    """Tensors of safetensors files, read one at a time from their byte ranges, in the
+    stored dtype (bfloat16 stays bfloat16). Plain reads, not a mapping, so a tensor no
+    longer referenced leaves no file pages counted in the process."""
+
+    def __init__(self, table: dict[str, StoredTensor]):
+        self.table = table
+        self.shapes = {k: t.shape for k, t in table.items()}
+
+    def _read_bytes(self, t: StoredTensor, a: int, buf: np.ndarray) -> None:
+        view = memoryview(buf.reshape(-1).view(np.uint8))
+        with open(t.file, "rb", buffering=0) as fh:
+            fh.seek(a)
+            got = 0
+            while got < len(view):
+                k = fh.readinto(view[got:])
+                if not k:
+                    raise WeightLoadError(f"{t.file}: ends inside tensor data (truncated)")
+                got += k
+
+    def read(self, name, rows=None):
+        t = self.table[name]
+        if rows is None or not t.shape:
+            out = np.empty(t.shape, t.dtype)
+            self._read_bytes(t, t.start, out)
+            return out
+        a, b = rows[0], min(rows[1], t.shape[0])
+        out = np.empty((b - a,) + t.shape[1:], t.dtype)
+        self._read_bytes(t, t.start + a * math.prod(t.shape[1:]) * t.dtype.itemsize, out)
+        return out
+
+    def read_into(self, name, out):
+        t = self.table[name]
+        if out.dtype == t.dtype and out.flags.c_contiguous:
+            self._read_bytes(t, t.start, out)
+        else:
+            out[...] = self.read(name)
+
+
+def hf_weight_table(path: Path) -> dict[str, StoredTensor]:
+    """The tensors of an HF directory, from the files transformers reads, in its order:
+    ``model.safetensors``; else the files ``model.safetensors.index.json``'s ``weight_map``
+    names, each tensor from the file the map gives. Other ``*.safetensors`` files (a stray
+    ``model_backup.safetensors``) are ignored. Without either, one other ``*.safetensors``
+    file is read as the weights; several are a ``WeightLoadError`` naming them, none a
+    ``FileNotFoundError``. ``WeightLoadError`` for an index naming a missing file, or a
+    tensor its file lacks, or a shard holding a tensor the map does not list."""
+    if (path / "model.safetensors").is_file():
+        return safetensors_header(path / "model.safetensors")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return _indexed_table(path, index)
+    files = sorted(p for p in path.glob("*.safetensors") if p.is_file())
+    if not files:
+        raise FileNotFoundError(f"{path}: no model.safetensors, model.safetensors.index.json "
+                                "or other *.safetensors file")
+    if len(files) > 1:
+        raise WeightLoadError(f"{path}: no model.safetensors or model.safetensors.index.json, "
+                              f"and several weight files {[f.name for f in files]}: which hold "
+                              "the model is ambiguous (name it model.safetensors, or write "
+                              "an index)")
+    return safetensors_header(files[0])
+
+
+def _indexed_table(path: Path, index: Path) -> dict[str, StoredTensor]:
+    """The tensors a sharded checkout's index names (see :func:`hf_weight_table`)."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        by_file: dict[str, list[str]] = {}
+        for name, fname in weight_map.items():
+            by_file.setdefault(str(fname), []).append(str(name))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise WeightLoadError(f"{index}: not a readable index ({e!r})") from None
+    table: dict[str, StoredTensor] = {}
+    for fname, names in by_file.items():
+        f = path / fname
+        if not f.is_file():
+            raise WeightLoadError(f"{index}: weight_map names {fname}, which is missing from "
+                                  f"{path} ({len(names)} tensors, e.g. {names[0]!r})")
+        header = safetensors_header(f)
+        absent = [n for n in names if n not in header]
+        if absent:
+            raise WeightLoadError(f"{index}: weight_map puts {absent[0]!r} in {fname}, which "
+                                  f"does not hold it ({len(absent)} such tensors)")
+        extra = [n for n in header if weight_map.get(n) != fname]
+        if extra:
+            raise WeightLoadError(f"{f}: holds {extra[0]!r}, which {index.name} does not "
+                                  f"assign to it ({len(extra)} such tensors)")
+        table.update({n: header[n] for n in names})
+    return {n: table[n] for n in weight_map}
+
+
+def _same_tensor(src: TensorSource, a: str, b: str, chunk_bytes: int = 16 << 20) -> bool:
+    """Whether tensors ``a`` and ``b`` of ``src`` hold equal values, compared a block of
+    rows at a time (neither is read whole, nor widened unless their dtypes differ)."""
+    if src.shapes[a] != src.shapes[b]:
+        return False
+    shape = src.shapes[a]
+    if not shape:
+        return bool(np.array_equal(src.read(a), src.read(b)))
+    step = max(1, chunk_bytes // max(1, math.prod(shape[1:]) * 4))
+    for r in range(0, shape[0], step):
+        x, y = src.read(a, (r, r + step)), src.read(b, (r, r + step))
+        if x.dtype != y.dtype:
+            x, y = x.astype(np.float32), y.astype(np.float32)
+        if not np.array_equal(x, y):
+            return False
+    return True
+
+
+def load_hf_dir(path: str | Path, dtype=jnp.float32, mesh=None,
+                stacked: bool = False) -> tuple[Config, dict]:
+    """Loads ``config.json`` and the weights of a local HF directory (the files
+    :func:`hf_weight_table` picks), tensor by tensor in their stored dtype, each leaf placed
+    as it is made (:func:`stream_params`: with ``mesh``, sharded as
+    ``specjax.sharding.shard_params`` would; ``stacked`` for ``scan_layers``). Peak host
+    memory is the placed weights plus about one leaf. T5 is read whole in float32, then
+    placed (``stacked`` is a ``ValueError`` for it)."""
     path = Path(path)
     cfg = hf_dir_config(path)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files")
-    tensors = {}
-    for f in files:
-        try:
-            loaded = load_file(str(f))
-        except Exception as e:
-            raise WeightLoadError(f"{f}: not a readable safetensors file ({e})") from e
-        tensors.update({k: np.asarray(v.astype(jnp.float32)) for k, v in loaded.items()})
+    src = SafetensorsSource(hf_weight_table(path))
     if family(cfg) == "T5":
-        return _t5_tied(cfg, tensors, path, dtype)
+        if stacked:
+            raise ValueError("stacked layers (scan_layers) are for Llama-family models only")
+        tensors = {k: src.read(k).astype(np.float32) for k in src.shapes}
+        cfg, params = _t5_tied(cfg, tensors, path, dtype)
+        if mesh is not None:
+            from specjax import sharding
+
+            params = sharding.shard_params(cfg, params, mesh)
+        return cfg, params
     ignore = ()
-    if cfg.tie_embeddings and "lm_head.weight" in tensors:
-        emb = tensors.get("model.embed_tokens.weight")
-        if emb is None or not np.array_equal(emb, tensors["lm_head.weight"]):
+    if cfg.tie_embeddings and "lm_head.weight" in src.shapes:
+        emb = "model.embed_tokens.weight"
+        if emb not in src.shapes or not _same_tensor(src, emb, "lm_head.weight"):
             raise WeightLoadError(f"{path}: config.json ties the embeddings, but "
                                   "'lm_head.weight' differs from 'model.embed_tokens.weight'")
         ignore = ("lm_head.weight",)  # a saved copy of the tied embedding
     keys = HF_GEMMA_KEYS if isinstance(cfg, GemmaConfig) else HF_KEYS
-    return cfg, assemble(cfg, tensors, keys, str(path), dtype, ignore=ignore)
+    return cfg, stream_params(cfg, src, keys, str(path), dtype, mesh, stacked, ignore)
 
 
 # --------------------------------------------------------------------------- T5 (HF directory)

@@ -80,7 +80,7 @@ class LoadedModel:
     tokenizer: Any
     eos_ids: tuple[int, ...]
     source: Path
-    mesh: Any = None  # a jax.sharding.Mesh its params are placed on (``on_mesh``), or None
+    mesh: Any = None  # the jax.sharding.Mesh its params are on (``load(mesh=)``, ``on_mesh``)
 
     def on_mesh(self, mesh) -> "LoadedModel":
         """This model with its weights split over ``mesh`` (``specjax.sharding``); every
@@ -165,7 +165,7 @@ def _gguf_tokenizer(path: Path):
 
 def load(name_or_path: str, dtype=jnp.float32, tokenizer: bool = True,
          check: Callable[[Any, loading.Config], None] | None = None,
-         compute_dtype=jnp.float32, scan_layers: bool = False) -> LoadedModel:
+         compute_dtype=jnp.float32, scan_layers: bool = False, mesh=None) -> LoadedModel:
     """Loads a registered model, a ``.gguf`` file, or an HF directory, with its tokenizer.
 
     Weights and KV caches are stored in ``dtype``; products take ``compute_dtype`` inputs
@@ -173,12 +173,20 @@ def load(name_or_path: str, dtype=jnp.float32, tokenizer: bool = True,
     output equal to ``ar``'s as in float32; ``compute_dtype=jnp.bfloat16`` is faster on
     bfloat16 hardware, and its greedy output can leave ``ar``'s on near-ties.
 
+    Weights are read tensor by tensor in their stored dtype and each is placed as it is
+    made, so host memory stays near the weights' size (``loading.stream_params``). With
+    ``mesh`` (a ``specjax.sharding`` mesh) each weight goes straight to its final sharding,
+    each device receiving only its slice: the same params, on the same shardings, as
+    ``load(...).on_mesh(mesh)``, and ``mesh`` is set on the result. A mesh the model cannot
+    be split over is a ``ValueError`` before any weight is read.
+
     ``check(tokenizer, config)`` runs before the weights are read, so input that does not
     fit the model (a prompt longer than the context) fails in seconds.
 
-    ``scan_layers=True`` (Llama-family models only; ``ValueError`` otherwise) returns the
-    model that runs its layers under one ``lax.scan``, with the weights stacked
-    (``llama.stack_layers``): one layer body compiles instead of ``num_layers``.
+    ``scan_layers=True`` (Llama-family models only; ``ValueError`` otherwise, before any
+    weight is read) returns the model that runs its layers under one ``lax.scan``, with the
+    weights stacked (``llama.stack_layers``' layout, built per weight: the host holds one
+    weight of all layers at a time): one layer body compiles instead of ``num_layers``.
 
     ``eos_ids``: the tokenizer's EOS and the ``END_OF_TURN`` tokens its vocabulary has,
     then, for an HF directory, its ``generation_config.json`` ``eos_token_id`` entries
@@ -186,18 +194,15 @@ def load(name_or_path: str, dtype=jnp.float32, tokenizer: bool = True,
     caller's ids), except a T5 config's ``eos_token_id``.
     """
     path = resolve(name_or_path)
-    if path.is_dir():
-        cfg = loading.hf_dir_config(path)
-        tok = _dir_tokenizer(path) if tokenizer else None
-        if check is not None:
-            check(tok, cfg)
-        cfg, params = loading.load_hf_dir(path, dtype)
-    else:
-        cfg = loading.gguf_file_config(path)
-        tok = _gguf_tokenizer(path) if tokenizer else None
-        if check is not None:
-            check(tok, cfg)
-        cfg, params = loading.load_gguf(path, dtype)
+    cfg = loading.hf_dir_config(path) if path.is_dir() else loading.gguf_file_config(path)
+    _check_placement(cfg, scan_layers, mesh)
+    tok = None
+    if tokenizer:
+        tok = _dir_tokenizer(path) if path.is_dir() else _gguf_tokenizer(path)
+    if check is not None:
+        check(tok, cfg)
+    read = loading.load_hf_dir if path.is_dir() else loading.load_gguf
+    cfg, params = read(path, dtype, mesh=mesh, stacked=scan_layers)
     eos = stop_ids(tok)
     if tok is not None and path.is_dir():  # the directory's own stop list, after the tokenizer's
         eos += tuple(i for i in generation_eos_ids(path) if i not in eos)
@@ -205,14 +210,25 @@ def load(name_or_path: str, dtype=jnp.float32, tokenizer: bool = True,
         eos = (int(cfg.eos_token_id),)
     model = loading.model_for(cfg, compute_dtype)
     if scan_layers:
+        model = dataclasses.replace(model, scan_layers=True)
+    return LoadedModel(name=name_or_path, model=model, params=params,
+                       tokenizer=tok, eos_ids=eos, source=path, mesh=mesh)
+
+
+def _check_placement(cfg, scan_layers: bool, mesh) -> None:
+    """``ValueError`` for ``scan_layers`` on a model that runs its layers unrolled, or a
+    mesh the model cannot be split over, before anything is read."""
+    if scan_layers:
         from specjax.models import llama
 
+        model = loading.model_for(cfg)
         if not isinstance(model, llama.Llama):
             raise ValueError(f"scan_layers is available for Llama-family models only, not "
                              f"{type(model).__name__} (which runs its layers unrolled)")
-        model, params = dataclasses.replace(model, scan_layers=True), llama.stack_layers(params)
-    return LoadedModel(name=name_or_path, model=model, params=params,
-                       tokenizer=tok, eos_ids=eos, source=path)
+    if mesh is not None:
+        from specjax import sharding
+
+        sharding.check_model(cfg, mesh)
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model",

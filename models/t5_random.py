@@ -32,7 +32,9 @@ def save_random(path: str | Path, shape: str | dict, seed: int = 0) -> Path:
     Untied shapes get an ``lm_head.weight`` of their own, and ``config.json`` says
     ``tie_word_embeddings`` as the public files do (transformers 5 would otherwise save a
     tied head)."""
-    import torch
+    from specjax._optional import require
+
+    torch = require("torch", "writing a random T5 checkpoint")
     from safetensors.torch import load_file, save_file
     from transformers import T5Config, T5ForConditionalGeneration
 

@@ -8,6 +8,7 @@ model contract and the ports) and ``specjax.train`` (Optax training of the draft
 """
 
 from specjax import _xla_flags  # noqa: F401  (must run before JAX picks a backend)
+from specjax import _cache  # noqa: F401  (JAX's persistent compilation cache; see there)
 
 from specjax import core, drafters, hsd, methods, models, sharding
 from specjax.core import sampling, tree

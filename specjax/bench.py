@@ -151,7 +151,8 @@ def _sampling_kw(sampler, seed: int = 0) -> dict:
 
 def decoder_method(lm, built, sampler=None) -> Method:
     """specjax decoding with a built method (``specjax.methods.build``: any decoder and its
-    parameters); greedy by default."""
+    parameters); greedy by default. The returned function's ``built`` attribute is
+    ``built`` (what ``classify_greedy`` reads the verification width from)."""
 
     def run(ids: list[int], n: int) -> Run:
         kw = dict(max_new_tokens=n, eos_ids=lm.eos_ids, **_sampling_kw(sampler))
@@ -166,6 +167,7 @@ def decoder_method(lm, built, sampler=None) -> Method:
                    np.asarray(out.accepted_at[0]).tolist() if spec else None, levels,
                    int(out.verified_tokens[0]) if spec else None)
 
+    run.built = built
     return run
 
 
@@ -436,6 +438,39 @@ def summarize(results: dict[str, list[tuple[Question, Run]]]) -> dict:
     return out
 
 
+def classify_greedy(lm, results: dict[str, list[tuple[Question, Run]]], runners: dict,
+                    prompt_ids: Callable[[Question], list[int]]) -> dict[str, dict]:
+    """Every specjax method's greedy output against ``ar``'s, question by question: per
+    method with a verification width (its runner's ``built`` decoder; ``ar`` and the
+    transformers peers have none), ``specjax.divergence.report`` over (question id,
+    classification). Only questions whose tokens differ are classified (one prefill and
+    ``W + 1`` forwards each); ``prompt_ids`` gives a question's prompt then."""
+    from specjax import divergence
+
+    ref = {q.qid: r.tokens for q, r in results["ar"]}
+    out = {}
+    for name, runs in results.items():
+        built = getattr(runners.get(name), "built", None)
+        width = None if built is None else divergence.verification_width(built.decoder)
+        if name == "ar" or width is None:
+            continue
+        chunk = getattr(built.decoder, "chunk", 64)
+        out[name] = divergence.report([
+            (q.qid, None if r.tokens == ref[q.qid] else divergence.classify(
+                lm, prompt_ids(q), ref[q.qid], r.tokens, width, chunk=chunk))
+            for q, r in runs])
+    return out
+
+
+def first_mismatch(classified: dict[str, dict]) -> tuple[str, dict] | None:
+    """``(method, record)`` of the first real mismatch in ``classify_greedy``'s result."""
+    for name, rep in classified.items():
+        for rec in rep["records"]:
+            if rec["kind"] == "mismatch":
+                return name, rec
+    return None
+
+
 def _fmt(x) -> str:
     return "-" if x is None else f"{x:.1f}"
 
@@ -452,6 +487,11 @@ def format_table(summary: dict) -> str:
         lines.append(f"{name:<10}{s['tokens_per_s']:>8.1f}{s.get('speedup_vs_ar', 0):>7.2f}"
                      f"{s['tau']:>6.2f}{_fmt(s.get('tokens_per_forward')):>8}  {per}")
     lines.append("per category: tok/s (speedup vs ar); tok/fwd: tokens per verification forward")
+    eq = {n: s["greedy_vs_ar"] for n, s in summary.items() if "greedy_vs_ar" in s}
+    if eq:
+        lines.append("greedy vs ar (prompts): " + "; ".join(
+            f"{n} {c['equal']} equal, {c['near_tie']} near tie, {c['mismatch']} mismatch"
+            for n, c in eq.items()))
     return "\n".join(lines)
 
 

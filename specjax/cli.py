@@ -8,8 +8,12 @@ import argparse
 import os
 import sys
 
+from specjax._optional import MissingExtra
 from specjax.commands import bench, decode, hsd, train
 from specjax.commands.common import UsageError, check_args
+
+# errors whose message says it all: printed without the exception's name or a traceback hint
+_CLEAN = (UsageError, ValueError, FileNotFoundError, MissingExtra)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _one_line(e: BaseException) -> str:
     msg = str(e).strip().splitlines()
     text = msg[0] if msg else ""
-    if not isinstance(e, (UsageError, ValueError, FileNotFoundError)) or not text:
+    if not isinstance(e, _CLEAN) or not text:
         text = f"{type(e).__name__}: {text}" if text else type(e).__name__
     return text
 
@@ -55,7 +59,7 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001 -- the CLI's one place that reports errors
         if debug:
             raise
-        clean = isinstance(e, (UsageError, ValueError, FileNotFoundError))
+        clean = isinstance(e, _CLEAN)
         hint = "" if clean else " (--debug shows the traceback)"
         print(f"specjax: error: {_one_line(e)}{hint}", file=sys.stderr)
         return 2 if isinstance(e, UsageError) else 1

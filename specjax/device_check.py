@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import os
 import re
@@ -217,14 +218,15 @@ def _shapes(small: bool) -> dict[str, dict]:
                                num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
                                max_position_embeddings=1024)
         tg = gemma.GemmaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
-                               num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
-                               layer_types=gemma.gemma3_layer_types(2, pattern=2),
+                               num_layers=4, num_heads=2, num_kv_heads=1, head_dim=32,
+                               layer_types=gemma.gemma3_layer_types(4, pattern=2),
                                sliding_window=32, query_pre_attn_scalar=32.0,
                                max_position_embeddings=1024)
         return {"tiny-llama": dict(family="llama", cfg=tl, dtype=f32, compute=f32,
-                                   methods="all", hf=True),
+                                   methods="all", hf=True,
+                                   batched="ar,eagle3:2,2,3,sd-ngram:7"),
                 "tiny-gemma": dict(family="gemma", cfg=tg, dtype=f32, compute=f32,
-                                   methods="ar,sd-ngram:7,eagle2:2,2,3", hf=True)}
+                                   methods="all", hf=True)}
     llama31_8b = llama.LlamaConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
         num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
@@ -240,7 +242,7 @@ def _shapes(small: bool) -> dict[str, dict]:
         # a 32000-token draft vocabulary), random: what a user's speedup is made of
         "llama3.1-8b": dict(family="llama", cfg=llama31_8b, dtype=bf16, compute=bf16,
                             methods="ar,sd-ngram:7,eagle2:3,4,7,eagle3:3,4,7,eagle3:7,10,60",
-                            hf=True),
+                            hf=True, batched="ar,eagle3:3,4,7,sd-ngram:7"),
         "gemma3-270m": dict(family="gemma", cfg=gemma.GEMMA3_270M, dtype=f32, compute=f32,
                             methods="all", hf=True),
     }
@@ -371,27 +373,42 @@ def _forward_fn(model):
     return fwd
 
 
-def width_curve(lm, widths, capacity: int, filled: int, repeats: int, budget: Budget,
-                out: dict, save) -> None:
-    """ms of one forward over each width with ``filled`` tokens cached (median of
-    ``repeats``); the 1-token forward's compiled program gives ``kernels_forward``."""
+def width_programs(lm, widths, capacity: int, filled: int) -> tuple:
+    """``(cache, {W: compile job})``: the cache with ``filled`` tokens and, per width, a
+    zero-argument function compiling one forward over ``W`` new tokens (for ``prepare``)."""
     import jax
     import jax.numpy as jnp
 
     cache = lm.model.init_cache(1, capacity).replace(length=jnp.asarray([filled], jnp.int32))
     fwd = jax.jit(_forward_fn(lm.model))
-    out.update(capacity=capacity, filled=filled, ms={}, compile_s={}, relative_to_1={})
-    first = [w for w in (1, 8, 64, 16, 32, 4, 2, 48, 24) if w in widths]
-    for w in first + [w for w in widths if w not in first]:  # the telling widths first
-        if budget.left() <= 0:
-            out["stopped"] = f"out of time before width {w}"
-            break
-        toks = jnp.ones((1, w), jnp.int32)
+
+    def job(w):
         t = time.perf_counter()
-        exe = fwd.lower(lm.params, toks, cache).compile()
-        out["compile_s"][w] = time.perf_counter() - t
+        exe = fwd.lower(lm.params, jnp.ones((1, w), jnp.int32), cache).compile()
+        return exe, time.perf_counter() - t
+
+    return cache, {w: (lambda w=w: job(w)) for w in widths}
+
+
+def width_curve(lm, futures: dict, cache, capacity: int, repeats: int, budget: Budget,
+                out: dict, save) -> None:
+    """ms of one forward over each width with the cache's tokens cached (median of
+    ``repeats``), from the programs ``futures`` compile (``width_programs``, run by
+    ``prepare``); the 1-token forward's program gives ``kernels_forward``."""
+    import jax
+    import jax.numpy as jnp
+
+    out.update(capacity=capacity, filled=int(cache.length[0]), ms={}, compile_s={},
+               relative_to_1={})
+    for w, fut in sorted(futures.items()):
+        got = _wait(fut, budget)
+        if got is None:
+            out.setdefault("skipped", []).append(w)
+            continue
+        exe, out["compile_s"][w] = got
         if w == 1:
             out["kernels_forward"] = hlo_stats(exe.as_text())["program"]
+        toks = jnp.ones((1, w), jnp.int32)
         jax.block_until_ready(exe(lm.params, toks, cache))
         times = []
         for _ in range(repeats):
@@ -399,7 +416,6 @@ def width_curve(lm, widths, capacity: int, filled: int, repeats: int, budget: Bu
             jax.block_until_ready(exe(lm.params, toks, cache))
             times.append(time.perf_counter() - t)
         out["ms"][w] = 1e3 * float(np.median(times))
-        out["ms"] = dict(sorted(out["ms"].items()))
         if 1 in out["ms"]:
             out["relative_to_1"] = {k: v / out["ms"][1] for k, v in out["ms"].items()}
         _log(f"  width {w:>2}: {out['ms'][w]:.3f} ms (compile {out['compile_s'][w]:.1f} s)")
@@ -423,15 +439,15 @@ def _bench_args(lm, shape: dict, opts):
     return cli.build_parser().parse_args(argv), layers
 
 
-def _runner(lm, args, method: str, layers: int, seed: int = 1):
-    """``(bench Method, method as run)``: ``specjax bench``'s runner; EAGLE-2, EAGLE-3 (a
+def _built(lm, args, method: str, layers: int, seed: int = 1):
+    """The ``methods.Built`` ``specjax bench`` would run; EAGLE-2, EAGLE-3 (a
     draft vocabulary of up to 32000 ids, as the published Llama-3.1 head) and ReDrafter
     with a random head (no trained head fits random targets); ``hsd`` as an n-gram, an
     early exit at ``layers`` and the target."""
     import jax
     import jax.numpy as jnp
 
-    from specjax import bench, methods
+    from specjax import methods
     from specjax.drafters import eagle, eagle3, redrafter
 
     spec = methods.parse(method if method != "hsd" else f"hsd:ngram:4,{layers}:3,target")
@@ -460,7 +476,107 @@ def _runner(lm, args, method: str, layers: int, seed: int = 1):
         built = methods.speculative(spec, lm, opts, d, dp)
     else:
         built = methods.build(spec, lm, opts)
+    return built
+
+
+#: methods built and compiled ahead (``prepare``), by (model id, method, batch)
+_PREPARED: dict = {}
+
+
+@dataclasses.dataclass
+class Prepared:
+    """One method's program, built and compiled (by a warm-up decode) ahead of its timing."""
+
+    built: object
+    compile_s: float  # as measured inside a pool of concurrent compiles
+    exe_texts: list
+    error: str | None = None
+
+
+def _runner(lm, args, method: str, layers: int, seed: int = 1):
+    """``(bench Method, method as run)``: the prepared method when ``prepare`` built it,
+    else built now (``_built``)."""
+    from specjax import bench
+
+    prep = _PREPARED.get((id(lm), method, 1))
+    if prep is not None and prep.error:
+        raise RuntimeError(f"while compiling: {prep.error}")
+    built = prep.built if prep is not None else _built(lm, args, method, layers, seed)
     return bench.decoder_method(lm, built), built.name
+
+
+def _prepared_exes(lm, method: str, new: list) -> tuple[list, float]:
+    """The compiled programs and compile seconds of a method ``prepare`` compiled (a
+    timing run after it compiles nothing new), else ``(new, 0.0)``."""
+    prep = _PREPARED.get((id(lm), method, 1))
+    if prep is None or new:
+        return new, 0.0
+    return [_Text(t) for t in prep.exe_texts], prep.compile_s
+
+
+@dataclasses.dataclass
+class _Text:
+    text: str
+
+    def as_text(self) -> str:
+        return self.text
+
+
+def _exes_of(decoder) -> list:
+    """Every compiled program of ``decoder`` in the host wrappers' caches."""
+    from specjax import _compile
+
+    return [e for c in list(_compile._CACHES) for k, e in list(c._exes.items())
+            if any(v is decoder for _, v in k[0])]
+
+
+def _warm(lm, args, method: str, layers: int, ids: list[int], batch: int) -> Prepared:
+    """Builds ``method`` and decodes ``batch`` copies of ``ids`` once (its compile)."""
+    import jax
+
+    from specjax import bench
+
+    try:
+        built = _built(lm, args, method, layers)
+        out = built([ids] * batch, max_new_tokens=args.max_new_tokens, eos_ids=lm.eos_ids,
+                    **bench._sampling_kw(None))
+        jax.block_until_ready(out.tokens)
+        return Prepared(built, float(out.compile_s),
+                        [e.as_text() for e in _exes_of(built.decoder)])
+    except Exception as e:  # noqa: BLE001 -- recorded as the method's result
+        traceback.print_exc()
+        return Prepared(None, 0.0, [], f"{type(e).__name__}: {str(e)[:400]}")
+
+
+def prepare(lm, args, layers: int, ids: list[int], jobs: list[tuple[str, int]],
+            extra: dict, workers: int) -> dict:
+    """Compiles every ``(method, batch)`` of ``jobs``, and every ``extra`` job (a name and
+    a zero-argument function), in a pool of ``workers`` threads: XLA compiles outside the
+    GIL, so a host with many cores compiles a shape's programs at once. Returns the
+    futures by job; each method's ``Prepared`` also goes to ``_PREPARED``."""
+    import concurrent.futures as cf
+
+    pool = cf.ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="compile")
+
+    def job(m, b):
+        prep = _warm(lm, args, m, layers, ids, b)
+        _PREPARED[(id(lm), m, b)] = prep
+        return prep
+
+    futures = {k: pool.submit(fn) for k, fn in extra.items()}  # the first timed
+    futures.update({(m, b): pool.submit(job, m, b) for m, b in jobs})
+    pool.shutdown(wait=False)
+    return futures
+
+
+def _wait(future, budget: "Budget"):
+    """The future's result, or None when the budget ends first."""
+    import concurrent.futures as cf
+
+    try:
+        return future.result(timeout=max(budget.left(), 0.0))
+    except cf.TimeoutError:
+        return None
 
 
 def _settings_of(args) -> dict:
@@ -470,10 +586,17 @@ def _settings_of(args) -> dict:
 
 
 def run_methods(lm, questions, args, layers: int, methods, budget: Budget, out: dict,
-                ref: dict, save) -> None:
+                ref: dict, save, defer: list | None = None) -> None:
     """Every method end to end on ``questions``: tokens against ``ar``'s (kept in ``ref``,
     ``ar`` first), compile time, time per round against an ``ar`` step, kernels per
-    round."""
+    round. Where a method's tokens leave ``ar``'s, the first divergence per prompt is
+    classified (``specjax.divergence``): ``divergence`` holds the counts of prompts
+    ``equal`` / ``near_tie`` / ``mismatch`` and the records, ``real_mismatches`` the
+    mismatch count (None where it could not be classified). With ``defer`` (a list), the
+    classification is appended there as ``(method, function)`` instead, to run after every
+    timing (``classify_deferred``): its programs compile then, not between timings."""
+    from specjax import divergence
+
     for m in methods:
         if budget.left() <= 0:
             out.setdefault("skipped", []).append(m)
@@ -489,11 +612,13 @@ def run_methods(lm, questions, args, layers: int, methods, budget: Budget, out: 
             save()
             continue
         new = [e for k, e in _executables().items() if k not in before]
+        new, pre_s = _prepared_exes(lm, m, new)  # compiled ahead by ``prepare``
         toks = sum(len(r.tokens) for r in runs)
         secs = sum(r.seconds for r in runs)
         rounds = sum(r.target_forwards for r in runs)
         rec = {"spec": label, "n_prompts": len(runs), "new_tokens": toks,
-               "tokens_per_s": toks / secs, "compile_s": sum(r.compile_s for r in runs),
+               "tokens_per_s": toks / secs,
+               "compile_s": sum(r.compile_s for r in runs) + pre_s,
                "target_forwards": rounds, "tau": toks / rounds,
                "ms_per_round": 1e3 * secs / rounds}
         if m == "ar":
@@ -504,6 +629,13 @@ def run_methods(lm, questions, args, layers: int, methods, budget: Budget, out: 
             rec["prompts_equal_to_ar"] = sum(r.tokens == a for r, a in zip(runs, ref["tokens"]))
             rec["round_vs_ar_step"] = rec["ms_per_round"] / ref["step_ms"]
             rec["speedup_vs_ar"] = rec["tokens_per_s"] / ref["tokens_per_s"]
+            dec = getattr(getattr(run, "built", None), "decoder", None)
+            job = functools.partial(_classify, lm, questions, [r.tokens for r in runs],
+                                    ref["tokens"], dec, args.max_new_tokens, rec)
+            if defer is not None and not rec["equal_to_ar"]:
+                defer.append((m, job, out))
+            else:  # equal outputs cost nothing
+                job()
         if new:  # the method's decode program (its largest new one): kernels per round
             stats = hlo_stats(max((e.as_text() for e in new), key=len))
             rec["kernels"] = stats
@@ -516,6 +648,50 @@ def run_methods(lm, questions, args, layers: int, methods, budget: Budget, out: 
              f"{rec['ms_per_round']:.2f} ms/round ({rec.get('round_vs_ar_step', 1):.2f}x ar "
              f"step)  compile {rec['compile_s']:.1f} s  equal to ar: "
              f"{rec.get('equal_to_ar')}  kernels/round {rec.get('kernels_per_round')}")
+        _log_divergence(rec)
+        save()
+
+
+def _classify(lm, questions, tokens, ar_tokens, dec, max_new: int, rec: dict) -> None:
+    """``rec["divergence"]`` and ``rec["real_mismatches"]`` (``specjax.divergence``): only
+    diverging prompts cost anything, a prefill and ``W + 1`` forwards each."""
+    from specjax import divergence
+
+    try:
+        w = divergence.verification_width(dec)
+        cap = max(len(q.ids) for q in questions) + max_new + w
+        rec["divergence"] = divergence.report([
+            (i, None if t == a else divergence.classify(
+                lm, list(q.ids), a, t, w, chunk=dec.chunk, capacity=cap))
+            for i, (q, t, a) in enumerate(zip(questions, tokens, ar_tokens))])
+        rec["real_mismatches"] = rec["divergence"]["mismatch"]
+    except Exception as e:  # noqa: BLE001 -- the timings stand; say what failed
+        rec["divergence"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+        rec["real_mismatches"] = None
+
+
+def _log_divergence(rec: dict) -> None:
+    from specjax import divergence
+
+    for d in (rec.get("divergence") or {}).get("records", []):
+        _log(f"    prompt {d['prompt']}: {d['kind']} at "
+             f"{divergence.Divergence.from_dict(d).line()}")
+
+
+def classify_deferred(defer: list, budget: Budget, save) -> None:
+    """Runs the classifications ``run_methods`` and ``run_batched`` deferred (``(method,
+    function, its records)``), while the budget lasts; a method
+    left unclassified gets ``divergence: {"skipped": ...}`` (the run is then incomplete)."""
+    for m, job, out in defer:
+        if budget.left() <= 0:
+            out[m]["divergence"] = {"skipped": "out of time"}
+            out[m]["real_mismatches"] = None
+            continue
+        t = time.perf_counter()
+        job()
+        out[m]["divergence_s"] = time.perf_counter() - t
+        _log(f"  {m}: greedy divergence from ar classified in {out[m]['divergence_s']:.1f} s")
+        _log_divergence(out[m])
         save()
 
 
@@ -599,53 +775,197 @@ def _check_shape(name: str, shape: dict, opts, budget: Budget, probe: dict, out:
     _log(f"{name}: {out['weight_bytes'] / 1e6:.0f} MB of random weights in "
          f"{out['init_s']:.1f} s")
     save()
-    widths = [int(w) for w in opts.widths.split(",")]
-    budget.phase_end = min(shape_end, time.perf_counter() + 0.33 * max(budget.left(), 0.0))
-    _log(f"{name}: width curve")
-    width_curve(lm, widths, opts.capacity, opts.filled, opts.repeats, budget,
-                out.setdefault("width_curve", {}), save)
-    out["kernels_forward"] = out["width_curve"].get("kernels_forward")
-    budget.phase_end = shape_end  # the rest of this shape's time
     questions = bench.random_questions(opts.prompts, opts.prompt_len, cfg.vocab_size)
     args, layers = _bench_args(lm, shape, opts)
     out["settings"] = {"prompts": opts.prompts, "prompt_len": opts.prompt_len,
                        "max_new_tokens": opts.max_new_tokens, **_settings_of(args)}
-    methods = list(ALL_METHODS) if shape["methods"] == "all" else _split(shape["methods"])
-    if opts.methods:
-        methods = [m for m in methods if m in _split(opts.methods)]
-    methods = ["ar"] + [m for m in methods if m != "ar"]  # ar first: the reference
+    methods = _methods_of(shape, opts, "methods")
+    batched = _methods_of(shape, opts, "batched") if opts.batch > 1 else []
+    cache, wjobs = width_programs(lm, [int(w) for w in opts.widths.split(",")],
+                                  opts.capacity, opts.filled)
+    t = time.perf_counter()
+    futs = prepare(lm, args, layers, list(questions[0].ids),
+                   [(m, 1) for m in methods] + [(m, opts.batch) for m in batched],
+                   {("width", w): job for w, job in wjobs.items()}, opts.workers)
+    _log(f"{name}: compiling {len(futs)} programs in {opts.workers} threads")
+    for f in futs.values():  # timings start once nothing compiles beside them
+        _wait(f, budget)
+    out["compile_wall_s"] = time.perf_counter() - t  # this shape's programs, at once
+    _log(f"{name}: compiled in {out['compile_wall_s']:.1f} s; width curve")
+    width_curve(lm, {w: futs[("width", w)] for w in wjobs}, cache, opts.capacity,
+                opts.repeats, budget, out.setdefault("width_curve", {}), save)
+    out["kernels_forward"] = out["width_curve"].get("kernels_forward")
     ms = out.setdefault("methods", {})
     ref = {"kernels_forward": (out["kernels_forward"] or {}).get("kernels")}
-    _log(f"{name}: methods {methods}")
-    run_methods(lm, questions, args, layers, methods[:1], budget, ms, ref, save)
+    ready = _ready(futs, [(m, 1) for m in methods], budget, ms)
+    _log(f"{name}: methods {ready}")
+    defer: list = []  # greedy divergences, classified after every timing
+    run_methods(lm, questions, args, layers, ready[:1], budget, ms, ref, save, defer)
     if "tokens_per_s" in ref:
         out["ar_vs_bound"] = bench.bandwidth_bound(lm.params, ref["tokens_per_s"], probe)
         _log(f"  ar: {ms['ar']['tokens_per_s']:.1f} tok/s = "
              f"{100 * out['ar_vs_bound']['ar_fraction_of_bound']:.0f}% of the bound "
              f"{out['ar_vs_bound']['bound_tokens_per_s']:.1f} tok/s")
         save()
-    if shape["hf"] and not opts.no_hf and budget.left() > 0 and not _hf_on_another_device():
-        try:
-            run_hf(lm, shape, questions, opts.max_new_tokens, out.setdefault("hf", {}), save)
-            if "tokens_per_s" in ms.get("ar", {}):
-                out["hf"]["ar_vs_hf"] = ms["ar"]["tokens_per_s"] / out["hf"]["tokens_per_s"]
-        except Exception as e:  # noqa: BLE001
-            out["hf"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
-            traceback.print_exc()
-        save()
-    elif shape["hf"] and not opts.no_hf and _hf_on_another_device():
-        out["hf"] = {"skipped": "torch sees no device of JAX's kind here: transformers would "
-                                "run on the host CPU"}
-    run_methods(lm, questions, args, layers, methods[1:], budget, ms, ref, save)
+    _hf_phase(lm, shape, opts, questions, budget, out, save)
+    run_methods(lm, questions, args, layers, ready[1:], budget, ms, ref, save, defer)
+    if batched:
+        bq = bench.random_questions(opts.batch, opts.prompt_len, cfg.vocab_size, seed=1)
+        run_batched(lm, bq, args, _ready(futs, [(m, opts.batch) for m in batched], budget,
+                                         out.setdefault("batched", {})),
+                    opts.batch, budget, out["batched"], save, defer)
+    classify_deferred(defer, budget, save)
+    for f in futs.values():  # what the budget left uncompiled does not start now
+        f.cancel()
+    _PREPARED.clear()
     del lm
     _compile.clear_all()
     gc.collect()
+
+
+def _methods_of(shape: dict, opts, key: str) -> list[str]:
+    """A shape's methods (``ar`` first: the reference), narrowed by ``--methods``."""
+    spec = shape.get(key) or ""
+    methods = list(ALL_METHODS) if spec == "all" else _split(spec) if spec else []
+    if opts.methods:
+        methods = [m for m in methods if m in _split(opts.methods)]
+    return (["ar"] if methods else []) + [m for m in methods if m != "ar"]
+
+
+def _ready(futs: dict, jobs: list, budget: Budget, out: dict) -> list[str]:
+    """The methods of ``jobs`` whose programs compiled within the budget; the others go to
+    ``out["skipped"]`` (a method whose compile failed still runs, to record its error)."""
+    ready = []
+    for job in jobs:
+        if _wait(futs[job], budget) is None:
+            out.setdefault("skipped", []).append(job[0])
+        else:
+            ready.append(job[0])
+    return ready
+
+
+def _hf_phase(lm, shape: dict, opts, questions, budget: Budget, out: dict, save) -> None:
+    """transformers on the same device, or why not."""
+    ms = out.get("methods", {})
+    if not shape["hf"] or opts.no_hf:
+        return
+    if _hf_on_another_device():
+        out["hf"] = {"not_applicable": "torch sees no device of JAX's kind here: "
+                                       "transformers would run on the host CPU"}
+        return
+    if budget.left() <= 0:
+        out["hf"] = {"skipped": "out of time"}
+        return
+    try:
+        run_hf(lm, shape, questions, opts.max_new_tokens, out.setdefault("hf", {}), save)
+        if "tokens_per_s" in ms.get("ar", {}):
+            out["hf"]["ar_vs_hf"] = ms["ar"]["tokens_per_s"] / out["hf"]["tokens_per_s"]
+    except Exception as e:  # noqa: BLE001
+        out["hf"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+        traceback.print_exc()
+    save()
+
+
+def run_batched(lm, questions, args, methods, batch: int, budget: Budget, out: dict,
+                save, defer: list) -> None:
+    """Each method over the ``batch`` prompts at once (compiled ahead by ``prepare``):
+    tokens/s over the batch, time per round against ``ar``'s step at the same batch, and
+    every row's greedy tokens against ``ar``'s (rows that differ are classified later,
+    through ``defer``, as ``run_methods`` does)."""
+    import jax
+
+    from specjax import bench
+
+    ids, ref = [list(q.ids) for q in questions], {}
+    for m in methods:
+        prep = _PREPARED.get((id(lm), m, batch))
+        if budget.left() <= 0:
+            out.setdefault("skipped", []).append(m)
+            continue
+        if prep is None or prep.error:
+            out[m] = {"error": prep.error if prep else "not compiled"}
+            continue
+        kw = dict(max_new_tokens=args.max_new_tokens, eos_ids=lm.eos_ids,
+                  **bench._sampling_kw(None))
+        jax.block_until_ready(prep.built(ids, **kw).tokens)  # compiled: a warm run
+        t = time.perf_counter()
+        o = prep.built(ids, **kw)
+        jax.block_until_ready(o.tokens)
+        secs = time.perf_counter() - t
+        toks, rounds = o.to_lists(), int(np.max(np.asarray(o.target_forwards)))
+        n = sum(len(r) for r in toks)
+        rec = {"spec": prep.built.name, "batch": batch, "new_tokens": n,
+               "tokens_per_s": n / secs, "ms_per_round": 1e3 * secs / rounds,
+               "tau": n / float(np.sum(np.asarray(o.target_forwards))),
+               "compile_s": prep.compile_s}
+        if m == "ar":
+            ref.update(tokens=toks, ms=rec["ms_per_round"])
+        if ref:
+            rec["rows_equal_to_ar"] = sum(a == b for a, b in zip(toks, ref["tokens"]))
+            rec["round_vs_ar_step"] = rec["ms_per_round"] / ref["ms"]
+            if rec["rows_equal_to_ar"] < batch:
+                defer.append((m, functools.partial(
+                    _classify, lm, questions, toks, ref["tokens"], prep.built.decoder,
+                    args.max_new_tokens, rec), out))
+        out[m] = rec
+        _log(f"  batch {batch} {m:<14} {rec['tokens_per_s']:8.1f} tok/s  "
+             f"{rec['ms_per_round']:.2f} ms/round ({rec.get('round_vs_ar_step', 1):.2f}x ar "
+             f"step)  rows equal to ar {rec.get('rows_equal_to_ar')}/{batch}")
+        save()
 
 
 def _split(spec: str) -> list[str]:
     from specjax import methods
 
     return methods.split(spec)
+
+
+def _method_problems(where: str, r: dict, batch: int) -> tuple[list[str], list[str]]:
+    """``(skipped, failed)`` of one method's record: an error fails; greedy output that left
+    ``ar``'s fails on a real mismatch, and is unfinished while not classified."""
+    if "error" in r:
+        return [], [f"{where}: {r['error'][:200]}"]
+    div = r.get("divergence") or {}
+    diverged = r.get("equal_to_ar") is False or r.get("rows_equal_to_ar", batch) < batch
+    what = f"{where}: greedy divergence from ar not classified"
+    if "error" in div:
+        return [], [f"{what}: {div['error'][:200]}"]
+    if "skipped" in div or (diverged and not div):
+        return [f"{what} ({div.get('skipped', 'out of time')})"], []
+    if r.get("real_mismatches"):
+        return [], [f"{where}: greedy output left ar's on {r['real_mismatches']} prompts, "
+                    "not on a near tie"]
+    return [], []
+
+
+def incomplete(res: dict, batch: int) -> tuple[list[str], list[str]]:
+    """``(skipped, failed)``: each thing listed but not measured, and why; each thing
+    measured wrong (an error, a failed law check, a real greedy mismatch). The run is
+    complete only when both are empty."""
+    skipped, failed = [], []
+    for ph in res["phases"]:
+        if ph["status"] != "done":
+            (failed if ph["status"].startswith("error") else skipped).append(
+                f"phase {ph['name']}: {ph['status']}")
+    if res.get("law") and not res["law"]["passed"]:
+        failed.append(f"sampled verification law check: p = {res['law']['p_value']:.3g}, "
+                      f"negative control p = {res['law']['control_p_value']:.3g}")
+    for name, s in res["shapes"].items():
+        skipped += [f"{name}: width {w} (not compiled within the budget)"
+                    for w in s.get("width_curve", {}).get("skipped", [])]
+        for group, tag in (("methods", ""), ("batched", f" at batch {batch}")):
+            for m, r in (s.get(group) or {}).items():
+                if m == "skipped":
+                    skipped += [f"{name}: {x}{tag} (out of time)" for x in r]
+                    continue
+                sk, fa = _method_problems(f"{name}: {m}{tag}", r, batch)
+                skipped, failed = skipped + sk, failed + fa
+        hf = s.get("hf") or {}
+        if "skipped" in hf:
+            skipped.append(f"{name}: transformers ({hf['skipped']})")
+        elif "error" in hf:
+            failed.append(f"{name}: transformers: {hf['error'][:200]}")
+    return skipped, failed
 
 
 def summary(res: dict) -> str:
@@ -667,7 +987,7 @@ def summary(res: dict) -> str:
                             f"{hf['ar_vs_hf']:.2f}x)" if "ar_vs_hf" in hf else ""))
         for m, r in ms.items():
             if m == "skipped":
-                lines.append(f"  skipped (time): {', '.join(r)}")
+                continue  # listed below, with the reason
             elif "error" in r:
                 lines.append(f"  {m}: {r['error'][:120]}")
             else:
@@ -677,6 +997,19 @@ def summary(res: dict) -> str:
                              f"kernels/round {r.get('kernels_per_round')} "
                              f"(forward {(s.get('kernels_forward') or {}).get('kernels')}), "
                              f"host transfers in loop {r.get('host_transfers_in_loop')}")
+        for m, r in (s.get("batched") or {}).items():
+            if m != "skipped" and "tokens_per_s" in r:
+                lines.append(f"  batch {r['batch']} {m:<14} {r['tokens_per_s']:.1f} tok/s, "
+                             f"round {r['ms_per_round']:.2f} ms "
+                             f"({r.get('round_vs_ar_step', 1):.2f}x ar step), rows equal to "
+                             f"ar {r.get('rows_equal_to_ar')}")
+    law = res.get("law")
+    if law:
+        lines.append(f"sampled verification (T=1, {law['platform']}): p = "
+                     f"{law['p_value']:.3g}, negative control p = "
+                     f"{law['control_p_value']:.3g}: {'passed' if law['passed'] else 'FAILED'}")
+    lines += [f"SKIPPED {x}" for x in res.get("skipped", [])]
+    lines += [f"FAILED {x}" for x in res.get("failed", [])]
     return "\n".join(lines)
 
 
@@ -698,7 +1031,8 @@ def plot(res: dict, path: Path) -> None:
     a.set_xlabel("new tokens in the forward (width)")
     a.set_ylabel("cost / 1-token forward")
     a.set_title(f"width curve, {res['device']['device_kind']}")
-    a.legend(fontsize=8)
+    if a.get_legend_handles_labels()[0]:
+        a.legend(fontsize=8)
     names = sorted({m for s in shapes.values() for m, r in s.get("methods", {}).items()
                     if "round_vs_ar_step" in r and m != "ar"}, key=list(ALL_METHODS).index
                    if all(m in ALL_METHODS for s in shapes.values() for m in s.get("methods", {}))
@@ -728,11 +1062,19 @@ def main(argv=None) -> int:
     p.add_argument("--small", action="store_true",
                    help="tiny shapes and few tokens: the same code path on a CPU in a minute")
     p.add_argument("--out", default="docs/results", help="directory of the JSON and plot")
-    p.add_argument("--budget", type=float, help="seconds for all phases (default 300; "
-                                                "--small 75); a run cut short keeps its JSON")
+    p.add_argument("--budget", type=float, help="seconds for all phases, first compiles "
+                                                "included (default 480; --small 300); a run "
+                                                "cut short keeps its JSON")
     p.add_argument("--shapes", help="comma-separated subset of the shapes")
     p.add_argument("--methods", help="subset of the methods (default: all)")
-    p.add_argument("--widths", help="width curve (default 1,2,4,8,16,24,32,48,64)")
+    p.add_argument("--widths", help="width curve (default 1,8,16,32,64)")
+    p.add_argument("--batch", type=int, help="batch of the batched phase (default 8; 1 skips "
+                                             "it): the shapes' `batched` methods")
+    p.add_argument("--workers", type=int, help="threads compiling a shape's programs at once "
+                                               "(default: the host's cores, at most 12)")
+    p.add_argument("--law-rows", type=int, help="rounds of the sampled-verification law "
+                                                "check (default 200000, --small 50000; 0 "
+                                                "skips it)")
     p.add_argument("--prompts", type=int, help="random prompts per method (default 2)")
     p.add_argument("--prompt-len", type=int, help="tokens per random prompt (default 128)")
     p.add_argument("--max-new-tokens", type=int, help="default 128 (--small: 16)")
@@ -750,10 +1092,12 @@ def main(argv=None) -> int:
                         "compiles; Gemma stays unrolled), as `specjax bench --scan-layers`")
     opts = p.parse_args(argv)
     small = opts.small
-    defaults = dict(budget=75.0 if small else 300.0, prompts=2 if small else 2,
+    defaults = dict(budget=300.0 if small else 480.0, prompts=2 if small else 2,
                     prompt_len=24 if small else 128, max_new_tokens=16 if small else 128,
-                    repeats=3 if small else 20,
-                    widths="1,4,16" if small else "1,2,4,8,16,24,32,48,64")
+                    repeats=3 if small else 20, batch=8,
+                    law_rows=50_000 if small else 200_000,
+                    workers=min(12, max(2, os.cpu_count() or 1)),
+                    widths="1,4,16" if small else "1,8,16,32,64")
     for k, v in defaults.items():
         if getattr(opts, k) is None:
             setattr(opts, k, v)
@@ -778,7 +1122,8 @@ def main(argv=None) -> int:
             "settings": {k: getattr(opts, k) for k in ("budget", "prompts", "prompt_len",
                                                        "max_new_tokens", "repeats", "widths",
                                                        "capacity", "filled", "precision",
-                                                       "verify_widths", "scan_layers")},
+                                                       "verify_widths", "scan_layers",
+                                                       "batch", "workers", "law_rows")},
             "weights": "random, real shapes (no trained weights or heads): speed only; tau "
                        "and acceptance are not meaningful",
             "notes": {
@@ -823,9 +1168,23 @@ def main(argv=None) -> int:
         data["bandwidth"] = bench.bandwidth_probe(nbytes=(16 << 20) if small else None)
         _log(f"bandwidth {data['bandwidth']['GBps']:.1f} GB/s ({data['bandwidth']['method']})")
 
-    share = {"smollm2-135m": 0.45, "llama3.1-8b": 0.3, "gemma3-270m": 0.25}
+    def law():
+        from specjax.core import lawcheck
+
+        r = lawcheck.law_check(rows=opts.law_rows)
+        data["law"] = {**dataclasses.asdict(r), "passed": r.passed,
+                       "test": "T=1 rejection sampling on a toy chain: chi-square against the "
+                               "exact target law (p > 1e-4), Typical acceptance as the "
+                               "negative control (p < 1e-6)"}
+        _log(f"sampled verification: p = {r.p_value:.3g}, negative control p = "
+             f"{r.control_p_value:.3g} ({r.rows} rounds, {r.seconds:.1f} s): "
+             f"{'passed' if r.passed else 'FAILED'}")
+
+    share = {"smollm2-135m": 0.35, "llama3.1-8b": 0.35, "gemma3-270m": 0.3}
     try:
         phase("bandwidth", 30, probe)
+        if opts.law_rows:
+            phase("law", 60, law)
         for i, (name, shape) in enumerate(shapes.items()):
             rest = list(shapes)[i:]
             frac = share.get(name, 1.0) / sum(share.get(n, 1.0) for n in rest)
@@ -838,7 +1197,8 @@ def main(argv=None) -> int:
         data["phases"].append({"name": "interrupted", "seconds": 0.0,
                                "status": "interrupted at the hard time limit"})
         _log("interrupted: writing what was measured")
-    data["complete"] = all(ph["status"] == "done" for ph in data["phases"])
+    data["skipped"], data["failed"] = incomplete(data, opts.batch)
+    data["complete"] = not data["skipped"] and not data["failed"]
     data["elapsed_s"] = budget.elapsed()
     rep.save()
     print(summary(data), flush=True)
@@ -847,7 +1207,7 @@ def main(argv=None) -> int:
         _log(f"wrote {path} and {path.with_suffix('.png')}")
     except Exception as e:  # noqa: BLE001 -- the JSON is the result; the plot is a view
         _log(f"wrote {path}; no plot ({type(e).__name__}: {e})")
-    return 0
+    return 1 if data["failed"] else 0
 
 
 if __name__ == "__main__":

@@ -131,36 +131,45 @@ def _split_rows(w, at, bias: bool = False):
     return tuple(w[..., a:b, :] for a, b in zip([0] + at, at + [w.shape[-2]]))
 
 
-def param_specs(config, params: Any, mesh: Mesh) -> Any:
-    """A ``PartitionSpec`` per leaf of ``params`` (in the split layout), by the rules in
-    the module docstring."""
+def param_spec(config, path, shape, mesh: Mesh) -> P:
+    """The ``PartitionSpec`` of one parameter in the split layout, by the rules in the module
+    docstring, from the config, its path (a name, or a sequence of keys whose last string
+    is the name: ``("layers", 3, "q")``) and its shape alone; no array is needed. This is
+    the spec :func:`param_specs` gives that leaf, so weights placed straight from a
+    checkpoint (``specjax.models.load(..., mesh=)``) land as :func:`shard_params` would
+    place them."""
+    name = path if path is None or isinstance(path, str) else next(
+        (k for k in reversed(tuple(path)) if isinstance(k, str)), None)
     m = axis_size(mesh, MODEL)
     nq, nk = getattr(config, "num_heads", 0), getattr(config, "num_kv_heads", 0)
     f = getattr(config, "intermediate_size", 0)
-    div = lambda n: m > 1 and n > 0 and n % m == 0
+    div = lambda n: m > 1 and n > 0 and n % m == 0  # noqa: E731
     rows = {"q": div(nq), "k": div(nk), "v": div(nk), "gate": div(f), "up": div(f),
             "cross_q": div(nq), "cross_k": div(nq), "cross_v": div(nq), "wi": div(f)}
     cols = {"o": div(nq), "down": div(f), "cross_o": div(nq), "wo": div(f)}
     biases = {"q_b": div(nq), "k_b": div(nk), "v_b": div(nk)}  # [out] or stacked [L, out]
+    ndim = len(shape)
+    if name in biases:
+        return P(*(None,) * (ndim - 1), MODEL) if biases[name] else P()
+    lead = (None,) * (ndim - 2)  # a stacked layer axis (scan_layers) stays whole
+    if ndim >= 2 and rows.get(name):
+        return P(*lead, MODEL, None)
+    if ndim >= 2 and cols.get(name):
+        return P(*lead, None, MODEL)
+    if name in ("embed", "lm_head", "out_embed") and ndim == 2 and div(shape[0]):
+        return P(MODEL, None)
+    return P()
 
-    def leaf(name, x):
-        if name in biases:
-            return P(*(None,) * (np.ndim(x) - 1), MODEL) if biases[name] else P()
-        lead = (None,) * (np.ndim(x) - 2)  # a stacked layer axis (scan_layers) stays whole
-        if np.ndim(x) >= 2 and rows.get(name):
-            return P(*lead, MODEL, None)
-        if np.ndim(x) >= 2 and cols.get(name):
-            return P(*lead, None, MODEL)
-        if name in ("embed", "lm_head", "out_embed") and np.ndim(x) == 2 and div(x.shape[0]):
-            return P(MODEL, None)
-        return P()
 
+def param_specs(config, params: Any, mesh: Mesh) -> Any:
+    """A ``PartitionSpec`` per leaf of ``params`` (in the split layout): :func:`param_spec`
+    of each leaf's innermost dict key and shape."""
     def walk(x, name=None):
         if isinstance(x, dict):
             return {k: walk(v, k) for k, v in x.items()}
         if isinstance(x, (list, tuple)):
             return type(x)(walk(v, name) for v in x)
-        return None if x is None else leaf(name, x)
+        return None if x is None else param_spec(config, name, np.shape(x), mesh)
 
     return walk(params)
 
@@ -235,6 +244,7 @@ def replicated(mesh: Mesh | None, x):
 
 
 __all__ = ["DATA", "MODEL", "make_mesh", "mesh_from_spec", "parse_mesh", "check_model",
-           "check_batch", "split_layout", "param_specs", "shard_params", "place_source", "source_spec",
+           "check_batch", "split_layout", "param_spec", "param_specs", "shard_params",
+           "place_source", "source_spec",
            "cache_spec",
            "constrain_cache", "rows", "replicated"]

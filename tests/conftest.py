@@ -12,13 +12,30 @@ decode each reference once. Tiny random models shared by many files live in test
 Markers: ``slow`` (real weights; runs by default; ``pytest -m slow`` runs only those) and
 ``extended`` (opt-in: deselected below unless ``-m`` is given, so ``pytest -m slow`` or
 ``pytest -m extended`` runs them, ``pytest -m "extended or not extended"`` runs everything).
+
+JAX's persistent compilation cache (``specjax._cache``) goes to a temporary directory made
+for the run and removed after it, shared by the pytest-xdist workers and the subprocesses
+tests start (they inherit ``SPECJAX_COMPILATION_CACHE``): the suite neither reads nor fills
+the user's ``~/.cache/specjax/jax``. A ``SPECJAX_COMPILATION_CACHE`` already set is used as
+is (``0`` turns the cache off).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
 import pytest
 
-import specjax  # noqa: F401  (sets XLA flags before JAX picks a backend)
+# before specjax is imported (it reads the variable then); pytest-xdist workers start after
+# the controller ran this and inherit its value, so all of them share one directory
+_OWN_CACHE = None
+if "SPECJAX_COMPILATION_CACHE" not in os.environ:
+    _OWN_CACHE = tempfile.mkdtemp(prefix="specjax-tests-jax-")
+    os.environ["SPECJAX_COMPILATION_CACHE"] = _OWN_CACHE
+
+import specjax  # noqa: E402, F401  (sets XLA flags before JAX picks a backend)
 
 SMOLLM = "smollm2-135m"
 _SLOW_FIXTURES = {"smollm", "hf_smollm"}
@@ -45,6 +62,11 @@ def pytest_configure(config):
         "markers", "extended: opt-in, deselected unless -m is given: minutes of work whose "
                    "random-weight twin runs by default (run them: pytest -m slow, or "
                    "-m extended, or -m 'extended or not extended' for everything)")
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE:  # the process that made the directory: the controller, or a lone run
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -60,20 +60,39 @@ def test_opcode_of_tuple_typed_instructions():
 
 
 def test_device_check_small_runs_every_method_equal_to_ar(tmp_path):
-    """``bash scripts/device_check.sh --small`` on this CPU: the accelerator code path on a
-    tiny random Llama, every method's greedy output equal to ar's, every field present."""
+    """``bash scripts/device_check.sh --small`` on this CPU, at its default budget: the
+    accelerator code path measures every method on every tiny shape (and the batched phase),
+    each greedy output equal to ar's, the sampled-verification law check passes, and the run
+    says it is complete only because nothing was skipped."""
     env = {**os.environ, "PYTHON": sys.executable}
     proc = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "device_check.sh"), "--small", "--shapes",
-         "tiny-llama", "--budget", "400", "--out", str(tmp_path)],
+        ["bash", str(ROOT / "scripts" / "device_check.sh"), "--small", "--out", str(tmp_path)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rep = json.loads((tmp_path / "device_check_cpu.json").read_text())
     assert (tmp_path / "device_check_cpu.png").stat().st_size > 0
-    assert rep["complete"] and rep["small"]
+    assert rep["small"] and rep["settings"]["budget"] == 300
+    assert rep["complete"] and rep["skipped"] == [] and rep["failed"] == []
+    assert rep["elapsed_s"] < 300
     assert rep["device"]["platform"] == "cpu" and rep["device"]["count"] >= 1
     assert rep["bandwidth"]["method"].startswith("host") and rep["bandwidth"]["GBps"] > 0
-    s = rep["shapes"]["tiny-llama"]
+    law = rep["law"]
+    assert law["passed"] and law["p_value"] > 1e-4 and law["control_p_value"] < 1e-6
+    assert {p["name"] for p in rep["phases"]} == {"bandwidth", "law", "tiny-llama",
+                                                 "tiny-gemma"}
+    n_new = rep["settings"]["prompts"] * rep["settings"]["max_new_tokens"]
+    for name in ("tiny-llama", "tiny-gemma"):
+        s = rep["shapes"][name]
+        _check_small_shape(s, n_new)
+        assert s["compile_wall_s"] > 0
+    b = rep["shapes"]["tiny-llama"]["batched"]
+    assert set(b) == {"ar", "eagle3:2,2,3", "sd-ngram:7"}
+    for m, r in b.items():
+        assert r["batch"] == 8 and r["rows_equal_to_ar"] == 8 and r["tokens_per_s"] > 0, m
+        assert r["new_tokens"] == 8 * rep["settings"]["max_new_tokens"]
+
+
+def _check_small_shape(s: dict, n_new: int) -> None:
     wc = s["width_curve"]
     assert set(wc["ms"]) == {"1", "4", "16"} and all(v > 0 for v in wc["ms"].values())
     assert wc["relative_to_1"]["1"] == 1.0 and wc["filled"] < wc["capacity"]
@@ -81,15 +100,14 @@ def test_device_check_small_runs_every_method_equal_to_ar(tmp_path):
     b = s["ar_vs_bound"]
     assert b["weight_bytes"] == s["weight_bytes"] > 0
     assert 0 < b["ar_fraction_of_bound"] and b["bound_tokens_per_s"] > 0
-    n_new = rep["settings"]["prompts"] * rep["settings"]["max_new_tokens"]
     hf = s["hf"]
     assert hf["tokens_per_s"] > 0 and hf["new_tokens"] == n_new  # no EOS: whole budget
     ms = s["methods"]
-    assert set(device_check.ALL_METHODS) <= set(ms), sorted(ms)
+    assert set(ms) == set(device_check.ALL_METHODS), sorted(ms)
     for m in device_check.ALL_METHODS:
         r = ms[m]
         assert "error" not in r, (m, r)
-        assert r["equal_to_ar"] is True and r["prompts_equal_to_ar"] == rep["settings"]["prompts"]
+        assert r["equal_to_ar"] is True and r["prompts_equal_to_ar"] == s["settings"]["prompts"]
         assert r["new_tokens"] == n_new and r["tokens_per_s"] > 0 and r["compile_s"] > 0
         assert r["ms_per_round"] > 0 and r["round_vs_ar_step"] > 0 and 1.0 <= r["tau"]
         assert r["kernels_per_round"] > 0 and r["host_transfers_in_loop"] == 0
@@ -99,6 +117,37 @@ def test_device_check_small_runs_every_method_equal_to_ar(tmp_path):
     for m in device_check.ALL_METHODS[1:]:
         assert ms[m]["kernels_per_round"] > ms["ar"]["kernels_per_round"], m
     assert ms["hsd"]["spec"].startswith("hsd:") and ms["ar"]["round_vs_ar_step"] == 1.0
-    assert {p["name"] for p in rep["phases"]} == {"bandwidth", "tiny-llama"}
     assert s["settings"]["verify_widths"] == "auto" and s["settings"]["scan_layers"] is False
     assert s["matmul_precision"] == "highest"
+
+
+def test_device_check_out_of_time_is_not_complete(tmp_path, capsys):
+    """A budget too short for the shapes: the run says ``complete: false``, names what it
+    skipped and why, and still exits 0 (nothing measured wrong)."""
+    rc = device_check.main(["--small", "--budget", "0.3", "--law-rows", "0", "--shapes",
+                            "tiny-llama", "--out", str(tmp_path)])
+    rep = json.loads((tmp_path / "device_check_cpu.json").read_text())
+    assert rc == 0 and rep["complete"] is False and rep["failed"] == []
+    assert any("tiny-llama" in x and "out of time" in x for x in rep["skipped"]), rep["skipped"]
+    assert "SKIPPED tiny-llama: ar (out of time)" in capsys.readouterr().out
+
+
+def test_incomplete_lists_skips_errors_and_real_mismatches():
+    res = {"phases": [{"name": "bandwidth", "status": "done"}],
+           "law": {"passed": True, "p_value": 0.3, "control_p_value": 0.0},
+           "shapes": {"s": {"width_curve": {"skipped": [64]},
+                            "methods": {"ar": {"tokens_per_s": 1.0}, "skipped": ["hsd"],
+                                        "eagle2:3,4,7": {"error": "boom"},
+                                        "sd-ngram:7": {"real_mismatches": 1}},
+                            "batched": {"skipped": ["ar"],
+                                        "eagle3:3,4,7": {"rows_equal_to_ar": 7}},
+                            "hf": {"not_applicable": "TPU host"}}}}
+    skipped, failed = device_check.incomplete(res, 8)
+    assert skipped == ["s: width 64 (not compiled within the budget)", "s: hsd (out of time)",
+                       "s: ar at batch 8 (out of time)",
+                       "s: eagle3:3,4,7 at batch 8: greedy divergence from ar not classified "
+                       "(out of time)"]
+    assert len(failed) == 2 and "boom" in failed[0] and "near tie" in failed[1]
+    assert device_check.incomplete({"phases": [], "shapes": {}}, 8) == ([], [])
+    res["law"]["passed"] = False
+    assert "law check" in device_check.incomplete(res, 8)[1][0]

@@ -73,6 +73,11 @@ def cmd_bench(args) -> int:
 
     names = methods.split(args.methods)
     specs = _specs(names)
+    peers = sorted(s.name for s in specs.values() if s.kind == "peer")
+    if peers:  # checked before the model loads
+        from specjax._optional import require
+
+        require("torch", f"benchmarking {', '.join(peers)} (transformers)")
     greedy = args.temperature <= 0
     if not greedy and "hf-pld" in names:
         raise UsageError("hf-pld is greedy only; drop it when --temperature > 0")
@@ -103,6 +108,9 @@ def cmd_bench(args) -> int:
               "settings": settings, "complete": False}
     results, mismatches = _decode_all(args, lm, names, questions, run, done, report, greedy)
     summary = bench.summarize(results)
+    classified = _classify(lm, results, run, greedy)
+    for name, rep in classified.items():
+        summary[name]["greedy_vs_ar"] = rep
     print(bench.format_table(summary))
     report.update(methods=summary, greedy_mismatch_vs_ar=mismatches, complete=True)
     if hierarchies:
@@ -118,7 +126,36 @@ def cmd_bench(args) -> int:
     if args.out:
         bench.write_json(args.out, {**report, "runs": bench.run_records(results)})
         print(f"wrote {args.out}")
-    return 0
+    return _verdict(classified)
+
+
+def _classify(lm, results, run, greedy: bool) -> dict:
+    """Greedy: each specjax method's divergences from ``ar`` classified as near ties or
+    real mismatches (``bench.classify_greedy``); empty when sampling or without ``ar``."""
+    from specjax import bench
+
+    if not greedy or "ar" not in results:
+        return {}
+    return bench.classify_greedy(
+        lm, results, run, lambda q: list(q.ids) if q.ids is not None else
+        lm.encode(q.text, chat=lm.has_chat_template))
+
+
+def _verdict(classified: dict) -> int:
+    """0, or 1 with one line on stderr naming the first real mismatch's method and place."""
+    import sys
+
+    from specjax import bench, divergence
+
+    bad = bench.first_mismatch(classified)
+    if bad is None:
+        return 0
+    name, rec = bad
+    d = divergence.Divergence.from_dict(rec)
+    n = sum(r["mismatch"] for r in classified.values())
+    print(f"specjax: error: {name} left ar's greedy output on question {rec['prompt']} at "
+          f"{d.line()}: a real mismatch, not a near tie ({n} in all)", file=sys.stderr)
+    return 1
 
 
 def _decode_all(args, lm, names, questions, run, done, report, greedy):

@@ -111,10 +111,23 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _demo_run(lm, ids, args, spec) -> dict:
+def _demo_run(lm, ids, args, spec, ar: dict | None = None) -> dict:
+    """``run_once`` of ``spec``; with ``ar``'s run (greedy), also ``lossless`` and, where
+    the tokens differ, ``divergence``: the first one classified (``specjax.divergence``)."""
+    from specjax import divergence
+
     print(f"[{spec.format()}] compiling and decoding {args.max_new_tokens} tokens ...",
           flush=True)
-    return run_once(lm, ids, common.build(spec, lm, args), args)
+    built = common.build(spec, lm, args)
+    r = run_once(lm, ids, built, args)
+    if ar is not None:
+        r.update(lossless=r["token_ids"] == ar["token_ids"], ar_tokens_per_s=ar["tokens_per_s"])
+        width = divergence.verification_width(built.decoder)
+        if not r["lossless"] and args.temperature <= 0 and width is not None:
+            d = divergence.classify(lm, ids, ar["token_ids"], r["token_ids"], width,
+                                    chunk=built.decoder.chunk)
+            r["divergence"] = d.as_dict()
+    return r
 
 
 def cmd_demo(args) -> int:
@@ -141,18 +154,30 @@ def cmd_demo(args) -> int:
     ar = _demo_run(lm, ids, args, methods.AR())
     runs = {}
     for spec in ([choice] if choice is not None else cands if greedy else cands[-1:]):
-        r = _demo_run(lm, ids, args, spec)
-        r.update(lossless=r["token_ids"] == ar["token_ids"], ar_tokens_per_s=ar["tokens_per_s"])
-        runs[spec.format()] = r
+        runs[spec.format()] = _demo_run(lm, ids, args, spec, ar)
     if choice is None:
         choice = demo.write_choice(args.model, runs, cands) if greedy else cands[-1]
     _report(choice.format(), ar, runs)
     if not greedy:
         return 0
+    return _verdict(runs)
+
+
+def _verdict(runs: dict) -> int:
+    """Says whether each greedy run equals ``ar``'s, and how a different one left it:
+    1 if any left it with a real mismatch (not a near tie), else 0."""
+    from specjax.divergence import Divergence
+
     bad = [n for n, r in runs.items() if not r["lossless"]]
     print(f"greedy output of {', '.join(runs)} is "
           f"{'identical to' if not bad else 'DIFFERENT FROM'} ar" + (f" ({bad})" if bad else ""))
-    return 0 if not bad else 1
+    real = False
+    for n in bad:
+        d = runs[n].get("divergence")
+        if d is not None:
+            print(f"  {n}: {d['kind'].replace('_', ' ')} at {Divergence.from_dict(d).line()}")
+        real = real or d is None or d["kind"] == "mismatch"
+    return 1 if real else 0
 
 
 def _report(best: str, ar: dict, runs: dict) -> None:

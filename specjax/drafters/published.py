@@ -83,11 +83,12 @@ def read_tensors(path: str | Path) -> tuple[dict[str, np.ndarray], Path]:
 
 
 def _read_bin(f: Path) -> dict[str, np.ndarray]:
+    from specjax._optional import MissingExtra, require
+
     try:
-        import torch
-    except ImportError:
-        raise CheckpointError(f"{f} is a PyTorch file: reading it needs torch (pip install "
-                              "torch), or convert it to model.safetensors") from None
+        torch = require("torch", f"{f} is a PyTorch file: reading it")
+    except MissingExtra as e:  # a CheckpointError, as every unreadable head
+        raise CheckpointError(f"{e} (or convert it to model.safetensors)") from None
     sd = torch.load(f, map_location="cpu", weights_only=True)
     return {k: (v.float() if v.is_floating_point() else v).numpy() for k, v in sd.items()}
 

@@ -433,8 +433,10 @@ def _solve_lp(c: np.ndarray, a: np.ndarray, t: int, time_limit: float | None
     """The GSP as a generalized-flow LP: one unit leaves the source, every node sends on
     what its in-arcs deliver (times their multipliers), minimise cost. The graph is acyclic
     and costs non-negative, so an optimal vertex is a single path; decoded greedily."""
-    from scipy import sparse
-    from scipy.optimize import linprog
+    from specjax._optional import require
+
+    sparse = require("scipy.sparse", "the HSD LP solver (method='lp')")
+    linprog = require("scipy.optimize", "the HSD LP solver (method='lp')").linprog
 
     K = c.size - 1
     if K == 0:
