@@ -69,7 +69,6 @@ def _runners(args, lm, specs: dict, threads: int, hierarchies: dict) -> dict:
 
 def cmd_bench(args) -> int:
     from specjax import bench, methods
-    from specjax.models import load
 
     names = methods.split(args.methods)
     specs = _specs(names)
@@ -89,8 +88,7 @@ def cmd_bench(args) -> int:
     m = common.mesh(args)
     settings = _settings(args, names)
     done = bench.restore_runs(args.out, settings)  # an interrupted bench resumes here
-    lm = common.on_mesh(load(args.model, **common.dtypes(args),
-                             tokenizer=not args.random_prompts), m, args)
+    lm = common.load(args, m, tokenizer=not args.random_prompts)
     if args.random_prompts:
         questions = bench.random_questions(args.random_prompts, args.prompt_len,
                                            lm.model.config.vocab_size)

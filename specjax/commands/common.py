@@ -96,13 +96,21 @@ def mesh(args, rows: int | None = 1):
     return m
 
 
-def on_mesh(lm, m, args):
-    if m is None:
-        return lm
-    try:
-        return lm.on_mesh(m)
-    except ValueError as e:
-        raise UsageError(f"--mesh {args.mesh}: {e}") from None
+def load(args, m, **kw):
+    """``specjax.models.load`` of ``--model`` at the CLI's dtypes, each weight placed
+    straight onto mesh ``m`` (each device receives only its slice); a mesh the model
+    cannot be split over is a ``UsageError`` before any weight is read."""
+    from specjax import sharding
+    from specjax.models import load, loading, registry
+
+    if m is not None:
+        path = registry.resolve(args.model)
+        cfg = loading.hf_dir_config(path) if path.is_dir() else loading.gguf_file_config(path)
+        try:
+            sharding.check_model(cfg, m)
+        except ValueError as e:
+            raise UsageError(f"--mesh {args.mesh}: {e}") from None
+    return load(args.model, **dtypes(args), mesh=m, **kw)
 
 
 def method_text(args) -> str:

@@ -81,22 +81,19 @@ def prompt_ids(spec: str) -> list[int]:
 
 
 def cmd_generate(args) -> int:
-    from specjax.models import load
 
     spec = common.parse_method(common.method_text(args))  # checked before the model loads
     m = common.mesh(args)
     if args.prompt_ids is not None:
         ids = prompt_ids(args.prompt_ids)
-        lm = load(args.model, **common.dtypes(args))
+        lm = common.load(args, m)
         if max(ids) >= lm.model.config.vocab_size:
             raise UsageError(f"--prompt-ids has id {max(ids)}, outside the vocabulary of "
                              f"{lm.model.config.vocab_size}")
         _fits(args, lm.model.config, len(ids), "a prompt", lm.is_encoder_decoder)
     else:
-        lm = load(args.model, **common.dtypes(args),
-                  check=fits_context(args, args.prompt, args.chat))
+        lm = common.load(args, m, check=fits_context(args, args.prompt, args.chat))
         ids = lm.encode(args.prompt, chat=args.chat)
-    lm = common.on_mesh(lm, m, args)
     built = common.build(spec, lm, args)
     if built.note:
         print(f"note: {built.note}", file=sys.stderr)
