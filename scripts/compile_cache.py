@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -80,7 +81,8 @@ def child(a) -> None:
     t = time.perf_counter()
     lm, shape = _model(a.model)
     print(json.dumps({"load_s": round(time.perf_counter() - t, 2),
-                      "cache_dir": str(_cache.directory()), "cache_on": _cache.enabled(),
+                      "cache_dir": "a temporary directory" if _cache.directory() else None,
+                      "cache_on": _cache.enabled(),
                       "specjax": specjax.__version__}), flush=True)
     opts = argparse.Namespace(max_new_tokens=a.max_new_tokens, prompts=1,
                               prompt_len=a.prompt_len, verify_widths=None)
@@ -144,6 +146,8 @@ def main() -> None:
                                      "specjax.device_check.ALL_METHODS)")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--note", default="", help="recorded as is (e.g. that the machine was "
+                                              "shared)")
     p.add_argument("--out", help="the JSON report (default: print only)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -152,10 +156,12 @@ def main() -> None:
     from specjax import bench, device_check
 
     a.method_list = a.methods.split(";") if a.methods else list(device_check.ALL_METHODS)
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="specjax-cc-") as cache:
         first = _pass(a, cache, "first")
         entries, nbytes = _dir_size(Path(cache) / "jax")
         second = _pass(a, cache, "second")
+    load_after = os.getloadavg()
     rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                          text=True).stdout.strip()
     table = {m: {"first_compile_s": first["methods"][m]["compile_s"],
@@ -166,8 +172,10 @@ def main() -> None:
                  "second_cache_writes": second["methods"][m]["cache_writes"],
                  "first_bytes_written": first["methods"][m]["bytes_written"]}
              for m in a.method_list}
-    report = {"command": " ".join([".venv/bin/python", "scripts/compile_cache.py",
-                                   *sys.argv[1:]]),
+    report = {"command": shlex.join([".venv/bin/python", "scripts/compile_cache.py",
+                                     *sys.argv[1:]]),
+              "note": a.note,
+              "loadavg_before_after": [load_before, load_after],
               "git_head": rev, "git_dirty": bool(subprocess.run(
                   ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                   capture_output=True, text=True).stdout.strip()), "machine": bench.machine_info(), "model": a.model,
