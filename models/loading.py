@@ -170,17 +170,6 @@ def unfused_shapes(cfg) -> dict[str, tuple[int, ...]]:
 FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up"), "qkv_b": ("q_b", "k_b", "v_b")}
 
 
-def pack_layer(w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Fuses one layer's separate matrices into the layout the models read: ``qkv`` and
-    ``gate_up`` stacked, and the q/k/v biases (where present: all three) into ``qkv_b`` in
-    ``qkv``'s row order; every other weight (norm gains, ``o_b``) as it is."""
-    out = {k: v for k, v in w.items() if not any(k in parts for parts in FUSED.values())}
-    for name, parts in FUSED.items():
-        if any(p in w for p in parts):
-            out[name] = np.concatenate([w[p] for p in parts], axis=0)
-    return out
-
-
 def _match(name: str, keys) -> tuple[str, int | None, Transform] | None:
     for pattern, ours, fn in keys:
         rx = "^" + re.escape(pattern).replace(r"\{i\}", r"(\d+)") + "$"
@@ -205,18 +194,6 @@ class TensorSource:
     def read_into(self, name: str, out: np.ndarray) -> None:
         """Writes tensor ``name`` into ``out`` (its shape), cast to ``out``'s dtype."""
         out[...] = self.read(name)
-
-
-class DictSource(TensorSource):
-    """Tensors already in memory (a dict of arrays)."""
-
-    def __init__(self, tensors: dict[str, np.ndarray]):
-        self.tensors = tensors
-        self.shapes = {k: tuple(np.shape(v)) for k, v in tensors.items()}
-
-    def read(self, name, rows=None):
-        w = np.asarray(self.tensors[name])
-        return w if rows is None else w[rows[0]:rows[1]]
 
 
 # --------------------------------------------------------------------------- streaming assembly
@@ -320,7 +297,8 @@ def stream_params(cfg, src: TensorSource, keys, source: str, dtype=jnp.float32, 
     placed at once (:func:`placer`), so the host holds about one leaf beyond what is placed:
     one layer's fused matrix, the embedding, or with ``stacked`` one weight of all layers.
 
-    Layout: without a mesh, ``pack_layer``'s (``qkv``, ``gate_up``, ``qkv_b``); with one,
+    Layout: without a mesh, ``FUSED``'s (``qkv``, ``gate_up``, ``qkv_b``: row-wise
+    concatenations, biases only where present); with one,
     the split layout ``specjax.sharding.shard_params`` returns, on the same shardings.
     ``layers`` is a list of per-layer dicts, or with ``stacked`` one dict of ``[L, ...]``
     arrays (``llama.stack_layers``' layout). Values equal reading every tensor in float32
@@ -345,14 +323,6 @@ def stream_params(cfg, src: TensorSource, keys, source: str, dtype=jnp.float32, 
             pending.block_until_ready()
         pending, host = node[path[-1]], None
     return params
-
-
-def assemble(cfg: LlamaConfig, tensors: dict[str, np.ndarray], keys, source: str,
-             dtype=jnp.float32, ignore: tuple[str, ...] = (), mesh=None,
-             stacked: bool = False) -> dict:
-    """:func:`stream_params` over tensors already in memory: maps source tensors to a params
-    pytree, checking names and shapes exactly."""
-    return stream_params(cfg, DictSource(tensors), keys, source, dtype, mesh, stacked, ignore)
 
 
 # --------------------------------------------------------------------------- GGUF

@@ -593,10 +593,8 @@ def run_methods(lm, questions, args, layers: int, methods, budget: Budget, out: 
     classified (``specjax.divergence``): ``divergence`` holds the counts of prompts
     ``equal`` / ``near_tie`` / ``mismatch`` and the records, ``real_mismatches`` the
     mismatch count (None where it could not be classified). With ``defer`` (a list), the
-    classification is appended there as ``(method, function)`` instead, to run after every
+    classification is appended there as ``(method, function, out)`` instead, to run after every
     timing (``classify_deferred``): its programs compile then, not between timings."""
-    from specjax import divergence
-
     for m in methods:
         if budget.left() <= 0:
             out.setdefault("skipped", []).append(m)
@@ -764,7 +762,6 @@ def _check_shape(name: str, shape: dict, opts, budget: Budget, probe: dict, out:
     from specjax import _compile, bench
 
     cfg = shape["cfg"]
-    shape_end = budget.phase_end
     out.update(config=dataclasses.asdict(cfg), dtype=np.dtype(shape["dtype"]).name,
                compute_dtype=np.dtype(shape["compute"]).name)
     t = time.perf_counter()

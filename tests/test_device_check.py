@@ -12,7 +12,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import pytest
 from jax import lax
 
 from specjax import device_check
