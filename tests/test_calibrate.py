@@ -145,6 +145,15 @@ def test_level_costs_follow_the_widths_hsd_runs():
         pytest.approx(hierarchy.latency([0.05, 8.0], a[np.ix_((0, 3), (0, 3))], (0, 1), (4,)))
 
 
+def test_noisy_costs_never_fall_with_width():
+    # timing noise measured width 4 faster than width 1: extrapolating that slope would
+    # give wide verifications a negative cost
+    noisy = {"1": 0.6, "4": 0.3}
+    assert calibrate._cost_at(noisy, 4) == pytest.approx(0.6)
+    assert calibrate._cost_at(noisy, 17) == pytest.approx(0.6)
+    assert calibrate._cost_at({"1": 1.0, "4": 0.5, "8": 2.0}, 12) == pytest.approx(3.0)
+
+
 def test_tune_returns_the_least_predicted_latency():
     lat, sigma, T, h, table = calibrate.tune(CALIB, t_max=5, max_levels=4)
     assert h == 0 and {r["horizontal"] for r in table} == {0}

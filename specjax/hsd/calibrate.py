@@ -223,9 +223,11 @@ def _median_ms(fn, *args, repeats: int) -> float:
 
 def _cost_at(table: dict, width: int) -> float:
     """Cost at ``width``: linear between measured widths, extended linearly past the two
-    widest (and clamped below the narrowest)."""
+    widest (and clamped below the narrowest). A wider forward never costs less than a
+    narrower one, so each measured value is first raised to the largest at any narrower
+    width: timing noise cannot make an extrapolated cost fall, or go negative."""
     ws = sorted(int(w) for w in table)
-    vs = [table[w] if w in table else table[str(w)] for w in ws]
+    vs = np.maximum.accumulate([table[w] if w in table else table[str(w)] for w in ws])
     if width > ws[-1] and len(ws) > 1:
         return float(vs[-1] + (width - ws[-1]) * (vs[-1] - vs[-2]) / (ws[-1] - ws[-2]))
     return float(np.interp(width, ws, vs))
