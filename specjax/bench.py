@@ -48,12 +48,17 @@ def load_questions(path: str | Path | None = None, categories: Sequence[str] | N
     MT-bench's eight categories are grouped as ``mt_bench``, as Spec-Bench reports them.
     ``limit`` keeps that many questions in total, taken round-robin over the categories so
     that they are spread evenly. Without ``path``, the project's own small prompt set is used.
+    A missing ``path`` or a directory raises ``FileNotFoundError`` / ``IsADirectoryError``,
+    a malformed or empty file ``ValueError`` naming ``file:line``, all before any model.
     """
     if path is None:
         name = "specjax/data/prompts.jsonl"
         text = resources.files("specjax").joinpath("data/prompts.jsonl").read_text()
     else:
         name = str(path)
+        if Path(path).is_dir():
+            raise IsADirectoryError(f"questions file {name} is a directory; give a "
+                                    "question.jsonl file")
         if not Path(path).is_file():
             raise FileNotFoundError(f"questions file {name} does not exist")
         text = Path(path).read_text()

@@ -13,7 +13,7 @@ from specjax.commands import bench, decode, hsd, train
 from specjax.commands.common import UsageError, check_args
 
 # errors whose message says it all: printed without the exception's name or a traceback hint
-_CLEAN = (UsageError, ValueError, FileNotFoundError, MissingExtra)
+_CLEAN = (UsageError, ValueError, FileNotFoundError, IsADirectoryError, MissingExtra)
 
 
 class _Parser(argparse.ArgumentParser):

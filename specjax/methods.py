@@ -20,6 +20,12 @@ Text forms (``parse`` / ``MethodSpec.format``; ``parse(m.format()) == m``):
 ``build(spec, lm, options)`` returns a ``Built``: the decoder, its parameters and the
 spec as run, callable like ``specjax.decode``. The CLI, the benchmark and the demo use it,
 so each method is dispatched in this one place.
+
+Nothing is silently wrong: a spec no builder can run (an EAGLE tree with fewer nodes than
+levels, an n-gram level above an exit) is a ``SpecError`` when constructed or parsed;
+``check(spec, options)`` checks the head directories and calibration a spec reads before
+any model loads (``build`` runs it first); a ``vocab=N`` runs exactly ``N`` tokens or is
+refused; an argument of the wrong type is a one-line ``TypeError`` naming it.
 """
 
 from __future__ import annotations
@@ -35,6 +41,11 @@ from specjax.hsd.spec import HierarchySpec
 
 class SpecError(ValueError):
     """A method spec, or an option it needs, is wrong: a one-line usage error."""
+
+
+def _type_error(where: str, name: str, want: str, got) -> TypeError:
+    """``where: name must be want, got T``: a Python caller passed the wrong kind of thing."""
+    return TypeError(f"{where}: {name} must be {want}, got {type(got).__name__}")
 
 
 def _sizes(text: str, n: int, what: str, spec: str) -> tuple[int, ...]:
@@ -89,6 +100,15 @@ class SD:
 
     kind: ClassVar[str] = "sd"
 
+    def __post_init__(self):
+        """``SpecError`` unless the fields make one of the two forms."""
+        ok = (self.drafter == "ngram" and self.layer is None and (self.depth or 1) >= 1
+              or self.drafter == "early-exit" and self.depth is None
+              and isinstance(self.layer, int) and self.layer >= 1)
+        if not ok:
+            raise SpecError(f"bad sd spec {self}: use sd-ngram[:depth] or sd-early-exit:L "
+                            "(depth, L >= 1)")
+
     @classmethod
     def parse(cls, text: str) -> "SD":
         name, _, arg = text.removeprefix("sd-").partition(":")
@@ -116,6 +136,28 @@ class Eagle:
 
     kind: ClassVar[str] = "eagle2"
     default_sizes: ClassVar[tuple[int, int, int] | None] = None  # None: EagleDrafter's
+
+    def __post_init__(self):
+        """``SpecError`` unless the sizes can draft a tree: each >= 1 and
+        ``depth <= total <= pool_size(depth, topk)`` (the nodes ``depth`` levels draft);
+        ``vocab`` >= 0."""
+        from specjax.drafters.eagle import pool_size
+
+        if self.vocab is not None and self.vocab < 0:
+            raise SpecError(f"{self.format()}: vocab must be >= 0 (0: fullvocab)")
+        if self.sizes is None:
+            return
+        if len(self.sizes) != 3 or min(self.sizes) < 1:
+            raise SpecError(f"bad sizes {self.sizes} in {self.kind}: want depth,topk,total, "
+                            "each >= 1")
+        depth, topk, total = self.sizes
+        if total < depth:
+            raise SpecError(f"{self.format()}: total ({total}) must be >= depth ({depth}), "
+                            "as a tree of depth levels has at least one node per level")
+        if total > pool_size(depth, topk):
+            raise SpecError(f"{self.format()}: total ({total}) must be <= the "
+                            f"{pool_size(depth, topk)} nodes that depth {depth} and topk "
+                            f"{topk} draft (topk + (depth - 1) * topk^2)")
 
     @classmethod
     def parse(cls, text: str) -> "Eagle":
@@ -166,6 +208,11 @@ class Redrafter:
 
     kind: ClassVar[str] = "redrafter"
 
+    def __post_init__(self):
+        """``SpecError`` unless the sizes are ``W,L``, each >= 1."""
+        if self.sizes is not None and (len(self.sizes) != 2 or min(self.sizes) < 1):
+            raise SpecError(f"bad sizes {self.sizes} in redrafter: want W,L, each >= 1")
+
     @classmethod
     def parse(cls, text: str) -> "Redrafter":
         sizes, opts = _sections(text, "redrafter", "redrafter[:W,L][:nodedup]")
@@ -189,6 +236,21 @@ class HSD:
     hierarchy: HierarchySpec | None = None
 
     kind: ClassVar[str] = "hsd"
+
+    def __post_init__(self):
+        """``SpecError`` for a hierarchy no target can run (``Hierarchy.check``'s rules but
+        the exit layers' range, which needs the target: n-gram only at the bottom, at
+        least T[0] n-gram tokens, exit layers increasing)."""
+        import types
+
+        if self.hierarchy is None:
+            return
+        h, _ = self.hierarchy.build({}, None)
+        deep = max(self.hierarchy.exit_layers(), default=0) + 1  # any layer is in range
+        try:
+            h.check(types.SimpleNamespace(config=types.SimpleNamespace(num_layers=deep)))
+        except ValueError as e:
+            raise SpecError(f"hsd:{self.hierarchy.format()}: {e}") from None
 
     @classmethod
     def parse(cls, text: str) -> "HSD":
@@ -233,7 +295,10 @@ FORMS = ("ar", "sd-ngram[:depth]", "sd-early-exit:L", "eagle2[:depth,topk,total]
 
 
 def parse(text: str) -> MethodSpec:
-    """The spec of one method's text form; ``SpecError`` naming the forms otherwise."""
+    """The spec of one method's text form; ``SpecError`` naming the forms (or the rule a
+    spec breaks) otherwise, ``TypeError`` for a ``text`` that is not a ``str``."""
+    if not isinstance(text, str):
+        raise _type_error("methods.parse", "text", "a method's text form (str)", text)
     text = text.strip()
     for prefix, cls in _PREFIXES:
         if text == prefix.rstrip("-") or text.startswith(prefix if prefix.endswith("-")
@@ -245,6 +310,8 @@ def parse(text: str) -> MethodSpec:
 def split(text: str) -> list[str]:
     """``"ar,eagle2:4,4,8:conf,vocab=4096,hf"`` -> ``["ar", "eagle2:4,4,8:conf,vocab=4096",
     "hf"]``: a comma starts a new method only where a method name follows."""
+    if not isinstance(text, str):
+        raise _type_error("methods.split", "text", "comma-separated methods (str)", text)
     parts = re.split(r",(?=\s*(?:ar\b|hf\b|hf-pld\b|sd-|eagle[23]|redrafter|hsd))", text)
     return [m.strip() for m in parts if m.strip()]
 
@@ -290,13 +357,40 @@ class Built:
         return decode(self.decoder, self.params, prompts, **kw)
 
 
+def as_spec(spec: MethodSpec | str, where: str) -> MethodSpec:
+    """``spec``, or the spec its text parses to; ``TypeError`` naming ``where`` for
+    anything else."""
+    if isinstance(spec, str):
+        return parse(spec)
+    if not isinstance(spec, MethodSpec):
+        raise _type_error(where, "spec", "a method spec (methods.parse) or its text", spec)
+    return spec
+
+
+def _check_lm(lm, where: str) -> None:
+    """``TypeError`` unless ``lm`` looks like a ``specjax.models.load`` result."""
+    if not (hasattr(lm, "model") and hasattr(lm, "params") and hasattr(lm.model, "config")):
+        raise _type_error(where, "lm", "a loaded specjax model (specjax.models.load: Llama, "
+                                       "Gemma, T5... with .model and .params)", lm)
+
+
+def _check_options(options, where: str) -> None:
+    if not isinstance(options, Options):
+        raise _type_error(where, "options", "a methods.Options", options)
+
+
 def build(spec: MethodSpec | str, lm, options: Options = Options()) -> Built:
     """``spec`` (or its text) on ``lm`` (a ``specjax.models.load`` result): the decoder and
-    its parameters, heads loaded and checked. Raises ``SpecError`` for a bad spec or
-    option, ``FileNotFoundError`` for a missing head, before anything compiles."""
-    spec = parse(spec) if isinstance(spec, str) else spec
+    its parameters, heads loaded and checked. Raises ``TypeError`` for an argument of the
+    wrong type, ``SpecError`` for a bad spec or option (``check``'s, then the model's: a
+    draft vocabulary or exit layer it lacks), ``FileNotFoundError`` where no head ships,
+    before anything compiles."""
+    spec = as_spec(spec, "methods.build")
+    _check_lm(lm, "methods.build")
+    _check_options(options, "methods.build")
     if not options.model_name and isinstance(getattr(lm, "name", None), str):
         options = dataclasses.replace(options, model_name=lm.name)  # picks its shipped heads
+    check(spec, options)
     builders = {"ar": _build_ar, "sd": _build_sd, "eagle2": _build_eagle,
                 "eagle3": _build_eagle, "redrafter": _build_redrafter, "hsd": _build_hsd}
     if spec.kind not in builders:
@@ -304,10 +398,74 @@ def build(spec: MethodSpec | str, lm, options: Options = Options()) -> Built:
     return builders[spec.kind](spec, lm, options)
 
 
+def check(spec: MethodSpec | str, options: Options = Options()) -> MethodSpec:
+    """What ``build`` needs besides the model, checked without loading it (the CLI calls
+    this first): the head directory the spec reads exists and holds a head of its kind,
+    an ``eagle2`` without one has a head shipped for ``options.model_name``, and bare
+    ``hsd``'s calibration is readable and measured for ``options.model_name``. Raises
+    ``SpecError`` saying what is wrong with the given path (``FileNotFoundError`` where no
+    head ships); returns the spec."""
+    from specjax.drafters import eagle
+
+    spec = as_spec(spec, "methods.check")
+    _check_options(options, "methods.check")
+    if spec.kind in ("eagle2", "eagle3") and options.draft_checkpoint:
+        _head_dir(options.draft_checkpoint, "--draft-checkpoint",
+                  "eagle" if spec.kind == "eagle2" else "eagle3", published=True)
+    elif spec.kind == "eagle3":
+        raise SpecError("eagle3 drafts with an EAGLE-3 head: pass --draft-checkpoint DIR, a "
+                        "published head (config.json and pytorch_model.bin or "
+                        "model.safetensors) or one `specjax train onpolicy --kind eagle3` "
+                        "exported")
+    elif spec.kind == "eagle2" and eagle.shipped_head(options.model_name) is None:
+        raise FileNotFoundError(f"no EAGLE head ships for {options.model_name!r}; train one "
+                                "with `specjax train eagle` and pass --draft-checkpoint DIR")
+    if spec.kind == "redrafter" and options.redrafter_checkpoint:
+        _head_dir(options.redrafter_checkpoint, "--redrafter-checkpoint", "redrafter")
+    if spec.kind == "hsd" and options.exit_heads:
+        _head_dir(options.exit_heads, "--exit-heads", "exit-heads")
+    if spec.kind == "hsd" and spec.hierarchy is None:
+        _calibration(options)
+    return spec
+
+
+def _head_dir(path, flag: str, kind: str, published: bool = False) -> None:
+    """``SpecError`` naming ``flag`` and ``path`` unless ``path`` is a directory holding
+    an exported head of ``kind`` (``head.json``) or, with ``published``, a published
+    EAGLE head (``config.json`` and a weights file)."""
+    from specjax import export
+    from specjax.drafters.published import WEIGHT_FILES
+
+    p = Path(str(path))
+    want = (f"an exported {kind} head (head.json)" + (" or a published EAGLE head "
+            f"(config.json and {' or '.join(WEIGHT_FILES)})" if published else ""))
+    if not p.exists():
+        raise SpecError(f"{flag} {path} does not exist")
+    if not p.is_dir():
+        raise SpecError(f"{flag} {path} is a file; give the directory of {want}")
+    if (p / export.HEAD_JSON).is_file():
+        got = export.read_kind(p)  # None (unreadable): loading names the corruption
+        method = {"eagle": "eagle2", "eagle3": "eagle3"}
+        if got not in (None, kind):
+            raise SpecError(f"{flag} {path} holds an exported {got!r} head, not {kind!r}" + (
+                f": use --method {method[got]}" if got in method and kind in method else ""))
+    elif published and (p / "config.json").is_file():
+        if not any((p / f).is_file() for f in WEIGHT_FILES):
+            raise SpecError(f"{flag} {path} has config.json but no weights: want "
+                            f"{' or '.join(WEIGHT_FILES)} beside it")
+    else:
+        what = "is empty" if not any(p.iterdir()) else (
+            "has no head.json" + (" and no config.json" if published else ""))
+        raise SpecError(f"{flag} {path} {what}: want {want}")
+
+
 def speculative(spec, lm, opts: Options, drafter, dparams) -> Built:
     """A ``Speculative`` decoder of ``drafter`` (checked against ``lm``) as ``spec``."""
     from specjax.core.speculative import Speculative
 
+    spec = as_spec(spec, "methods.speculative")
+    _check_lm(lm, "methods.speculative")
+    _check_options(opts, "methods.speculative")
     drafter.check(lm.model)
     dec = Speculative(lm.model, drafter, opts.widths, mesh=lm.mesh)
     return Built(spec, dec, (lm.params, dparams), spec.format())
@@ -346,20 +504,39 @@ def _build_eagle(spec: Eagle, lm, opts: Options) -> Built:
         return _build_published(spec, lm, opts)
     if spec.kind == "eagle3":
         return _build_eagle3(spec, lm, opts)
-    path = opts.draft_checkpoint or eagle.shipped_head(opts.model_name)
-    if path is None:
-        raise FileNotFoundError(f"no EAGLE head ships for {opts.model_name!r}; train one with "
-                                f"`specjax train eagle` and pass --draft-checkpoint DIR")
+    path = opts.draft_checkpoint or eagle.shipped_head(opts.model_name)  # check: not None
     head, meta = export.load_head(path, "eagle",
                                   like=eagle.init_head(lm.model.config, jax.random.key(0)))
-    ids = meta.get("vocab_ids")
-    n = meta.get("draft_vocab", 0) if spec.vocab is None else spec.vocab
     head = jax.tree.map(lambda x: jnp.asarray(x, lm.model.compute_dtype), head)
     dparams = eagle.draft_params(head, lm.model, lm.params,
-                                 None if not n or ids is None else ids[:n])
+                                 _draft_vocab(spec, meta, lm.model.config.vocab_size))
     drafter = eagle.EagleDrafter(lm.model, **spec.drafter_kwargs())
     drafter.check_params(dparams)
     return speculative(spec, lm, opts, drafter, dparams)
+
+
+def _draft_vocab(spec: Eagle, meta: dict, vocab: int):
+    """The ids an exported EAGLE-2 head drafts over (None: all ``vocab``): the first
+    ``spec.vocab`` (else the head's ``draft_vocab``) of its ``vocab_ids``, most frequent
+    first. A ``vocab=N`` is exactly ``N`` tokens or a ``SpecError``: over the target's
+    ``vocab``, or past the tokens the head ranks (``N == vocab`` is the whole vocabulary)."""
+    ids = meta.get("vocab_ids")
+    if spec.vocab is None:
+        n = meta.get("draft_vocab", 0)
+        return None if not n or ids is None else ids[:n]
+    ranked = 0 if ids is None else len(ids)
+    if spec.vocab > vocab:
+        raise SpecError(f"{spec.format()}: vocab={spec.vocab} exceeds the target's "
+                        f"vocabulary of {vocab} tokens")
+    if spec.vocab in (0, vocab):
+        return None
+    if not ranked:
+        raise SpecError(f"{spec.format()}: the head ranks no tokens by frequency (no "
+                        f"vocab_ids) to keep {spec.vocab} of: use fullvocab (all {vocab})")
+    if spec.vocab > ranked:
+        raise SpecError(f"{spec.format()}: the head ranks only {ranked} tokens by frequency: "
+                        f"use vocab=N with N <= {ranked}, or fullvocab (all {vocab})")
+    return ids[:spec.vocab]
 
 
 def _build_eagle3(spec: Eagle, lm, opts: Options) -> Built:
@@ -370,12 +547,7 @@ def _build_eagle3(spec: Eagle, lm, opts: Options) -> Built:
     from specjax import export
     from specjax.drafters import eagle3
 
-    path = opts.draft_checkpoint
-    if not path or export.read_kind(path) != "eagle3":
-        raise SpecError("eagle3 drafts with an EAGLE-3 head: pass --draft-checkpoint DIR, a "
-                        "published head (config.json and pytorch_model.bin or "
-                        "model.safetensors) or one `specjax train onpolicy --kind eagle3` "
-                        "exported")
+    path = opts.draft_checkpoint  # check: an exported eagle3 head's directory
     meta = export.read_meta(path, "eagle3")
     ids = meta["vocab_ids"]
     like = eagle3.init_head(lm.model.config, jax.random.key(0), len(ids))
@@ -438,8 +610,10 @@ def _build_redrafter(spec: Redrafter, lm, opts: Options) -> Built:
 def load_drafter(spec: MethodSpec | str, lm, model_name: str = "", checkpoint_dir=None):
     """``(drafter, dparams)`` of an ``eagle2`` or ``redrafter`` spec: its exported head
     (default: the one shipped for ``model_name``) loaded onto ``lm``'s devices, checked
-    against ``lm`` (hidden size, vocabulary) and cast to its compute dtype."""
-    spec = parse(spec) if isinstance(spec, str) else spec
+    against ``lm`` (hidden size, vocabulary) and cast to its compute dtype. Raises as
+    ``build`` does."""
+    spec = as_spec(spec, "methods.load_drafter")
+    _check_lm(lm, "methods.load_drafter")
     field = {"eagle2": "draft_checkpoint", "eagle3": "draft_checkpoint",
              "redrafter": "redrafter_checkpoint"}.get(spec.kind)
     if field is None:
@@ -455,6 +629,8 @@ def exit_heads(lm, opts: Options, layers: Sequence[int] | None = None):
     plain early exits at ``layers`` (default ``opts.layers``)."""
     from specjax.drafters import exit_heads as eh
 
+    _check_lm(lm, "methods.exit_heads")
+    _check_options(opts, "methods.exit_heads")
     path = opts.exit_heads or eh.shipped_heads(opts.model_name)
     if path is not None:
         heads, _ = eh.load_heads(lm.model, path, lm.model.compute_dtype)
@@ -484,7 +660,10 @@ def _build_hsd(spec: HSD, lm, opts: Options) -> Built:
 
 
 def read_calibration(path: str) -> dict:
-    """A calibration JSON; a corrupt file is named in the one-line error."""
+    """A calibration JSON; a missing or corrupt file is named in a one-line
+    ``SpecError``, a ``path`` that is not a path in a ``TypeError``."""
+    if not isinstance(path, (str, Path)):
+        raise _type_error("methods.read_calibration", "path", "a file path", path)
     try:
         return json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
@@ -493,17 +672,26 @@ def read_calibration(path: str) -> dict:
         raise SpecError(f"cannot read calibration {path}: {e.strerror}") from None
 
 
-def _tuned(lm, opts: Options):
-    """The hierarchy predicted fastest by ``opts.calibration``: ``(spec, heads, note)``."""
-    from specjax.hsd import calibrate
-
+def _calibration(opts: Options) -> dict:
+    """``opts.calibration`` read; ``SpecError`` unless given, a JSON object, and measured
+    for ``opts.model_name``."""
     if not opts.calibration:
         raise SpecError("hsd without a hierarchy (auto) needs a calibration: --calibration "
                         "FILE (from `specjax calibrate`)")
     calib = read_calibration(opts.calibration)
+    if not isinstance(calib, dict) or not isinstance(calib.get("layers"), list):
+        raise SpecError(f"{opts.calibration} is not a calibration JSON file (no 'layers')")
     if calib.get("model") != opts.model_name:
         raise SpecError(f"{opts.calibration} was measured for {calib.get('model')!r}, not "
                         f"{opts.model_name!r}; run `specjax calibrate` for this model")
+    return calib
+
+
+def _tuned(lm, opts: Options):
+    """The hierarchy predicted fastest by ``opts.calibration``: ``(spec, heads, note)``."""
+    from specjax.hsd import calibrate
+
+    calib = _calibration(opts)
     heads, layers, _ = exit_heads(lm, opts, calib["layers"])
     if layers != list(calib["layers"]):
         raise SpecError(f"{opts.calibration} was measured for exit layers {calib['layers']}, "
@@ -529,5 +717,5 @@ def draft_temperatures(calib: dict, n_levels: int) -> tuple | None:
 
 
 __all__ = ["AR", "SD", "Eagle", "Redrafter", "HSD", "Peer", "MethodSpec", "Options", "Built",
-           "SpecError", "parse", "split", "build", "speculative", "load_drafter", "exit_heads", "read_calibration",
-           "draft_temperatures", "FORMS"]
+           "SpecError", "parse", "split", "as_spec", "check", "build", "speculative",
+           "load_drafter", "exit_heads", "read_calibration", "draft_temperatures", "FORMS"]

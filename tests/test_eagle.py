@@ -109,6 +109,8 @@ def test_invalid_tree_size_is_rejected():
         eagle.rerank(pool, 11, jnp.asarray([0]))
     with pytest.raises(ValueError, match="total_tokens"):
         eagle.EagleDrafter(Llama(TOY), depth=2, topk=2, total_tokens=7).check(Llama(TOY))
+    with pytest.raises(ValueError, match=r"total_tokens=3 must lie in \[depth=4"):
+        eagle.EagleDrafter(Llama(TOY), depth=4, topk=2, total_tokens=3).check(Llama(TOY))
 
 
 # --- the drafter on toy models ----------------------------------------------------------

@@ -83,6 +83,10 @@ def cmd_bench(args) -> int:
     if args.random_prompts and args.questions:
         raise UsageError("give --questions or --random-prompts, not both")
     common.writable(args.out, "--out")
+    for spec in specs.values():  # head directories and calibration, before the model loads
+        if spec.kind != "peer":
+            common.check_method(spec, args)
+    common.readable(args.questions, "--questions")
     questions = (None if args.random_prompts else  # checked before the model loads
                  bench.load_questions(args.questions, args.categories, args.limit))
     m = common.mesh(args)

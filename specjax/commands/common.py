@@ -63,6 +63,19 @@ def writable(path: str | None, flag: str, directory: bool = False) -> None:
         raise UsageError(f"{flag} {path} cannot be written: {parent} is not writable")
 
 
+def readable(path: str | None, flag: str, directory: bool = False) -> None:
+    """Raises ``UsageError`` unless ``path`` (None: the default, nothing to check) exists
+    as a file (``directory``: as a directory); what it holds is checked when read."""
+    if path is None:
+        return
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"{flag} {path} does not exist")
+    if p.is_dir() != directory:
+        raise UsageError(f"{flag} {path} is {'a directory' if p.is_dir() else 'a file'}; give "
+                         f"a {'directory' if directory else 'file'}")
+
+
 def dtypes(args) -> dict:
     """``load``'s storage and compute dtypes from ``--dtype`` and ``--compute-dtype``."""
     import jax.numpy as jnp
@@ -135,6 +148,17 @@ def parse_method(text: str):
 
     try:
         return methods.parse(text)
+    except methods.SpecError as e:
+        raise UsageError(str(e)) from None
+
+
+def check_method(spec, args) -> None:
+    """``specjax.methods.check``, before the model loads: the head directories and the
+    calibration ``spec`` reads; a spec error reported as a usage error."""
+    from specjax import methods
+
+    try:
+        methods.check(spec, options(args))
     except methods.SpecError as e:
         raise UsageError(str(e)) from None
 

@@ -83,6 +83,7 @@ def prompt_ids(spec: str) -> list[int]:
 def cmd_generate(args) -> int:
 
     spec = common.parse_method(common.method_text(args))  # checked before the model loads
+    common.check_method(spec, args)  # its head directory and calibration too
     m = common.mesh(args)
     if args.prompt_ids is not None:
         ids = prompt_ids(args.prompt_ids)
@@ -132,6 +133,8 @@ def cmd_demo(args) -> int:
     from specjax.models import load
 
     explicit = None if args.method == "auto" else common.parse_method(common.method_text(args))
+    if explicit is not None:
+        common.check_method(explicit, args)  # before the model loads
     print(f"loading {args.model} ...", flush=True)
     prompt = args.prompt or next(q.text for q in bench.load_questions()
                                  if q.category == "summarization")

@@ -26,6 +26,7 @@ def cmd_calibrate(args) -> int:
     if args.draft_temperature is not None and args.draft_temperature < 0:
         raise UsageError(f"--draft-temperature must be >= 0, got {args.draft_temperature}")
     common.writable(args.out, "--out")
+    common.readable(args.prompts, "--prompts")
     qs = bench.load_questions(args.prompts, None, args.limit)  # checked before the model loads
     lm = load(args.model, **common.dtypes(args))
     heads, layers, source = methods.exit_heads(lm, common.options(args))

@@ -347,8 +347,9 @@ class EagleDrafter:
             raise ValueError(f"EAGLE depth and topk must be >= 1, got depth={self.depth}, "
                              f"topk={self.topk}")
         p = pool_size(self.depth, self.topk)
-        if not 1 <= self.total_tokens <= p:
-            raise ValueError(f"total_tokens={self.total_tokens} must lie in [1, {p}]: depth "
+        if not self.depth <= self.total_tokens <= p:
+            raise ValueError(f"total_tokens={self.total_tokens} must lie in [depth={self.depth}, "
+                             f"{p}]: the tree keeps a path of depth {self.depth}, and depth "
                              f"{self.depth} and topk {self.topk} draft {p} nodes")
 
     def check_params(self, dparams) -> None:
