@@ -3,7 +3,10 @@ of a Llama, Gemma or T5 model (``model_for`` builds the model class for the conf
 
 Each source format has an explicit table from its tensor names to ours. Loading fails with a
 message naming the tensor or path when a tensor is missing, unexpected, or of the wrong
-shape; it never fills in or drops weights silently.
+shape, or stored as integers, booleans or complex numbers; it never fills in or drops
+weights silently. ``config.json`` values are read with their types checked
+(``ConfigFields``), and RoPE fields as transformers 5 reads them (``hf_rope``): a missing
+key or a value of the wrong type is one line naming the file and the key.
 
 Llama-family and Gemma weights stream (``stream_params``): names and shapes are checked from
 the file headers first, then each leaf of the pytree is read tensor by tensor in its stored
@@ -21,7 +24,7 @@ import math
 import re
 import struct
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -432,142 +435,310 @@ def load_gguf(path: str | Path, dtype=jnp.float32, mesh=None,
     except Exception as e:  # gguf raises assorted errors on corrupt files
         raise WeightLoadError(f"{path}: not a readable GGUF file ({e})") from e
     cfg = gguf_config(reader)
+    for t in reader.tensors:  # unquantized integer tensors hold no weights
+        if t.tensor_type.name in ("I8", "I16", "I32", "I64"):
+            check_floating(t.name, t.data.dtype, path)
     keys = GGUF_GEMMA_KEYS if isinstance(cfg, GemmaConfig) else GGUF_KEYS
     return cfg, stream_params(cfg, GGUFSource(reader), keys, str(path), dtype, mesh, stacked)
 
 
-# --------------------------------------------------------------------------- HF directory
+# --------------------------------------------------------------------------- HF config.json
 
-def _hf_rope(d: dict) -> tuple[float, RopeScaling]:
-    """RoPE base and scaling from an HF config: transformers-5 ``rope_parameters`` or
-    transformers-4 ``rope_scaling`` beside a top-level ``rope_theta``. ``WeightLoadError``
-    for a scaling type ``RopeScaling`` does not implement (yarn, dynamic, longrope, ...)."""
-    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-    theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
-    kind = rope.pop("rope_type", rope.pop("type", "default"))
-    fields = {f: rope[f] for f in ("factor", "low_freq_factor", "high_freq_factor",
-                                   "original_max_position_embeddings") if f in rope}
-    partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-    if float(partial) != 1.0:
-        raise WeightLoadError(f"partial_rotary_factor {partial} is not supported (RoPE over "
-                              "the whole head)")
+_ABSENT = object()
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigFields:
+    """Typed reads of one ``config.json`` object ``d`` (``where`` names the file). A read
+    returns the value at ``key``, or ``default`` where the key is absent or null; a required
+    key that is absent, or a value of the wrong type, raises ``error`` in one line naming
+    the file and the key (``prefix + key`` inside a nested object)."""
+
+    d: dict
+    where: str = "config.json"
+    error: type = WeightLoadError
+    prefix: str = ""
+
+    def fail(self, msg: str) -> NoReturn:
+        raise self.error(f"{self.where}: {msg}")
+
+    def name(self, key: str) -> str:
+        return repr(self.prefix + key)
+
+    def value(self, key: str, default, ok: Callable[[object], bool], what: str):
+        """``d[key]`` where ``ok`` accepts it (``what`` describes what it accepts)."""
+        v = self.d.get(key)
+        if v is None:
+            if default is _ABSENT:
+                self.fail(f"{self.name(key)} is missing")
+            return default
+        if not ok(v):
+            self.fail(f"{self.name(key)} must be {what}, got {v!r}")
+        return v
+
+    def integer(self, key: str, default=_ABSENT, minimum: int = 1) -> int:
+        return self.value(key, default, lambda v: _is_int(v) and v >= minimum,
+                          f"an integer >= {minimum}")
+
+    def number(self, key: str, default=_ABSENT, positive: bool = False) -> float:
+        v = self.value(key, default, lambda v: _is_number(v) and (v > 0 or not positive),
+                       "a positive number" if positive else "a number")
+        return v if v is None else float(v)
+
+    def flag(self, key: str, default=_ABSENT) -> bool:
+        return self.value(key, default, lambda v: isinstance(v, bool), "true or false")
+
+    def text(self, key: str, default=_ABSENT) -> str:
+        return self.value(key, default, lambda v: isinstance(v, str), "a string")
+
+    def texts(self, key: str, default=_ABSENT) -> list[str]:
+        return self.value(key, default, lambda v: isinstance(v, list) and all(
+            isinstance(x, str) for x in v), "a list of strings")
+
+    def integers(self, key: str, default=_ABSENT) -> list[int]:
+        return self.value(key, default, lambda v: isinstance(v, list) and all(
+            _is_int(x) for x in v), "a list of integers")
+
+    def obj(self, key: str) -> ConfigFields:
+        """The object at ``key`` (empty where absent or null), its keys named ``key.*``."""
+        v = self.value(key, {}, lambda v: isinstance(v, dict), "an object")
+        return dataclasses.replace(self, d=v, prefix=f"{self.prefix}{key}.")
+
+
+def read_config_json(f: Path, error: type = WeightLoadError) -> ConfigFields:
+    """The JSON object in file ``f``, for typed reads; ``error`` naming ``f`` for a file
+    that cannot be read, is not JSON, or holds something else than an object."""
     try:
-        return float(theta), RopeScaling(kind, **fields)
-    except ValueError as e:
-        raise WeightLoadError(f"config.json RoPE scaling: {e}") from None
+        d = json.loads(Path(f).read_text())
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError included
+        raise error(f"{f}: not a readable JSON file ({e})") from None
+    if not isinstance(d, dict):
+        raise error(f"{f}: holds a JSON {type(d).__name__}, not an object")
+    return ConfigFields(d, str(f), error)
 
 
-def _hf_sliding_check(d: dict, kind: str) -> None:
+def _fields(d: dict | ConfigFields) -> ConfigFields:
+    return d if isinstance(d, ConfigFields) else ConfigFields(d)
+
+
+#: the RoPE types ``RopeScaling`` computes
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_block(f: ConfigFields, theta: float, max_positions: int | None = None,
+               dynamic_ok: bool = False) -> tuple[float, RopeScaling]:
+    """RoPE base and scaling of one flat RoPE object ``f``, as transformers 5 standardizes
+    and validates it (``modeling_rope_utils``): type ``rope_type``, else the v4 ``type``,
+    else default; base ``rope_theta``, else ``theta``; the fields its type requires
+    (linear: ``factor``; llama3: ``factor``, ``low_freq_factor``, ``high_freq_factor`` and
+    ``original_max_position_embeddings``, which defaults to ``max_positions`` where that is
+    given). With ``dynamic_ok``, ``dynamic`` reads as default (it changes nothing within
+    ``max_position_embeddings``). ``f.error`` naming the key for another type, a missing
+    field, a value of the wrong type, or a ``partial_rotary_factor`` other than 1."""
+    if {"full_attention", "sliding_attention"} & set(f.d):
+        f.fail(f"{f.prefix[:-1]!r} is nested by layer type, but this family reads one flat "
+               "RoPE object")
+    tkey = "rope_type" if f.d.get("rope_type") is not None else "type"
+    kind = f.text(tkey, "default")
+    if kind == "dynamic" and dynamic_ok:
+        kind = "default"
+    if kind not in ROPE_TYPES:
+        f.fail(f"{f.name(tkey)} {kind!r} is not supported ({', '.join(ROPE_TYPES)})")
+    if f.number("partial_rotary_factor", 1.0) != 1.0:
+        f.fail(f"{f.name('partial_rotary_factor')} other than 1 is not supported (RoPE over "
+               "the whole head)")
+    theta = f.number("rope_theta", theta, positive=True)
+    if kind == "default":
+        return theta, RopeScaling()
+    factor = f.number("factor", positive=True)
+    if kind == "linear":
+        return theta, RopeScaling("linear", factor)
+    return theta, RopeScaling(
+        "llama3", factor, f.number("low_freq_factor", positive=True),
+        f.number("high_freq_factor", positive=True),
+        f.integer("original_max_position_embeddings",
+                  _ABSENT if max_positions is None else max_positions))
+
+
+def hf_rope(d: dict | ConfigFields, default_theta: float = 10000.0,
+            dynamic_ok: bool = False) -> tuple[float, RopeScaling]:
+    """RoPE base and scaling of a config whose layers share one RoPE (Llama, Qwen, Gemma 2,
+    EAGLE heads), read as transformers 5.24 reads it
+    (``RotaryEmbeddingConfigMixin.convert_rope_params_to_dict``): a non-empty v4
+    ``rope_scaling`` replaces ``rope_parameters`` whole, else ``rope_parameters`` is read;
+    a base that object lacks is the top-level ``rope_theta``, else ``default_theta`` (so
+    beside a non-empty ``rope_scaling``, ``rope_parameters``' own ``rope_theta`` is not
+    read, as in transformers). Fields and errors: :func:`rope_block`."""
+    f = _fields(d)
+    if f.number("partial_rotary_factor", 1.0) != 1.0:
+        f.fail("'partial_rotary_factor' other than 1 is not supported (RoPE over the whole "
+               "head)")
+    key = "rope_scaling" if f.d.get("rope_scaling") else "rope_parameters"
+    return rope_block(f.obj(key), f.number("rope_theta", default_theta, positive=True),
+                      f.integer("max_position_embeddings", None), dynamic_ok)
+
+
+def _gemma3_rope(f: ConfigFields) -> tuple[float, float, RopeScaling]:
+    """Global base, local base and global scaling of a Gemma 3 config, read as transformers
+    5.24 reads them (``Gemma3TextConfig.convert_rope_params_to_dict``): ``rope_parameters``
+    nested by layer type, where a v4 ``rope_scaling`` updates the ``full_attention`` entry
+    key by key; bases default to ``rope_theta`` (else 1e6) and ``rope_local_base_freq``
+    (else 1e4). The sliding layers' RoPE must be unscaled, as specjax computes it."""
+    rp = f.obj("rope_parameters")
+    flat = sorted(set(rp.d) - {"full_attention", "sliding_attention"})
+    if flat:
+        f.fail(f"'rope_parameters' holds {flat}, which transformers does not read for "
+               "gemma3_text (nest them under full_attention and sliding_attention)")
+    full = rp.obj("full_attention")
+    if f.d.get("rope_scaling") is not None:
+        if rp.d and "full_attention" not in rp.d:
+            f.fail("'rope_scaling' updates 'rope_parameters.full_attention', which is missing")
+        full = dataclasses.replace(full, d={**full.d, **f.obj("rope_scaling").d},
+                                   prefix="rope_scaling.")
+    theta, scaling = rope_block(full, f.number("rope_theta", 1e6, positive=True),
+                                f.integer("max_position_embeddings", None))
+    local = rp.obj("sliding_attention")
+    local_theta, local_scaling = rope_block(
+        local, f.number("rope_local_base_freq", 1e4, positive=True))
+    if local_scaling != RopeScaling():
+        f.fail(f"'rope_parameters.sliding_attention' scaling {local_scaling.rope_type!r} is not "
+               "supported (the sliding layers' RoPE is unscaled)")
+    return theta, local_theta, scaling
+
+
+def _hf_sliding_check(f: ConfigFields, kind: str) -> None:
     """``WeightLoadError`` if any layer of a Qwen2/Qwen3 config attends through a sliding
     window shorter than its context (the Llama port attends to every cached position). As
     transformers reads the config: the window applies only with ``use_sliding_window``, to
     the layers ``layer_types`` marks ``sliding_attention`` (default: layers from
     ``max_window_layers`` on)."""
-    window = d.get("sliding_window") if d.get("use_sliding_window", False) else None
+    if not f.flag("use_sliding_window", False):
+        return
+    window = f.integer("sliding_window", None)
     if window is None:
         return
-    n = d["num_hidden_layers"]
-    types = d.get("layer_types") or [
-        "sliding_attention" if i >= d.get("max_window_layers", n) else "full_attention"
-        for i in range(n)]
-    context = d.get("max_position_embeddings", 4096)
+    n = f.integer("num_hidden_layers")
+    first = f.integer("max_window_layers", n, minimum=0)
+    types = f.texts("layer_types", None) or [
+        "sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    context = f.integer("max_position_embeddings", 4096)
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
-    if sliding and int(window) < context:
-        raise WeightLoadError(
-            f"{kind} config.json: use_sliding_window with sliding_window={window} < "
-            f"max_position_embeddings={context} on layers {sliding[:8]} is not supported (the "
-            "Llama-family port attends to every position); Qwen checkpoints ship "
-            "use_sliding_window: false")
+    if sliding and window < context:
+        f.fail(f"{kind}: use_sliding_window with sliding_window={window} < "
+               f"max_position_embeddings={context} on layers {sliding[:8]} is not supported "
+               "(the Llama-family port attends to every position); Qwen checkpoints ship "
+               "use_sliding_window: false")
 
 
-def hf_config(d: dict) -> LlamaConfig:
+def hf_config(d: dict | ConfigFields) -> LlamaConfig:
     """A LlamaConfig from an HF ``config.json`` of ``model_type`` ``llama`` (Llama 2/3.x,
-    SmolLM2), ``qwen2`` (Qwen2/2.5) or ``qwen3`` (transformers v4 or v5 RoPE fields).
+    SmolLM2), ``qwen2`` (Qwen2/2.5) or ``qwen3`` (transformers v4 or v5 RoPE fields, read
+    by :func:`hf_rope`).
 
     Qwen2 always has q/k/v biases and no ``o`` bias; Llama's and Qwen3's ``attention_bias``
     (default false) biases q, k, v and o; Qwen3 norms each query and key head
-    (``qk_norm``). ``WeightLoadError`` for what the port does not compute: another
-    activation than SiLU, MLP biases, an unsupported RoPE scaling, or a sliding window
-    shorter than the context."""
-    kind = d.get("model_type", "llama")
+    (``qk_norm``). ``WeightLoadError`` naming the file and key for a missing key, a value of
+    the wrong type, or what the port does not compute: another activation than SiLU, MLP
+    biases, an unsupported RoPE, or a sliding window shorter than the context."""
+    f = _fields(d)
+    kind = f.text("model_type", "llama")
     if kind not in ("llama", "qwen2", "qwen3"):
-        raise WeightLoadError(f"model_type {kind!r} is not a Llama-family config "
-                              "(llama, qwen2, qwen3)")
-    act = d.get("hidden_act", "silu")
+        f.fail(f"model_type {kind!r} is not a Llama-family config (llama, qwen2, qwen3)")
+    act = f.text("hidden_act", "silu")
     if act != "silu":
-        raise WeightLoadError(f"{kind} config.json: hidden_act {act!r} is not supported (silu)")
-    if d.get("mlp_bias", False):
-        raise WeightLoadError(f"{kind} config.json: mlp_bias is not supported (bias-free MLP)")
+        f.fail(f"{kind}: hidden_act {act!r} is not supported (silu)")
+    if f.flag("mlp_bias", False):
+        f.fail(f"{kind}: mlp_bias is not supported (bias-free MLP)")
     if kind != "llama":
-        _hf_sliding_check(d, kind)
-    theta, scaling = _hf_rope(d)
-    bias = bool(d.get("attention_bias", False))
-    heads = d["num_attention_heads"]
+        _hf_sliding_check(f, kind)
+    theta, scaling = hf_rope(f)
+    bias = f.flag("attention_bias", False)
+    hidden, heads = f.integer("hidden_size"), f.integer("num_attention_heads")
     return LlamaConfig(
-        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-        intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
-        num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
-        head_dim=d.get("head_dim") or d["hidden_size"] // heads, rope_theta=theta,
-        rope_scaling=scaling, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-        tie_embeddings=d.get("tie_word_embeddings", False),
-        max_position_embeddings=d.get("max_position_embeddings", 4096),
+        vocab_size=f.integer("vocab_size"), hidden_size=hidden,
+        intermediate_size=f.integer("intermediate_size"),
+        num_layers=f.integer("num_hidden_layers"), num_heads=heads,
+        num_kv_heads=f.integer("num_key_value_heads", heads),
+        head_dim=f.integer("head_dim", hidden // heads), rope_theta=theta,
+        rope_scaling=scaling, rms_norm_eps=f.number("rms_norm_eps", 1e-6, positive=True),
+        tie_embeddings=f.flag("tie_word_embeddings", False),
+        max_position_embeddings=f.integer("max_position_embeddings", 4096),
         attention_bias=True if kind == "qwen2" else bias,
         o_bias=False if kind == "qwen2" else bias, qk_norm=kind == "qwen3")
 
 
-def hf_gemma_config(d: dict) -> GemmaConfig:
-    """A GemmaConfig from an HF ``config.json`` of ``gemma2`` or ``gemma3_text``."""
-    kind = d["model_type"]
-    n, heads = d["num_hidden_layers"], d["num_attention_heads"]
-    types = d.get("layer_types")
+def _gemma_rope(f: ConfigFields, kind: str) -> tuple[float, float, RopeScaling]:
+    """(global base, local base, global scaling): Gemma 3's per layer type; Gemma 2's one
+    flat RoPE for every layer (as transformers computes it), which must be unscaled."""
+    if kind != "gemma2":
+        return _gemma3_rope(f)
+    theta, scaling = hf_rope(f)
+    if scaling != RopeScaling():
+        f.fail(f"gemma2 RoPE scaling {scaling.rope_type!r} is not supported (transformers "
+               "scales the sliding layers too)")
+    return theta, theta, scaling
+
+
+def hf_gemma_config(d: dict | ConfigFields) -> GemmaConfig:
+    """A GemmaConfig from an HF ``config.json`` of ``gemma2`` or ``gemma3_text``;
+    ``WeightLoadError`` naming the file and key for a missing key, a value of the wrong
+    type, or what the port does not compute."""
+    f = _fields(d)
+    kind = f.text("model_type")
+    n, heads = f.integer("num_hidden_layers"), f.integer("num_attention_heads")
+    types = f.texts("layer_types", None)
     if types is None:
-        pattern = d.get("sliding_window_pattern", d.get("_sliding_window_pattern",
-                                                        2 if kind == "gemma2" else 6))
+        pattern = f.integer("sliding_window_pattern", f.integer(
+            "_sliding_window_pattern", 2 if kind == "gemma2" else 6))
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                  for i in range(n)]
-    rope = d.get("rope_parameters") or {}
-    full = dict(rope.get("full_attention", rope if "rope_theta" in rope else {}))
-    local = rope.get("sliding_attention", {})
-    theta = full.pop("rope_theta", d.get("rope_theta", 10000.0 if kind == "gemma2" else 1e6))
-    rtype = full.pop("rope_type", "default")
-    fields = {f: full[f] for f in ("factor",) if f in full}
-    local_theta = local.get("rope_theta", d.get("rope_local_base_freq",
-                                                theta if kind == "gemma2" else 10000.0))
-    act = d.get("hidden_activation") or d.get("hidden_act", "gelu_pytorch_tanh")
+    theta, local_theta, scaling = _gemma_rope(f, kind)
+    act = f.text("hidden_activation", None) or f.text("hidden_act", "gelu_pytorch_tanh")
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise WeightLoadError(f"hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+        f.fail(f"hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+    hidden = f.integer("hidden_size")
     return GemmaConfig(
-        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-        intermediate_size=d["intermediate_size"], num_layers=n, num_heads=heads,
-        num_kv_heads=d.get("num_key_value_heads", heads),
-        head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+        vocab_size=f.integer("vocab_size"), hidden_size=hidden,
+        intermediate_size=f.integer("intermediate_size"), num_layers=n, num_heads=heads,
+        num_kv_heads=f.integer("num_key_value_heads", heads),
+        head_dim=f.integer("head_dim", hidden // heads),
         layer_types=tuple("full" if t == "full_attention" else "sliding" for t in types),
-        sliding_window=int(d.get("sliding_window") or 4096), rope_theta=float(theta),
-        rope_local_theta=float(local_theta), rope_scaling=RopeScaling(rtype, **fields),
-        query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
-        qk_norm=kind != "gemma2", attn_logit_softcapping=d.get("attn_logit_softcapping"),
-        final_logit_softcapping=d.get("final_logit_softcapping"),
-        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-        tie_embeddings=d.get("tie_word_embeddings", True),
-        max_position_embeddings=d.get("max_position_embeddings", 8192))
+        sliding_window=f.integer("sliding_window", 4096), rope_theta=theta,
+        rope_local_theta=local_theta, rope_scaling=scaling,
+        query_pre_attn_scalar=f.number("query_pre_attn_scalar", 256.0, positive=True),
+        qk_norm=kind != "gemma2",
+        attn_logit_softcapping=f.number("attn_logit_softcapping", None, positive=True),
+        final_logit_softcapping=f.number("final_logit_softcapping", None, positive=True),
+        rms_norm_eps=f.number("rms_norm_eps", 1e-6, positive=True),
+        tie_embeddings=f.flag("tie_word_embeddings", True),
+        max_position_embeddings=f.integer("max_position_embeddings", 8192))
 
 
 _HF_FAMILIES = {"llama": hf_config, "qwen2": hf_config, "qwen3": hf_config,
                 "gemma2": hf_gemma_config, "gemma3_text": hf_gemma_config,
-                "t5": lambda d: hf_t5_config(d)}
+                "t5": lambda f: hf_t5_config(f)}
 
 
 def hf_dir_config(path: str | Path) -> Config:
-    """The model config of a local HF directory, from its ``config.json``."""
+    """The model config of a local HF directory, from its ``config.json``;
+    ``WeightLoadError`` naming the file (and the key) for a file that is not a JSON object,
+    an unsupported ``model_type``, a missing key or a value of the wrong type."""
     cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{path}: no config.json")
-    d = json.loads(cfg_file.read_text())
-    kind = d.get("model_type", "llama")
+    f = read_config_json(cfg_file)
+    kind = f.text("model_type", "llama")
     if kind not in _HF_FAMILIES:
-        raise WeightLoadError(f"{cfg_file}: model_type {kind!r} is not supported "
-                              f"({', '.join(_HF_FAMILIES)})")
-    return _HF_FAMILIES[kind](d)
+        f.fail(f"model_type {kind!r} is not supported ({', '.join(_HF_FAMILIES)})")
+    return _HF_FAMILIES[kind](f)
 
 
 # --------------------------------------------------------------------------- safetensors, lazily
@@ -575,7 +746,12 @@ def hf_dir_config(path: str | Path) -> Config:
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
               "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn,
               "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32,
-              "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+              "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32,
+              "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_, "C64": np.complex64}
+#: the stored dtypes that weights may have: floating point, never integers, booleans or
+#: complex numbers (which casting would turn into numbers no model was trained with)
+FLOAT_DTYPES = frozenset(np.dtype(v) for k, v in _ST_DTYPES.items()
+                         if k.startswith(("F", "BF")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -605,6 +781,8 @@ def safetensors_header(f: Path) -> dict[str, StoredTensor]:
         for name, e in header.items():
             if name == "__metadata__":
                 continue
+            if e["dtype"] not in _ST_DTYPES:
+                raise ValueError(f"tensor {name!r} has dtype {e['dtype']}, which is not read")
             dtype, shape = np.dtype(_ST_DTYPES[e["dtype"]]), tuple(int(s) for s in e["shape"])
             a, b = (8 + n + int(o) for o in e["data_offsets"])
             if b - a != math.prod(shape) * dtype.itemsize or b > size or a < 8 + n:
@@ -656,13 +834,20 @@ class SafetensorsSource(TensorSource):
 
 
 def hf_weight_table(path: Path) -> dict[str, StoredTensor]:
-    """The tensors of an HF directory, from the files transformers reads, in its order:
-    ``model.safetensors``; else the files ``model.safetensors.index.json``'s ``weight_map``
-    names, each tensor from the file the map gives. Other ``*.safetensors`` files (a stray
-    ``model_backup.safetensors``) are ignored. Without either, one other ``*.safetensors``
-    file is read as the weights; several are a ``WeightLoadError`` naming them, none a
-    ``FileNotFoundError``. ``WeightLoadError`` for an index naming a missing file, or a
-    tensor its file lacks, or a shard holding a tensor the map does not list."""
+    """The tensors of an HF directory, from the files transformers 5 reads, in its order
+    (``modeling_utils._get_resolved_checkpoint_files``): the file ``config.json`` names in
+    ``transformers_weights``; else ``model.safetensors``; else the files
+    ``model.safetensors.index.json``'s ``weight_map`` names, each tensor from the file the
+    map gives. Other ``*.safetensors`` files (a stray ``model_backup.safetensors``) are
+    ignored. Without any of these, one other ``*.safetensors`` file is read as the weights;
+    several are a ``WeightLoadError`` naming them, none a ``FileNotFoundError``.
+    ``WeightLoadError`` for an index naming a missing file, or a tensor its file lacks, or
+    a shard holding a tensor the map does not assign to it (so no name is in two files)."""
+    named = _named_weights(path)
+    if named is not None:
+        if named.name.endswith(".index.json"):
+            return _indexed_table(path, named)
+        return safetensors_header(named)
     if (path / "model.safetensors").is_file():
         return safetensors_header(path / "model.safetensors")
     index = path / "model.safetensors.index.json"
@@ -678,6 +863,36 @@ def hf_weight_table(path: Path) -> dict[str, StoredTensor]:
                               "the model is ambiguous (name it model.safetensors, or write "
                               "an index)")
     return safetensors_header(files[0])
+
+
+def _named_weights(path: Path) -> Path | None:
+    """The weights file ``config.json``'s ``transformers_weights`` names, if it names one,
+    checked as transformers checks it: a ``.safetensors`` or ``.safetensors.index.json``
+    file inside ``path`` (``WeightLoadError`` otherwise, or where it does not exist)."""
+    if not (path / "config.json").is_file():
+        return None
+    f = read_config_json(path / "config.json")
+    name = f.text("transformers_weights", None)
+    if name is None:
+        return None
+    target = (path / name).resolve()
+    if (not name.endswith((".safetensors", ".safetensors.index.json"))
+            or path.resolve() not in target.parents):
+        f.fail(f"'transformers_weights' must name a .safetensors or .safetensors.index.json "
+               f"file inside {path}, got {name!r}")
+    if not target.is_file():
+        f.fail(f"'transformers_weights' names {name}, which does not exist")
+    return target
+
+
+def check_floating(name: str, dtype, where, error: type = WeightLoadError) -> None:
+    """``error`` naming ``where`` and tensor ``name`` unless its stored ``dtype`` is floating
+    point: integers, booleans and complex numbers (a quantized or corrupt checkpoint) are
+    not weights that a cast to floats would recover."""
+    dt = np.dtype(dtype)
+    if dt not in FLOAT_DTYPES:
+        raise error(f"{where}: tensor {name!r} is stored as {dt.name}; weights must be "
+                    "floating point (quantized checkpoints are not supported)")
 
 
 def _indexed_table(path: Path, index: Path) -> dict[str, StoredTensor]:
@@ -736,7 +951,10 @@ def load_hf_dir(path: str | Path, dtype=jnp.float32, mesh=None,
     placed (``stacked`` is a ``ValueError`` for it)."""
     path = Path(path)
     cfg = hf_dir_config(path)
-    src = SafetensorsSource(hf_weight_table(path))
+    table = hf_weight_table(path)
+    for name, t in table.items():
+        check_floating(name, t.dtype, t.file)
+    src = SafetensorsSource(table)
     if family(cfg) == "T5":
         if stacked:
             raise ValueError("stacked layers (scan_layers) are for Llama-family models only")
@@ -760,42 +978,48 @@ def load_hf_dir(path: str | Path, dtype=jnp.float32, mesh=None,
 
 # --------------------------------------------------------------------------- T5 (HF directory)
 
-def hf_t5_config(d: dict):
-    """A T5Config from an HF ``config.json`` (``model_type`` ``t5``).
+def hf_t5_config(d: dict | ConfigFields):
+    """A T5Config from an HF ``config.json`` (``model_type`` ``t5``); ``WeightLoadError``
+    naming the file and key for a missing key or a value of the wrong type.
 
     The LM head scaling follows transformers: ``scale_decoder_outputs`` when the file has it
     (transformers >= 5 writes it), else ``tie_word_embeddings`` (default true). Whether the
     head is tied is settled when the weights load: by a saved ``lm_head.weight``."""
     from specjax.models.t5 import T5Config
 
-    proj = d.get("feed_forward_proj", "relu")
+    f = _fields(d)
+    proj = f.text("feed_forward_proj", "relu")
     parts = proj.split("-")
     if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
-        raise WeightLoadError(f"feed_forward_proj {proj!r} is not supported "
-                              "(relu, gated-gelu, gelu_new, gated-gelu_new)")
+        f.fail(f"feed_forward_proj {proj!r} is not supported "
+               "(relu, gated-gelu, gelu_new, gated-gelu_new)")
     act = "gelu_new" if parts[-1] in ("gelu", "gelu_new") else parts[-1]
     if act not in ("relu", "gelu_new"):
-        raise WeightLoadError(f"feed_forward_proj {proj!r}: activation {parts[-1]!r} is not "
-                              "supported (relu, gelu_new)")
-    if d.get("decoder_start_token_id") is None:
-        raise WeightLoadError("config.json has no decoder_start_token_id: the decoder cannot "
-                              "start (T5 checkpoints use the pad id, usually 0)")
-    tie = d.get("tie_word_embeddings", True)
-    eos = d.get("eos_token_id", 1)
+        f.fail(f"feed_forward_proj {proj!r}: activation {parts[-1]!r} is not supported "
+               "(relu, gelu_new)")
+    if f.d.get("decoder_start_token_id") is None:
+        f.fail("no decoder_start_token_id: the decoder cannot start (T5 checkpoints use the "
+               "pad id, usually 0)")
+    tie = f.flag("tie_word_embeddings", True)
+    eos = f.value("eos_token_id", 1, lambda v: _is_int(v) or (
+        isinstance(v, list) and v and all(_is_int(x) for x in v)), "an integer or a list of them")
+    layers = f.integer("num_layers")
+    positions = f.integer("n_positions", 2048)
     return T5Config(
-        vocab_size=d["vocab_size"], hidden_size=d["d_model"], intermediate_size=d["d_ff"],
-        num_layers=d.get("num_decoder_layers") or d["num_layers"],
-        num_encoder_layers=d["num_layers"], num_heads=d["num_heads"], head_dim=d["d_kv"],
-        num_buckets=d.get("relative_attention_num_buckets", 32),
-        max_distance=d.get("relative_attention_max_distance", 128),
+        vocab_size=f.integer("vocab_size"), hidden_size=f.integer("d_model"),
+        intermediate_size=f.integer("d_ff"),
+        num_layers=f.integer("num_decoder_layers", layers),
+        num_encoder_layers=layers, num_heads=f.integer("num_heads"),
+        head_dim=f.integer("d_kv"),
+        num_buckets=f.integer("relative_attention_num_buckets", 32),
+        max_distance=f.integer("relative_attention_max_distance", 128),
         gated=len(parts) == 2, activation=act, tie_embeddings=tie,
-        scale_output=d.get("scale_decoder_outputs", tie is not False),
-        rms_norm_eps=d.get("layer_norm_epsilon", 1e-6),
-        decoder_start_token_id=int(d["decoder_start_token_id"]),
-        eos_token_id=int(eos[0] if isinstance(eos, list) else eos),
-        pad_token_id=int(d.get("pad_token_id") or 0),
-        max_position_embeddings=int(d.get("n_positions") or 2048),
-        max_source_positions=int(d.get("n_positions") or 2048))
+        scale_output=f.flag("scale_decoder_outputs", tie),
+        rms_norm_eps=f.number("layer_norm_epsilon", 1e-6, positive=True),
+        decoder_start_token_id=f.integer("decoder_start_token_id", minimum=0),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        pad_token_id=f.integer("pad_token_id", 0, minimum=0),
+        max_position_embeddings=positions, max_source_positions=positions)
 
 
 def _t5_name(name: str) -> tuple[str, int | None, str] | None:

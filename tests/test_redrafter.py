@@ -260,7 +260,7 @@ def test_cli_train_redrafter_exports_a_head_that_decodes(lm, corpus, tmp_path, m
     decodes losslessly; a head for another width is refused with a clear message."""
     import json
 
-    from specjax import cli, export
+    from specjax import cli
     from specjax.train import distill
 
     monkeypatch.setattr("specjax.models.load", lambda *a, **k: lm)
@@ -285,5 +285,5 @@ def test_cli_train_redrafter_exports_a_head_that_decodes(lm, corpus, tmp_path, m
     other = type(lm)(Llama(wide), init_params(wide, jax.random.key(0)))
     with pytest.raises(ValueError, match="hidden size 32, but"):
         methods.load_drafter("redrafter", other, "toy", out)
-    with pytest.raises(export.CheckpointError, match="not an exported head"):
+    with pytest.raises(methods.SpecError, match="has no head.json: want an exported redrafter"):
         methods.load_drafter("redrafter", lm, "toy", tmp_path)

@@ -81,3 +81,31 @@ def restore_latest(mngr: ocp.CheckpointManager, like: Any) -> tuple[int, Any] | 
                 f"{Path(mngr.directory) / str(step)} to resume from the checkpoint before it"
             ) from e
     return step, state
+
+
+def latest_step(run_dir: str | Path) -> int:
+    """The step of the latest complete checkpoint in ``run_dir`` (0 for none), read without
+    creating anything; unfinished ``*.orbax-checkpoint-tmp`` directories do not count."""
+    ckpt = Path(run_dir) / "ckpt"
+    return max(ocp.utils.checkpoint_steps(ckpt), default=0) if ckpt.is_dir() else 0
+
+
+def finish(mngr: ocp.CheckpointManager) -> None:
+    """Waits for ``mngr``'s pending writes, so every checkpoint it saved is complete on
+    disk, then closes it."""
+    mngr.wait_until_finished()
+    mngr.close()
+
+
+@contextlib.contextmanager
+def closing(mngr: ocp.CheckpointManager):
+    """``finish(mngr)`` when the block ends, on success or on any error: the last save
+    before an error is complete on disk and no write is left in flight. An error while
+    finishing does not hide the block's own error."""
+    try:
+        yield mngr
+    except BaseException:
+        with contextlib.suppress(Exception):
+            finish(mngr)
+        raise
+    finish(mngr)

@@ -41,19 +41,38 @@ def ngrams(text: str, n: int = NGRAM) -> set[tuple[str, ...]]:
     return {tuple(w[i:i + n]) for i in range(len(w) - n + 1)}
 
 
+def read_jsonl(path: Path, need: Sequence[str] = ()) -> list[dict]:
+    """The records of a JSON-lines file (blank lines skipped), each a JSON object holding
+    the keys ``need``; ``ValueError`` naming ``path:line`` for any other line."""
+    out = []
+    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+        missing = [k for k in need if k not in r] if isinstance(r, dict) else None
+        if missing is None or missing:
+            raise ValueError(f"{path}:{i}: expected a JSON object with "
+                             f"{', '.join(repr(k) for k in need) or 'fields'}")
+        out.append(r)
+    return out
+
+
 def read_prompts(data_dir: str | Path) -> dict[str, list[str]]:
-    """Prompts by source: ``gsm8k``, ``self_instruct`` and ``t0/<task>``."""
+    """Prompts by source: ``gsm8k``, ``self_instruct`` and ``t0/<task>`` (``read_jsonl``:
+    a malformed line is a ``ValueError`` naming it)."""
     d = Path(data_dir)
-    load = lambda p: [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
-    out = {"gsm8k": [r["question"] for r in load(d / "gsm8k_train.jsonl")]}
+    out = {"gsm8k": [r["question"] for r in read_jsonl(d / "gsm8k_train.jsonl", ["question"])]}
     si = []
     for p in sorted(d.glob("self_instruct_*.jsonl")):
-        for r in load(p):
+        for r in read_jsonl(p, ["instruction"]):
             inp = (r.get("instances") or [{}])[0].get("input", "")
             si.append(r["instruction"] + (f"\n\n{inp}" if inp else ""))
     out["self_instruct"] = si
     for p in sorted((d / "t0").glob("*.jsonl")):
-        out[f"t0/{p.stem}"] = [r["prompt"] for r in load(p)]
+        out[f"t0/{p.stem}"] = [r["prompt"] for r in read_jsonl(p, ["prompt"])]
     return out
 
 

@@ -49,7 +49,11 @@ def resume(run_dir: str | Path, meta: dict, fresh: dict) -> tuple[dict, Any]:
     checkpoint.check_run(run, meta)
     with checkpoint.quiet_absl():  # a corrupt checkpoint is reported once, by restore_latest
         mngr = checkpoint.manager(run)
-    got = checkpoint.restore_latest(mngr, fresh)
+    try:
+        got = checkpoint.restore_latest(mngr, fresh)
+    except BaseException:
+        mngr.close()
+        raise
     return (fresh if got is None else got[1]), mngr
 
 
@@ -88,7 +92,9 @@ def run_steps(state: dict, step: Callable[[dict, int], tuple[dict, dict]], mngr,
               on_save: Callable[[dict], dict] | None = None) -> dict:
     """Runs ``state, metrics = step(state, s)`` from the state's step up to ``steps``
     (or ``stop_after`` more), checkpointing; ``on_save(state)`` adds validation metrics to
-    the log at every checkpoint. The manager is closed on return."""
+    the log at every checkpoint. The manager is closed on return and on any error, after
+    its pending writes finish (``checkpoint.closing``): the last checkpoint saved is
+    complete on disk."""
     start = int(state["step"])
     end = steps if stop_after is None else min(steps, start + stop_after)
     if isinstance(log, RunLog):
@@ -96,19 +102,18 @@ def run_steps(state: dict, step: Callable[[dict, int], tuple[dict, dict]], mngr,
     if progress is not None:
         progress.update(start)
     t0 = time.perf_counter()
-    for s in range(start, end):
-        state, m = step(state, s)
-        if log is not None:
-            log({"step": s + 1, **{k: float(v) for k, v in m.items()},
-                 "seconds": round(time.perf_counter() - t0, 1)})
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix({k: f"{float(v):.3f}" for k, v in m.items() if k in
-                                  ("loss", "acc")})
-        if (s + 1) % save_every == 0 or s + 1 == end:
-            mngr.save(s + 1, args=checkpoint.ocp.args.StandardSave(state), force=True)
-            if on_save is not None and log is not None:
-                log({"step": s + 1, **on_save(state)})
-    mngr.wait_until_finished()
-    mngr.close()
+    with checkpoint.closing(mngr):
+        for s in range(start, end):
+            state, m = step(state, s)
+            if log is not None:
+                log({"step": s + 1, **{k: float(v) for k, v in m.items()},
+                     "seconds": round(time.perf_counter() - t0, 1)})
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix({k: f"{float(v):.3f}" for k, v in m.items() if k in
+                                      ("loss", "acc")})
+            if (s + 1) % save_every == 0 or s + 1 == end:
+                mngr.save(s + 1, args=checkpoint.ocp.args.StandardSave(state), force=True)
+                if on_save is not None and log is not None:
+                    log({"step": s + 1, **on_save(state)})
     return state

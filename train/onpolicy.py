@@ -32,7 +32,7 @@ import optax
 from specjax._compile import AotCache
 from specjax.core.decoder import prepare
 from specjax.core.decoding import prefill
-from specjax.train import distill, loop, ttt
+from specjax.train import checkpoint, distill, loop, shards, ttt
 from specjax.train.eagle import _bucket  # padded lengths: multiples of 64
 from specjax.train.shards import ShardStore, target_hash
 
@@ -131,6 +131,20 @@ class OnPolicyConfig:
     seed: int = 0
     loss: ttt.LossConfig = ttt.LossConfig()
 
+    def __post_init__(self):
+        low = [f"{k}={getattr(self, k)}" for k in ("rounds", "batch", "max_new_tokens",
+                                                    "passes", "batch_tokens", "draft_vocab",
+                                                    "val_prompts", "val_every")
+               if getattr(self, k) < 1]
+        if low:
+            raise ValueError(f"OnPolicyConfig: {', '.join(low)}; each must be >= 1")
+
+    def rounds_from(self, start: int, stop_after: int | None = None) -> range:
+        """The rounds a run whose latest checkpoint is round ``start`` trains: up to
+        ``rounds``, and at most ``stop_after`` of them."""
+        end = self.rounds if stop_after is None else min(self.rounds, start + stop_after)
+        return range(start, end)
+
 
 def minibatches(examples: Sequence[Example], batch_tokens: int, key: int) -> list[list[int]]:
     """Example indices per minibatch: sorted by length, cut at about ``batch_tokens``
@@ -217,14 +231,33 @@ def validate(evaluate, params, tparams, val: Sequence[Example], vocab_ids,
 
 # ----------------------------------------------------------------------------- the run
 
-def store_header(lm, cfg: OnPolicyConfig, exclude: str, thash: str) -> dict:
-    """What a shard store is bound to: the target (name and ``target_hash``), the sampling
-    settings and how prompts were chosen."""
-    return {"target": {"name": Path(str(lm.source)).name, "hash": thash},
-            "sampling": {"decoding": "greedy", "max_new_tokens": cfg.max_new_tokens},
+def store_settings(cfg: OnPolicyConfig, exclude: str) -> dict:
+    """The part of a store's header that needs no model: the sampling settings and how
+    prompts were chosen."""
+    return {"sampling": {"decoding": "greedy", "max_new_tokens": cfg.max_new_tokens},
             "prompts": {"seed": cfg.seed, "batch": cfg.batch, "exclude": exclude,
                         "max_prompt_tokens": cfg.max_prompt_tokens,
                         "val_prompts": cfg.val_prompts}}
+
+
+def store_target(lm, thash: str) -> dict:
+    """The target a store is bound to: its name and ``target_hash``."""
+    return {"name": Path(str(lm.source)).name, "hash": thash}
+
+
+def store_header(lm, cfg: OnPolicyConfig, exclude: str, thash: str) -> dict:
+    """What a shard store is bound to: the target (``store_target``) and
+    ``store_settings``."""
+    return {"target": store_target(lm, thash), **store_settings(cfg, exclude)}
+
+
+def check_store(root: str | Path, run_dir: str | Path, cfg: OnPolicyConfig, exclude: str,
+                stop_after: int | None = None) -> None:
+    """Before the target loads (``shards.check_store``): the store under ``root`` was
+    written with this run's settings, and its held-out shard and every round a run in
+    ``run_dir`` will replay (from its latest checkpoint on) are present and unaltered."""
+    todo = cfg.rounds_from(checkpoint.latest_step(run_dir), stop_after)
+    shards.check_store(root, ["val", *todo], store_settings(cfg, exclude))
 
 
 def _encode(lm, pool, cfg: OnPolicyConfig) -> tuple[list[str], list[list[int]]]:
@@ -277,7 +310,9 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
     ``stop_after`` more) over ``pool`` (``prompt_pool``: its first ``val_prompts`` are held
     out), replaying the rounds ``store`` holds and decoding the rest into it. ``vocab_ids``:
     the draft vocabulary (EAGLE-3's head rows; EAGLE-2's cross-entropy rows). Returns the
-    state; a checkpoint is written after every round."""
+    state. Each round's checkpoint is complete on disk before ``log`` records the round,
+    and on any error the checkpoint manager finishes its writes and closes
+    (``checkpoint.closing``), so the last logged round is the one a rerun resumes from."""
     target, tparams = lm.model, lm.params
     layers = kind.layers(target.config)
     opt = optimizer(cfg)
@@ -290,50 +325,65 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
     step = make_step(kind, target, cfg, opt)
     evaluate = make_eval(kind, target)
     vids = jnp.asarray(vocab_ids, jnp.int32)
-    val, _, _ = _round_data(lm, store, "val", pool[:cfg.val_prompts], cfg, layers)
-    start = int(state["round"])
-    end = cfg.rounds if stop_after is None else min(cfg.rounds, start + stop_after)
-    if isinstance(log, loop.RunLog):
-        log.rewind(start, key="round")
-    if start == 0 and log is not None:  # where the head starts from
-        log({"round": 0, "step": 0, "tokens_seen": 0,
-             **validate(evaluate, state["params"], tparams, val, vids, cfg.batch_tokens)})
-    per = cfg.batch
-    for r in range(start, end):
-        lo = cfg.val_prompts + r * per
-        ex, replayed, secs = _round_data(lm, store, r, pool[lo:lo + per], cfg, layers)
-        t0, metrics = time.perf_counter(), {}
-        for p in range(cfg.passes):
-            for idx in minibatches(ex, cfg.batch_tokens, hash((cfg.seed, r, p)) % 2**32):
-                toks, feats, mask = batch_arrays(ex, idx)
-                state, metrics = step(state, tparams, toks, feats, mask, vids)
-                state["tokens"] = state["tokens"] + int(mask.sum())
-        state["round"] = jnp.asarray(r + 1, jnp.int32)
-        mngr.save(r + 1, args=loop.checkpoint.ocp.args.StandardSave(state), force=True)
-        answer = sum(len(t) - pl for t, pl, _ in ex)
-        row = {"round": r + 1, "step": int(state["step"]), "tokens_seen": int(state["tokens"]),
-               **{k: round(float(v), 4) for k, v in metrics.items()},
-               "replayed": replayed, "data_seconds": round(secs, 1),
-               "answer_tokens": answer, "data_tok_per_s": round(answer / secs, 1),
-               "train_seconds": round(time.perf_counter() - t0, 1)}
-        if (r + 1) % cfg.val_every == 0 or r + 1 == end:
-            row.update(validate(evaluate, state["params"], tparams, val, vids, cfg.batch_tokens))
-        if log is not None:
-            log(row)
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix({k: row[k] for k in ("tokens_seen", "data_tok_per_s")})
-    mngr.wait_until_finished()
-    mngr.close()
+    with checkpoint.closing(mngr):
+        val, _, _ = _round_data(lm, store, "val", pool[:cfg.val_prompts], cfg, layers)
+        score = lambda st: validate(evaluate, st["params"], tparams, val, vids,
+                                    cfg.batch_tokens)
+        todo = cfg.rounds_from(int(state["round"]), stop_after)
+        if isinstance(log, loop.RunLog):
+            log.rewind(todo.start, key="round")
+        if todo.start == 0 and log is not None:  # where the head starts from
+            log({"round": 0, "step": 0, "tokens_seen": 0, **score(state)})
+        for r in todo:
+            lo = cfg.val_prompts + r * cfg.batch
+            ex, replayed, secs = _round_data(lm, store, r, pool[lo:lo + cfg.batch], cfg, layers)
+            t0 = time.perf_counter()
+            state, metrics = _train_round(step, state, tparams, ex, vids, cfg, r)
+            row = _round_row(state, metrics, ex, replayed, secs, time.perf_counter() - t0)
+            if (r + 1) % cfg.val_every == 0 or r + 1 == todo.stop:
+                row.update(score(state))
+            mngr.save(r + 1, args=checkpoint.ocp.args.StandardSave(state), force=True)
+            mngr.wait_until_finished()  # complete on disk before the log records the round
+            if log is not None:
+                log(row)
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix({k: row[k] for k in ("tokens_seen", "data_tok_per_s")})
     return state
+
+
+def _train_round(step, state: dict, tparams, ex: Sequence[Example], vids, cfg: OnPolicyConfig,
+                 r: int) -> tuple[dict, dict]:
+    """``(state, last metrics)`` after ``cfg.passes`` passes over round ``r``'s examples;
+    the state's ``round`` is then ``r + 1``."""
+    metrics = {}
+    for p in range(cfg.passes):
+        for idx in minibatches(ex, cfg.batch_tokens, hash((cfg.seed, r, p)) % 2**32):
+            toks, feats, mask = batch_arrays(ex, idx)
+            state, metrics = step(state, tparams, toks, feats, mask, vids)
+            state["tokens"] = state["tokens"] + int(mask.sum())
+    state["round"] = jnp.asarray(r + 1, jnp.int32)
+    return state, metrics
+
+
+def _round_row(state: dict, metrics: dict, ex: Sequence[Example], replayed: bool,
+               data_secs: float, train_secs: float) -> dict:
+    """A round's ``log.jsonl`` row (validation scores are added by the caller)."""
+    answer = sum(len(t) - pl for t, pl, _ in ex)
+    return {"round": int(state["round"]), "step": int(state["step"]),
+            "tokens_seen": int(state["tokens"]),
+            **{k: round(float(v), 4) for k, v in metrics.items()},
+            "replayed": replayed, "data_seconds": round(data_secs, 1), "answer_tokens": answer,
+            "data_tok_per_s": round(answer / data_secs, 1),
+            "train_seconds": round(train_secs, 1)}
 
 
 def store_corpus(lm, root: str | Path, batch: int = 16, progress=None) -> list[Example]:
     """Every sequence of a shard store (its held-out set excepted) with the target's last
     hidden state (before the final norm) at each position: the corpus layout of
     ``specjax.train.distill`` (features float32), from one prefill per batch. Refuses a
-    store written by another target (``ShardError``)."""
-    store = ShardStore.open(root, target_hash(lm.model.config, lm.params),
+    store written by another target (``ShardError`` naming both targets)."""
+    store = ShardStore.open(root, store_target(lm, target_hash(lm.model.config, lm.params)),
                             lm.model.config.vocab_size)
     layers = (lm.model.config.num_layers,)
     out = []
@@ -346,6 +396,7 @@ def store_corpus(lm, root: str | Path, batch: int = 16, progress=None) -> list[E
     return out
 
 
-__all__ = ["OnPolicyConfig", "batch_arrays", "decode_round", "make_eval", "make_step",
-           "minibatches", "optimizer", "init_params", "store_header", "train", "prefill_features", "prompt_pool", "validate",
-           "ShardStore", "store_corpus", "target_hash"]
+__all__ = ["OnPolicyConfig", "batch_arrays", "check_store", "decode_round", "make_eval",
+           "make_step", "minibatches", "optimizer", "init_params", "store_header",
+           "store_settings", "store_target", "train", "prefill_features", "prompt_pool",
+           "validate", "ShardStore", "store_corpus", "target_hash"]

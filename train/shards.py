@@ -19,7 +19,7 @@ import hashlib
 import io
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import jax
 import numpy as np
@@ -49,6 +49,77 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def read_manifest(root: str | Path) -> dict | None:
+    """The manifest of the store under ``root`` (None where it has none): a JSON object with
+    a ``shards`` list of objects naming a ``file`` and its ``sha256``. Anything else is a
+    one-line ``ShardError`` naming the file."""
+    path = Path(root) / "manifest.json"
+    if not path.is_file():
+        return None
+    try:
+        m = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ShardError(f"{path} is not valid JSON ({e}): the store is damaged") from None
+    entries = m.get("shards") if isinstance(m, dict) else None
+    if not isinstance(entries, list) or not all(
+            isinstance(e, dict) and {"file", "sha256"} <= e.keys() for e in entries):
+        raise ShardError(f"{path} is not a shard manifest (expected an object whose 'shards' "
+                         "lists each shard's file and sha256): the store is damaged")
+    return m
+
+
+def _entry(manifest: dict, root: Path, which: int | str) -> dict:
+    """The manifest entry of shard ``which`` (a number, or a name given to ``append``)."""
+    try:
+        entry = manifest[which] if isinstance(which, str) else manifest["shards"][which]
+    except (KeyError, IndexError):
+        raise ShardError(f"{root / 'manifest.json'} lists no shard {which!r}") from None
+    if not isinstance(entry, dict) or not {"file", "sha256"} <= entry.keys():
+        raise ShardError(f"{root / 'manifest.json'}: shard {which!r} names no file and sha256")
+    return entry
+
+
+def verify(root: str | Path, entry: dict) -> Path:
+    """The path of the shard ``entry`` describes; ``ShardError`` unless it exists and its
+    bytes match the entry's SHA-256."""
+    root = Path(root)
+    path = root / entry["file"]
+    if not path.is_file() or _sha(path) != entry["sha256"]:
+        raise ShardError(f"{path} is missing or does not match its SHA-256 in "
+                         f"{root / 'manifest.json'}: the store is damaged")
+    return path
+
+
+def check_store(root: str | Path, which: Iterable[int | str] | None = None,
+                settings: dict | None = None, required: bool = False) -> None:
+    """What needs no model, checked before one loads: the manifest is readable
+    (``read_manifest``; ``required``: it exists, else ``FileNotFoundError``), it was written
+    with ``settings`` (header fields besides the target, if given), and every shard of
+    ``which`` (None: every numbered shard) the store holds (numbers past its end and names
+    it lacks are skipped) exists with its recorded SHA-256. Raises ``ShardError`` naming
+    the file otherwise."""
+    m = read_manifest(root)
+    if m is None:
+        if required:
+            raise FileNotFoundError(f"{root} holds no shard store (no manifest.json): write "
+                                    "one with `specjax train onpolicy`")
+        return
+    if settings is not None:
+        _check_settings(Path(root), m, settings)
+    for w in range(len(m["shards"])) if which is None else which:
+        if (w in m) if isinstance(w, str) else (0 <= w < len(m["shards"])):
+            verify(root, _entry(m, Path(root), w))
+
+
+def _check_settings(root: Path, manifest: dict, header: dict) -> None:
+    """``ShardError`` unless ``manifest`` holds ``header``'s fields besides the target."""
+    diff = {k: (manifest.get(k), v) for k, v in json.loads(json.dumps(header)).items()
+            if k != "target" and manifest.get(k) != v}
+    if diff:
+        raise ShardError(f"{root} was written with other settings (field: (saved, "
+                         f"requested)) {diff}; use another --shards directory")
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name("tmp_" + path.name)
     tmp.write_bytes(data)
@@ -65,9 +136,9 @@ class ShardStore:
         self.root = Path(root)
         self.dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
         header = json.loads(json.dumps({"format": FORMAT, **header}))
-        path = self.root / "manifest.json"
-        if path.exists():
-            self.manifest = json.loads(path.read_text())
+        manifest = read_manifest(self.root)
+        if manifest is not None:
+            self.manifest = manifest
             self._check(header)
         else:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -75,30 +146,25 @@ class ShardStore:
             self._save()
 
     @classmethod
-    def open(cls, root: str | Path, thash: str, vocab_size: int) -> "ShardStore":
-        """An existing store, whatever its settings, if target ``thash`` wrote it
-        (``ShardError`` otherwise, ``FileNotFoundError`` without a manifest)."""
-        path = Path(root) / "manifest.json"
-        if not path.exists():
-            raise FileNotFoundError(f"{root} holds no shard store (no manifest.json): write one "
-                                    "with `specjax train onpolicy`")
-        m = json.loads(path.read_text())
+    def open(cls, root: str | Path, target: dict, vocab_size: int) -> "ShardStore":
+        """An existing store, whatever its settings, if the target ``target`` (``{"name",
+        "hash"}``, as ``store_header`` records it) wrote it: ``ShardError`` naming the store's
+        target and this one otherwise, ``FileNotFoundError`` without a manifest."""
+        check_store(root, (), required=True)
+        m = read_manifest(root)
         header = {k: v for k, v in m.items() if k not in ("shards", "token_dtype", "val")}
-        return cls(root, {**header, "target": {**m["target"], "hash": thash}}, vocab_size)
+        return cls(root, {**header, "target": target}, vocab_size)
 
     def _check(self, header: dict) -> None:
-        old, new = self.manifest.get("target", {}), header.get("target", {})
+        old, new = self.manifest.get("target"), header.get("target", {})
+        old = old if isinstance(old, dict) else {}
         if old.get("hash") != new.get("hash"):
             raise ShardError(
                 f"{self.root} holds tokens of target {old.get('name')!r} (hash "
                 f"{old.get('hash')}), not of {new.get('name')!r} (hash {new.get('hash')}): "
                 f"self-distilled data only trains heads for the model that wrote it; use "
                 f"another --shards directory")
-        diff = {k: (self.manifest.get(k), v) for k, v in header.items()
-                if k != "target" and self.manifest.get(k) != v}
-        if diff:
-            raise ShardError(f"{self.root} was written with other settings (field: (saved, "
-                             f"requested)) {diff}; use another --shards directory")
+        _check_settings(self.root, self.manifest, header)
 
     def _save(self) -> None:
         _write_atomic(self.root / "manifest.json",
@@ -139,12 +205,7 @@ class ShardStore:
     def read(self, which: int | str) -> list[tuple[np.ndarray, int]]:
         """The examples ``(tokens int32, prompt_len)`` of shard ``which`` (its number, or the
         name given to ``append``), checked against the manifest's SHA-256."""
-        entry = self.manifest[which] if isinstance(which, str) else self.manifest["shards"][which]
-        path = self.root / entry["file"]
-        if not path.exists() or _sha(path) != entry["sha256"]:
-            raise ShardError(f"{path} is missing or does not match its SHA-256 in "
-                             f"{self.root / 'manifest.json'}: the store is damaged")
-        z = np.load(path)
+        z = np.load(verify(self.root, _entry(self.manifest, self.root, which)))
         ends = np.cumsum(z["lengths"])
         return [(z["tokens"][e - n:e].astype(np.int32), int(pl))
                 for e, n, pl in zip(ends, z["lengths"], z["prompt_lens"])]
@@ -153,4 +214,5 @@ class ShardStore:
         return name in self.manifest
 
 
-__all__ = ["ShardError", "ShardStore", "target_hash"]
+__all__ = ["ShardError", "ShardStore", "check_store", "read_manifest", "target_hash",
+           "verify"]

@@ -33,19 +33,21 @@ def reference_pairs(data_dir: str | Path, exclude: Iterable[str] = (),
     a seeded order, without those whose prompt overlaps ``exclude`` (13-word spans).
     GSM8K's calculator annotations (``<<48/2=24>>``) are removed from its answers."""
     d = Path(data_dir)
-    load = lambda p: [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
+    load = distill.read_jsonl  # a malformed line: ValueError naming it
     groups: dict[str, list[tuple[str, str]]] = {
         "gsm8k": [(r["question"], re.sub(r"<<[^>]*>>", "", r["answer"]))
-                  for r in load(d / "gsm8k_train.jsonl")], "self_instruct": [], "t0": []}
+                  for r in load(d / "gsm8k_train.jsonl", ["question", "answer"])],
+        "self_instruct": [], "t0": []}
     for p in sorted(d.glob("self_instruct_*.jsonl")):
-        for r in load(p):
+        for r in load(p, ["instruction"]):
             for inst in r.get("instances") or []:
                 inp = inst.get("input", "")
                 if inst.get("output"):
                     groups["self_instruct"].append(
                         (r["instruction"] + (f"\n\n{inp}" if inp else ""), inst["output"]))
     for p in sorted((d / "t0").glob("*.jsonl")):
-        groups["t0"] += [(r["prompt"], r["completion"]) for r in load(p) if r.get("completion")]
+        groups["t0"] += [(r["prompt"], r["completion"]) for r in load(p, ["prompt"])
+                         if r.get("completion")]
     banned = set().union(*(distill.ngrams(t) for t in exclude)) if exclude else set()
     rng = random.Random(seed)
     for g in groups.values():

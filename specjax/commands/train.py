@@ -7,12 +7,80 @@ import json
 from pathlib import Path
 
 from specjax.commands import common
+from specjax.commands.common import UsageError
+
+# the smallest value of each flag beyond those ``common.check_args`` keeps >= 1, by command
+_AT_LEAST = {
+    "eagle": {"warmup": 0, "ce_vocab": 0, "val_examples": 0, "draft_vocab": 0},
+    "redrafter": {"unroll": 1, "blocks": 0, "draft_vocab": 0, "warmup": 0, "val_examples": 0},
+    "exit-heads": {"kl_vocab": 0},
+    "onpolicy": {"rounds": 1, "passes": 1, "ttt": 1, "draft_vocab": 1, "val_prompts": 1,
+                 "val_every": 1, "warmup": 0, "stop_after": 1},
+}
+
+
+def _check_ranges(args, command: str) -> None:
+    """``UsageError`` naming the first flag of ``command`` below its smallest value."""
+    for name, low in _AT_LEAST[command].items():
+        v = getattr(args, name, None)
+        if v is not None and v < low:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {low}, got {v}")
+
+
+def _check_export(path: str | None) -> None:
+    """``--export`` can be written, and holds nothing ``export_head`` would refuse to
+    replace (only an exported head, or nothing): refused before any work, not after
+    training."""
+    common.writable(path, "--export", directory=True)
+    if path is None or not Path(path).is_dir():
+        return
+    from specjax import export
+
+    ours = {export.HEAD_JSON, export.PARAMS, export.LEGACY_PARAMS, export.PARAMS + ".tmp"}
+    if any(p.name not in ours for p in Path(path).iterdir()):
+        raise UsageError(f"--export {path} is a non-empty directory that is not an exported "
+                         "head; give a new or empty directory")
 
 
 def _check_outputs(args) -> None:
     """The run directory and the export directory can be written, before any work."""
     common.writable(args.run, "--run", directory=True)
-    common.writable(args.export, "--export", directory=True)
+    _check_export(args.export)
+
+
+def _input_dir(path: str, flag: str) -> Path:
+    """``path`` as an existing directory; ``UsageError`` naming ``flag`` otherwise."""
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"{flag} {path} does not exist")
+    if not p.is_dir():
+        raise UsageError(f"{flag} {path} is a file; give a directory")
+    return p
+
+
+def _check_prompts(path: str) -> None:
+    """``--prompts`` names a directory of training prompt files, GSM8K's among them."""
+    if not (_input_dir(path, "--prompts") / "gsm8k_train.jsonl").is_file():
+        raise UsageError(f"--prompts {path} holds no gsm8k_train.jsonl: give the directory of "
+                         "training prompt files (gsm8k_train.jsonl, self_instruct_*.jsonl, "
+                         "t0/*.jsonl)")
+
+
+def _vocab_check(args):
+    """``load(check=...)``: ``--draft-vocab`` fits the target's vocabulary, read from its
+    configuration before any weight is."""
+    def check(tokenizer, cfg):
+        if args.draft_vocab > cfg.vocab_size:
+            raise UsageError(f"--draft-vocab {args.draft_vocab} exceeds the {cfg.vocab_size} "
+                             f"ids of {args.model}'s vocabulary")
+    return check
+
+
+def _load(args, vocab: bool = False):
+    """``--model`` (``vocab``: with ``_vocab_check``), once every input is checked."""
+    from specjax.models import load
+
+    return load(args.model, check=_vocab_check(args)) if vocab else load(args.model)
 
 
 def RunLog(run_dir: str):
@@ -24,9 +92,16 @@ def RunLog(run_dir: str):
     return Log(run_dir)
 
 
-def _spec_bench_texts(path: str) -> list[str]:
-    rows = [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
-    return [t for r in rows for t in r["turns"]]
+def _spec_bench_texts(path: str | None) -> list[str]:
+    """Every turn of the ``--exclude`` questions (none without it); a missing file is a
+    ``UsageError``, a malformed line a ``ValueError`` naming it."""
+    if not path:
+        return []
+    if not Path(path).is_file():
+        raise UsageError(f"--exclude {path} is not a file (Spec-Bench question.jsonl)")
+    from specjax.train import distill
+
+    return [t for r in distill.read_jsonl(Path(path), ["turns"]) for t in r["turns"]]
 
 
 def _write_summary(out: str, summary: dict, info: dict) -> None:
@@ -39,13 +114,15 @@ def _write_summary(out: str, summary: dict, info: dict) -> None:
 def cmd_distill(args) -> int:
     from tqdm import tqdm
 
-    from specjax.models import load
     from specjax.train import distill
 
     common.writable(args.out, "--out", directory=True)
-    lm = load(args.model)
-    exclude = _spec_bench_texts(args.exclude) if args.exclude else []
+    _check_prompts(args.prompts)
+    exclude = _spec_bench_texts(args.exclude)
     prompts, info = distill.select_prompts(args.prompts, args.num_prompts, exclude, args.seed)
+    if not prompts:
+        raise UsageError(f"--prompts {args.prompts} holds no prompts")
+    lm = _load(args)
     print(f"{len(prompts)} prompts ({info['dropped_overlapping_spec_bench']} dropped for "
           f"overlapping {args.exclude or 'nothing'})", flush=True)
     with tqdm(total=len(prompts), desc="distill", unit="prompt") as bar:
@@ -58,13 +135,15 @@ def cmd_distill(args) -> int:
 def cmd_features(args) -> int:
     from tqdm import tqdm
 
-    from specjax.models import load
     from specjax.train import text_corpus
 
     common.writable(args.out, "--out", directory=True)
-    lm = load(args.model)
-    exclude = _spec_bench_texts(args.exclude) if args.exclude else []
+    _check_prompts(args.prompts)
+    exclude = _spec_bench_texts(args.exclude)
     pairs, info = text_corpus.reference_pairs(args.prompts, exclude, args.seed)
+    if not pairs:
+        raise UsageError(f"--prompts {args.prompts} holds no (prompt, answer) pairs")
+    lm = _load(args)
     print(f"{info['pairs']} (prompt, reference answer) pairs "
           f"({info['dropped_overlapping_exclude']} dropped for overlapping "
           f"{args.exclude or 'nothing'}); taking {args.tokens} tokens", flush=True)
@@ -78,16 +157,19 @@ def cmd_features(args) -> int:
 def cmd_train_exits(args) -> int:
     import dataclasses
 
+    _check_ranges(args, "exit-heads")
     _check_outputs(args)
     from tqdm import tqdm
 
-    from specjax.models import load
     from specjax.train import checkpoint, distill
     from specjax.train import exit_heads as train_exits
 
-    lm = load(args.model)
-    corpus = distill.load_shards(args.data)
-    layers = tuple(int(x) for x in args.layers.split(","))
+    try:
+        layers = tuple(int(x) for x in args.layers.split(","))
+    except ValueError:
+        raise UsageError(f"--layers must be comma-separated ints, got {args.layers!r}") from None
+    corpus = distill.load_shards(_input_dir(args.data, "--data"))
+    lm = _load(args)
     cfg = train_exits.ExitConfig(layers=layers, rank=args.rank, steps=args.steps,
                                  batch_tokens=args.batch_tokens, max_len=args.max_len,
                                  lr=args.lr, seed=args.seed, save_every=args.save_every,
@@ -119,16 +201,16 @@ def cmd_train_exits(args) -> int:
 def cmd_train(args) -> int:
     import dataclasses
 
+    _check_ranges(args, "eagle")
     _check_outputs(args)
     import jax
     from tqdm import tqdm
 
-    from specjax.models import load
     from specjax.train import checkpoint, distill
     from specjax.train import eagle as train_eagle
 
-    lm = load(args.model)
-    corpus = distill.load_shards(args.data)
+    corpus = distill.load_shards(_input_dir(args.data, "--data"))
+    lm = _load(args, vocab=True)
     cfg = train_eagle.TrainConfig(steps=args.steps, batch_tokens=args.batch_tokens,
                                   max_len=args.max_len, lr=args.lr, seed=args.seed,
                                   save_every=args.save_every, ce_vocab=args.ce_vocab,
@@ -165,6 +247,7 @@ def cmd_train(args) -> int:
 def cmd_train_redrafter(args) -> int:
     import dataclasses
 
+    _check_ranges(args, "redrafter")
     _check_outputs(args)
     import jax
     import numpy as np
@@ -172,8 +255,7 @@ def cmd_train_redrafter(args) -> int:
 
     from specjax import export
     from specjax.drafters import redrafter
-    from specjax.models import load
-    from specjax.train import distill
+    from specjax.train import distill, shards
     from specjax.train import redrafter as train_rd
 
     cfg = train_rd.TrainConfig(steps=args.steps, batch_tokens=args.batch_tokens,
@@ -182,18 +264,20 @@ def cmd_train_redrafter(args) -> int:
                                warmup=args.warmup, seed=args.seed, save_every=args.save_every,
                                val_examples=args.val_examples,
                                all_positions=not args.answers_only)
-    lm = load(args.model)
+    if args.shards:  # every shard present and unaltered before the target loads
+        shards.check_store(_input_dir(args.shards, "--shards"), required=True)
+    corpus = None if args.shards else distill.load_shards(_input_dir(args.data, "--data"))
+    lm = _load(args, vocab=True)
     if args.shards:  # self-distilled token shards: features from one prefill of each batch
         from specjax.train import onpolicy
 
         with tqdm(desc="target features", unit="shard") as bar:
             corpus = onpolicy.store_corpus(lm, args.shards, progress=bar)
-    else:
-        corpus = distill.load_shards(args.data)
     d = corpus[0][2].shape[-1]
     if d != lm.model.config.hidden_size:
-        raise ValueError(f"{args.data} holds features of width {d}, but {args.model} has hidden "
-                         f"size {lm.model.config.hidden_size}: it was built for another model")
+        raise ValueError(f"{args.data or args.shards} holds features of width {d}, but "
+                         f"{args.model} has hidden size {lm.model.config.hidden_size}: it was "
+                         "built for another model")
     print(f"{len(corpus)} examples, {sum(len(t) for t, _, _ in corpus)} tokens; {cfg}",
           flush=True)
     init = None
@@ -242,11 +326,10 @@ def _init_dir(args) -> str:
     return eagle.shipped_head(args.model) if args.init == "shipped" else args.init
 
 
-def _onpolicy_init(args, lm, kind):
-    """``(init params or None, vocabulary order or None)`` from ``--init`` (``shipped``: the
-    head that ships for the model; ``none``: a random head)."""
-    import jax
-
+def _onpolicy_init(args, kind) -> tuple[str | None, list | None]:
+    """``(head directory to start from or None, vocabulary order or None)`` from ``--init``
+    (``shipped``: the head that ships for the model; ``none``: a random head), read from
+    head.json alone, before the target loads."""
     from specjax import export
     from specjax.drafters import eagle
 
@@ -255,87 +338,125 @@ def _onpolicy_init(args, lm, kind):
         return None, (export.read_meta(shipped, "eagle").get("vocab_ids") if shipped else None)
     path = shipped if args.init == "shipped" else args.init
     if path is None:
-        raise common.UsageError(f"--init shipped: no EAGLE head ships for {args.model!r}; "
-                                "give --init none or a head directory")
+        raise UsageError(f"--init shipped: no EAGLE head ships for {args.model!r}; "
+                         "give --init none or a head directory")
     saved = export.read_kind(path)
     meta = export.read_meta(path, saved if saved in ("eagle", "eagle3") else kind.name)
-    ids = meta.get("vocab_ids")
-    if meta["kind"] != kind.name:  # an EAGLE-2 head gives an EAGLE-3 run its vocabulary only
-        return None, ids
-    if kind.name == "eagle":
-        like = eagle.init_head(lm.model.config, jax.random.key(0))
-    else:
-        from specjax.drafters import eagle3
-
-        like = eagle3.init_head(lm.model.config, jax.random.key(0), len(ids))
-    head, _ = export.load_head(path, kind.name, like=like)
-    return head, ids
+    # an EAGLE-2 head gives an EAGLE-3 run its vocabulary only
+    return (path if meta["kind"] == kind.name else None), meta.get("vocab_ids")
 
 
-def cmd_train_onpolicy(args) -> int:
-    import dataclasses
-
-    import numpy as np
-
-    common.writable(args.run, "--run", directory=True)
-    common.writable(args.shards, "--shards", directory=True)
-    common.writable(args.export, "--export", directory=True)
-    from tqdm import tqdm
+def _onpolicy_head(path, lm, kind, order):
+    """The parameters of the head at ``path`` (None: none) for ``lm``'s target; an EAGLE-3
+    head has a row per id of its vocabulary ``order``."""
+    if path is None:
+        return None
+    import jax
 
     from specjax import export
-    from specjax.models import load
-    from specjax.train import onpolicy, shards, ttt
+    from specjax.drafters import eagle, eagle3
 
-    kind = ttt.EAGLE3 if args.kind == "eagle3" else ttt.EAGLE2
+    like = (eagle.init_head(lm.model.config, jax.random.key(0)) if kind.name == "eagle" else
+            eagle3.init_head(lm.model.config, jax.random.key(0), len(order)))
+    return export.load_head(path, kind.name, like=like)[0]
+
+
+def _onpolicy_vocab(args, cfg, order):
+    """The run's draft vocabulary: ``vocab_ids.npy`` of a resumed run, else the first
+    ``--draft-vocab`` ids of ``order``; ``UsageError`` when ``order`` cannot give them.
+    Reads the run directory only, before the target loads."""
+    import numpy as np
+
+    vfile = Path(args.run, "vocab_ids.npy")
+    if vfile.exists():
+        return np.load(vfile)
+    if order is None:
+        raise UsageError("a random head needs a vocabulary order, and no EAGLE head ships for "
+                         f"{args.model!r}: give --init with an exported head of this model")
+    if len(order) < cfg.draft_vocab:
+        raise UsageError(f"--draft-vocab {cfg.draft_vocab} exceeds the {len(order)} ids of the "
+                         f"vocabulary order --init {args.init} gives")
+    return np.asarray(order[:cfg.draft_vocab], np.int32)
+
+
+def _onpolicy_inputs(args, kind):
+    """``(config, prompt pool, init head path, vocabulary order, draft vocabulary)``: every
+    flag and input of ``train onpolicy`` checked, the store's shards to replay among them,
+    before the target loads (``UsageError`` for a flag, ``ShardError`` for the store)."""
+    from specjax.train import onpolicy, ttt
+
+    _check_ranges(args, "onpolicy")
+    common.writable(args.run, "--run", directory=True)
+    common.writable(args.shards, "--shards", directory=True)
+    _check_export(args.export)
+    _check_prompts(args.prompts)
     cfg = onpolicy.OnPolicyConfig(
         rounds=args.rounds, batch=args.batch, max_new_tokens=args.max_new_tokens,
         passes=args.passes, batch_tokens=args.batch_tokens, lr=args.lr, warmup=args.warmup,
         draft_vocab=args.draft_vocab, val_prompts=args.val_prompts, val_every=args.val_every,
         seed=args.seed, loss=ttt.LossConfig(k=args.ttt, noise=args.noise))
-    lm = load(args.model)
-    exclude = _spec_bench_texts(args.exclude) if args.exclude else []
-    pool = onpolicy.prompt_pool(args.prompts, exclude, args.seed)
+    pool = onpolicy.prompt_pool(args.prompts, _spec_bench_texts(args.exclude), args.seed)
     need = cfg.val_prompts + cfg.rounds * cfg.batch
     if need > len(pool):
-        raise common.UsageError(f"{cfg.rounds} rounds of {cfg.batch} prompts and "
-                                f"{cfg.val_prompts} held out need {need} prompts; "
-                                f"{args.prompts} has {len(pool)}")
+        raise UsageError(f"--rounds {cfg.rounds} of --batch {cfg.batch} prompts and "
+                         f"--val-prompts {cfg.val_prompts} need {need} prompts; "
+                         f"--prompts {args.prompts} has {len(pool)}")
+    init, order = _onpolicy_init(args, kind)
+    vocab_ids = _onpolicy_vocab(args, cfg, order)
+    onpolicy.check_store(args.shards, args.run, cfg, _exclude_name(args), args.stop_after)
+    return cfg, pool, init, order, vocab_ids
+
+
+def _exclude_name(args) -> str:
+    return Path(args.exclude).name if args.exclude else "none"
+
+
+def cmd_train_onpolicy(args) -> int:
+    """``specjax train onpolicy``: every input checked before the target loads; an error
+    while training leaves the last finished round complete on disk (``onpolicy.train``)."""
+    import numpy as np
+    from tqdm import tqdm
+
+    from specjax.train import onpolicy, shards, ttt
+
+    kind = ttt.EAGLE3 if args.kind == "eagle3" else ttt.EAGLE2
+    cfg, pool, init, order, vocab_ids = _onpolicy_inputs(args, kind)
+    lm = _load(args, vocab=True)
     thash = shards.target_hash(lm.model.config, lm.params)
     store = shards.ShardStore(args.shards, onpolicy.store_header(
-        lm, cfg, Path(args.exclude).name if args.exclude else "none", thash),
-        lm.model.config.vocab_size)
-    init, order = _onpolicy_init(args, lm, kind)
+        lm, cfg, _exclude_name(args), thash), lm.model.config.vocab_size)
+    head = _onpolicy_head(init, lm, kind, order)
     vfile = Path(args.run, "vocab_ids.npy")
-    if vfile.exists():
-        vocab_ids = np.load(vfile)
-    else:
-        if order is None:
-            raise common.UsageError("a random head needs a vocabulary order, and no EAGLE head "
-                                    f"ships for {args.model!r}: give --init with an exported "
-                                    "head of this model")
-        n = cfg.draft_vocab or lm.model.config.vocab_size
-        vocab_ids = np.asarray(order[:n], np.int32)
-        Path(args.run).mkdir(parents=True, exist_ok=True)
+    if not vfile.exists():
+        vfile.parent.mkdir(parents=True, exist_ok=True)
         np.save(vfile, vocab_ids)
     print(f"{len(pool)} prompts; the store holds {len(store)} rounds ({store.tokens()} tokens) "
           f"of target {thash}; {cfg}", flush=True)
     with tqdm(total=cfg.rounds, desc=f"on-policy {kind.name}", unit="round") as bar:
-        state = onpolicy.train(lm, kind, cfg, args.run, store, pool, vocab_ids, init=init,
+        state = onpolicy.train(lm, kind, cfg, args.run, store, pool, vocab_ids, init=head,
                                progress=bar, log=RunLog(args.run),
                                stop_after=args.stop_after)
     if args.export:
-        meta = {"kind": kind.name, "model": args.model, "draft_vocab": 0,
-                "train": {**dataclasses.asdict(cfg), "onpolicy": True},
-                "steps_done": int(state["step"]), "tokens_seen": int(state["tokens"]),
-                "init": "none" if args.init == "none" else Path(_init_dir(args)).name,
-                "data": _store_summary(args.shards),
-                "vocab_ids": (order if kind.name == "eagle" and order is not None
-                              else vocab_ids.tolist())}
-        if kind.name == "eagle3":
-            meta["layers"] = list(kind.layers(lm.model.config)[:-1])
-        out = export.export_head(state["params"], args.export, meta)
-        print(f"exported the head (bfloat16) to {out}")
+        _export_onpolicy(args, lm, kind, cfg, state, order, vocab_ids)
     return 0
+
+
+def _export_onpolicy(args, lm, kind, cfg, state, order, vocab_ids) -> None:
+    import dataclasses
+
+    from specjax import export
+
+    meta = {"kind": kind.name, "model": args.model, "draft_vocab": 0,
+            "train": {**dataclasses.asdict(cfg), "onpolicy": True},
+            "steps_done": int(state["step"]), "tokens_seen": int(state["tokens"]),
+            "init": "none" if args.init == "none" else Path(_init_dir(args)).name,
+            "data": _store_summary(args.shards),
+            "vocab_ids": (order if kind.name == "eagle" and order is not None
+                          else vocab_ids.tolist())}
+    if kind.name == "eagle3":
+        meta["layers"] = list(kind.layers(lm.model.config)[:-1])
+    out = export.export_head(state["params"], args.export, meta)
+    print(f"exported the head (bfloat16) to {out}")
 
 
 def _add_onpolicy(tsub):

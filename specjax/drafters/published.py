@@ -13,13 +13,15 @@ embedding, ``hidden_norm`` of the hidden state, q/k/v over their ``2D`` concaten
 
 Each tensor name is mapped explicitly; a missing or unexpected tensor, a head for another
 hidden size or vocabulary, or fused layers the target lacks fail with one line naming it.
-A head that carries ``embed_tokens.weight`` drafts with that embedding.
+A head that carries ``embed_tokens.weight`` drafts with that embedding. Weights must be
+floating point (EAGLE-3's ``d2t`` holds integers, ``t2d`` booleans), and ``config.json``'s
+values of the types transformers reads, its RoPE read as transformers reads it
+(``specjax.models.loading.hf_rope``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,12 @@ import numpy as np
 
 from specjax.drafters import blocks
 from specjax.export import CheckpointError
-from specjax.models.base import RopeScaling
+from specjax.models.loading import (
+    ConfigFields,
+    check_floating,
+    hf_rope,
+    read_config_json,
+)
 
 WEIGHT_FILES = ("pytorch_model.bin", "model.safetensors")  # EAGLE's loader's order
 _ROTARY = ".rotary_emb.inv_freq"  # buffers older transformers saved; derived from the config
@@ -56,14 +63,9 @@ def is_published(path: str | Path) -> bool:
 
 
 def read_config(path: str | Path) -> dict:
-    f = Path(path) / "config.json"
-    try:
-        d = json.loads(f.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read {f}: {e}") from None
-    if not isinstance(d, dict):
-        raise CheckpointError(f"{f} is not a config object")
-    return d
+    """The head's ``config.json`` object; ``CheckpointError`` naming the file if it is not
+    readable JSON or not an object."""
+    return read_config_json(Path(path) / "config.json", CheckpointError).d
 
 
 def read_tensors(path: str | Path) -> tuple[dict[str, np.ndarray], Path]:
@@ -102,26 +104,38 @@ def _read_safetensors(f: Path) -> dict[str, np.ndarray]:
             else v for k, v in out.items()}
 
 
-def layer_spec(cfg: dict, in_width: int) -> blocks.LayerSpec:
+def _fields(cfg: dict | ConfigFields) -> ConfigFields:
+    return cfg if isinstance(cfg, ConfigFields) else ConfigFields(cfg, error=CheckpointError)
+
+
+def layer_spec(cfg: dict | ConfigFields, in_width: int) -> blocks.LayerSpec:
     """The head layer's sizes from its ``config.json``: its own heads, MLP width, eps and
-    RoPE (base ``rope_theta``, default 10000; linear or llama3 scaling; ``dynamic`` NTK
-    scaling changes nothing within ``max_position_embeddings``, so it reads as none)."""
-    d, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    rope = dict(cfg.get("rope_scaling") or {})
-    kind = rope.pop("rope_type", rope.pop("type", "default"))
-    kind = "default" if kind == "dynamic" else kind
-    fields = {f: rope[f] for f in ("factor", "low_freq_factor", "high_freq_factor",
-                                   "original_max_position_embeddings") if f in rope}
-    try:
-        scaling = RopeScaling(kind, **(fields if kind != "default" else {}))
-    except ValueError as e:
-        raise CheckpointError(f"the head's rope_scaling: {e}") from None
+    RoPE (``hf_rope``: base 10000 unless given; linear or llama3 scaling; ``dynamic`` NTK
+    scaling changes nothing within ``max_position_embeddings``, so it reads as none).
+    ``CheckpointError`` naming the file and key for a missing key or a value of the wrong
+    type."""
+    f = _fields(cfg)
+    d, heads = f.integer("hidden_size"), f.integer("num_attention_heads")
+    theta, scaling = hf_rope(f, dynamic_ok=True)
     return blocks.LayerSpec(
         width=d, in_width=in_width, num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads", heads),
-        head_dim=cfg.get("head_dim") or d // heads,
-        intermediate_size=cfg["intermediate_size"], rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)), rope_scaling=scaling)
+        num_kv_heads=f.integer("num_key_value_heads", heads),
+        head_dim=f.integer("head_dim", d // heads),
+        intermediate_size=f.integer("intermediate_size"),
+        rms_norm_eps=f.number("rms_norm_eps", 1e-6, positive=True),
+        rope_theta=theta, rope_scaling=scaling)
+
+
+def _check_dtypes(tensors: dict[str, np.ndarray], f: Path) -> None:
+    """``CheckpointError`` naming a weight that is not floating point, or an EAGLE-3 index
+    tensor of another kind than its own (``d2t`` integers, ``t2d`` booleans or 0/1 integers)."""
+    index = {"d2t": ("iu", "integers"), "t2d": ("biu", "booleans")}
+    for k, v in tensors.items():
+        if k not in index:
+            check_floating(k, v.dtype, f, CheckpointError)
+        elif v.dtype.kind not in index[k][0]:
+            raise CheckpointError(f"{f}: tensor {k!r} is stored as {v.dtype.name}; it must "
+                                  f"hold {index[k][1]}")
 
 
 def load(path: str | Path, target_cfg) -> PublishedHead:
@@ -131,18 +145,19 @@ def load(path: str | Path, target_cfg) -> PublishedHead:
     if not is_published(p):
         raise CheckpointError(f"{p} is not a published EAGLE head (config.json and "
                               f"{' or '.join(WEIGHT_FILES)})")
-    cfg = read_config(p)
+    cfg = read_config_json(p / "config.json", CheckpointError)
     tensors, f = read_tensors(p)
     if "fc.weight" not in tensors:
         raise CheckpointError(f"{f}: no 'fc.weight': not an EAGLE head")
-    d_t = target_cfg.hidden_size
-    if cfg.get("target_hidden_size", cfg.get("hidden_size")) != d_t:
-        raise CheckpointError(f"{p} is a head for hidden size "
-                              f"{cfg.get('target_hidden_size', cfg.get('hidden_size'))}, but "
-                              f"the target's is {d_t}")
-    if cfg.get("vocab_size", target_cfg.vocab_size) != target_cfg.vocab_size:
-        raise CheckpointError(f"{p} is a head for a vocabulary of {cfg['vocab_size']} tokens, "
-                              f"but the target has {target_cfg.vocab_size}")
+    _check_dtypes(tensors, f)
+    d_t, v = target_cfg.hidden_size, target_cfg.vocab_size
+    d_head = cfg.integer("target_hidden_size", cfg.integer("hidden_size"))
+    if d_head != d_t:
+        raise CheckpointError(f"{p} is a head for hidden size {d_head}, but the target's is "
+                              f"{d_t}")
+    if cfg.integer("vocab_size", v) != v:
+        raise CheckpointError(f"{p} is a head for a vocabulary of {cfg.d['vocab_size']} "
+                              f"tokens, but the target has {v}")
     fused = any(k.startswith("midlayer.") for k in tensors) or "d2t" in tensors
     loader = _eagle3 if fused else _eagle1
     return loader(p, f, cfg, tensors, target_cfg)
@@ -191,11 +206,11 @@ def _layer_shapes(prefix: str, spec: blocks.LayerSpec, bias: bool) -> dict[str, 
     return out
 
 
-def _eagle1(p: Path, f: Path, cfg: dict, tensors: dict, target_cfg) -> PublishedHead:
+def _eagle1(p: Path, f: Path, cfg: ConfigFields, tensors: dict, target_cfg) -> PublishedHead:
     d, v = target_cfg.hidden_size, target_cfg.vocab_size
     spec = layer_spec(cfg, d)
-    qkv_bias = bool(cfg.get("qkv_bias", cfg.get("attention_bias", False)))
-    fc_bias = cfg.get("bias", True) is not False
+    qkv_bias = cfg.flag("qkv_bias", cfg.flag("attention_bias", False))
+    fc_bias = cfg.flag("bias", True)
     want = {"fc.weight": (d, 2 * d), **_layer_shapes("layers.0.", spec, qkv_bias),
             "embed_tokens.weight": (v, d)}
     if fc_bias:
@@ -208,20 +223,20 @@ def _eagle1(p: Path, f: Path, cfg: dict, tensors: dict, target_cfg) -> Published
     return PublishedHead("eagle", spec, hp, None, None, str(p))
 
 
-def _eagle3(p: Path, f: Path, cfg: dict, tensors: dict, target_cfg) -> PublishedHead:
+def _eagle3(p: Path, f: Path, cfg: ConfigFields, tensors: dict, target_cfg) -> PublishedHead:
     from specjax.drafters.eagle3 import fused_layers
 
     d_t, v, n = target_cfg.hidden_size, target_cfg.vocab_size, target_cfg.num_layers
-    d = cfg["hidden_size"]  # the head's own width (target_hidden_size: the target's)
-    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    d = cfg.integer("hidden_size")  # the head's own width (target_hidden_size: the target's)
+    ids = cfg.obj("eagle_config").integers("eagle_aux_hidden_state_layer_ids", None)
     try:
-        layers = fused_layers(n) if ids is None else tuple(int(i) for i in ids)
+        layers = fused_layers(n) if ids is None else tuple(ids)
     except ValueError as e:
         raise CheckpointError(f"{p}: {e}") from None
     if any(not 0 <= l < n for l in layers):
         raise CheckpointError(f"{p} fuses the hidden states entering layers {list(layers)}, "
                               f"which a {n}-layer target does not have")
-    dv = int(cfg.get("draft_vocab_size", v))
+    dv = cfg.integer("draft_vocab_size", v)
     spec = layer_spec(cfg, 2 * d)
     want = {"fc.weight": (d, len(layers) * d_t), "midlayer.input_layernorm.weight": (d,),
             "midlayer.hidden_norm.weight": (d,), **_layer_shapes("midlayer.", spec, False),
