@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -259,8 +260,9 @@ def test_shipped_heads_are_safetensors_and_load(head):
 def test_no_redrafter_head_ships_and_the_error_gives_the_recipe():
     assert not redrafter.SHIPPED and redrafter.shipped_head("smollm2-135m") is None
 
-    class LM:  # load_drafter looks for a head before it reads the model
-        model = None
+    class LM:  # load_drafter looks for a head before it reads the model's config
+        model = SimpleNamespace(config=None)
+        params = None
 
     with pytest.raises(FileNotFoundError, match="train redrafter.*--export DIR.*"
                                                 "--redrafter-checkpoint DIR"):
