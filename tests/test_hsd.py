@@ -112,13 +112,10 @@ def test_shipped_exit_heads_agree_with_the_target_more_than_plain_exits(smollm, 
     heads, meta = shipped
     layers = sorted(heads)
     assert layers == sorted(meta["layers"]) and meta["model"] == "smollm2-135m"
-    seqs, pls = [], []
-    for p, c in PROMPTS:
-        ids = smollm.encode(p, chat=c)
-        out = specjax.generate(smollm.model, smollm.params, [ids], max_new_tokens=40,
-                               eos_ids=smollm.eos_ids)
-        seqs.append(ids + out.to_lists()[0])
-        pls.append(len(ids))
+    ids = [smollm.encode(p, chat=c) for p, c in PROMPTS]
+    out = specjax.generate(smollm.model, smollm.params, ids, max_new_tokens=40,
+                           eos_ids=smollm.eos_ids).to_lists()  # one batch: one compile
+    seqs, pls = [i + o for i, o in zip(ids, out)], [len(i) for i in ids]
     args = (smollm.model, smollm.params)
     trained, n = calibrate.agreement(*args, heads, layers, seqs, pls)
     plain, _ = calibrate.agreement(*args, {}, layers, seqs, pls)

@@ -18,7 +18,7 @@ from specjax.drafters import EarlyExitDrafter, ModelDrafter, NGramDrafter, bigra
 from specjax.models.llama import Llama, LlamaConfig
 from specjax.core.speculative import speculative_generate
 
-# Greedy exactness on the real model with every drafter (batch 4 and 1):
+# Greedy exactness on the real model with every drafter (batch 4, and 1 for trained heads):
 # tests/test_real_smollm2.py::test_speculative_greedy_equals_ar.
 
 
@@ -84,6 +84,17 @@ def test_sampled_loop_matches_target(toys, kind):
     p, acc = sampled_pairs(model, tparams, drafter, dp)
     assert p > 1e-4, f"{kind}: (y0, y1) differs from the target (p={p:.2e})"
     assert acc > 0.0, "no draft was ever accepted: the test would be vacuous"
+
+
+@pytest.mark.parametrize("kind", ["model-tree", "early-exit"])
+def test_greedy_batch_of_one_equals_ar(toys, kind):
+    """Batch 1 on a toy (batch 4 on the real weights: tests/test_real_smollm2.py)."""
+    model, tparams, dparams = toys
+    drafter, dp = {"model-tree": (ModelDrafter(model, depth=3, width=2), dparams),
+                   "early-exit": (EarlyExitDrafter(model, 1, depth=3), None)}[kind]
+    ar = specjax.generate(model, tparams, [PROMPT], max_new_tokens=14).to_lists()
+    out = speculative_generate(model, tparams, drafter, dp, [PROMPT], max_new_tokens=14)
+    assert out.to_lists() == ar and len(ar[0]) == 14
 
 
 def test_kv_commit_equals_running_accepted_tokens(toys):

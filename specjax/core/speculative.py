@@ -24,7 +24,7 @@ from specjax.core import decoder
 from specjax.core.decoder import PAD, Batch, DecodeOutput, Request, Stats
 from specjax.core.decoding import hidden_features, prefill
 from specjax.sharding import constrain_cache
-from specjax.drafters.base import Context
+from specjax.core.drafter import Context
 from specjax.models.kv_cache import KVCache
 from specjax.core.verify import Draft, Rejection, Rule, VerifyResult, sanitize, verify
 

@@ -1,0 +1,69 @@
+"""The library's imports run one way: each layer imports only the layers before it, at
+module level and inside functions alike (read from the source, nothing imported).
+
+    base (sharding, export, private helpers) -> models -> core -> drafters -> hsd
+    -> methods, divergence -> the package's API (specjax/__init__) -> bench, demo, train
+    -> commands -> cli -> device_check (a tool, free to use all of them)
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = [("_cache", "_compile", "_optional", "_xla_flags", "sharding", "export"),
+          ("models",), ("core",), ("drafters",), ("hsd",), ("methods", "divergence"),
+          ("__init__",), ("bench", "demo", "train"), ("commands",), ("cli",),
+          ("device_check",)]
+RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def _part(module: str) -> str:
+    """The layer a ``specjax...`` module belongs to (``__init__``: the package's API)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in RANK else "__init__"
+
+
+def _sources():
+    """``(file, its layer)`` for every module of the package (``models/`` and ``train/``
+    install as ``specjax.models`` and ``specjax.train``)."""
+    for f in sorted((ROOT / "specjax").rglob("*.py")):
+        rel = f.relative_to(ROOT / "specjax").with_suffix("").parts
+        yield f, "__init__" if rel == ("__init__",) else rel[0]
+    for pkg in ("models", "train"):
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            yield f, pkg
+
+
+def _imports(f: Path):
+    """Every absolute ``specjax`` module ``f`` imports (``from specjax import x``: ``x``)."""
+    for node in ast.walk(ast.parse(f.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = ([f"specjax.{a.name}" for a in node.names] if node.module == "specjax"
+                     else [node.module])
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name == "specjax" or name.startswith("specjax."):
+                yield node.lineno, name
+
+
+def test_every_module_has_a_layer():
+    layers = {layer for _, layer in _sources()}
+    assert layers <= set(RANK), f"modules outside the layering: {layers - set(RANK)}"
+
+
+def test_imports_run_one_way():
+    wrong = [f"{f.relative_to(ROOT)}:{line}: {layer} imports {name}"
+             for f, layer in _sources() for line, name in _imports(f)
+             if RANK[_part(name)] > RANK[layer]]
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_the_check_sees_a_wrong_import(tmp_path):
+    f = tmp_path / "bad.py"
+    f.write_text("def f():\n    from specjax.drafters.base import Context\n")
+    assert [RANK[_part(n)] > RANK["core"] for _, n in _imports(f)] == [True]
