@@ -14,23 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import specjax  # noqa: F401  (sets the project's XLA flags before the backend starts)
+from specjax._timing import median_ms
 
 
-def _median_ms(fn, *args, repeats: int = 40) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(times))
+def _timed(fn, *args):
+    return median_ms(fn, *args, repeats=40)
 
 
 def main() -> None:
@@ -53,7 +47,7 @@ def main() -> None:
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "ms": {}}
     for t in [int(w) for w in args.widths.split(",")]:
         x = jnp.asarray(rng.standard_normal((t, 576), np.float32))
-        row = {"lm_head": _median_ms(head, x, emb), "mlp": _median_ms(mlp, x, mlp_w)}
+        row = {"lm_head": _timed(head, x, emb), "mlp": _timed(mlp, x, mlp_w)}
         res["ms"][t] = row
         print(f"T={t:>2}: lm_head {row['lm_head']:6.2f} ms   30-layer mlp {row['mlp']:6.2f} ms",
               flush=True)

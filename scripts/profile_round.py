@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
@@ -23,17 +22,11 @@ from specjax.core import sampling, tree
 from specjax.drafters import Context, NGramDrafter
 from specjax.models import load
 from specjax.core.verify import Draft, verify
+from specjax._timing import median_ms
 
 
-def _median_ms(fn, *args, repeats=15):
-    out = fn(*args)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(times))
+def _timed(fn, *args):
+    return median_ms(fn, *args, repeats=15)
 
 
 def _eagle_propose_ms(lm, spec: str, ctx: Context) -> float:
@@ -48,7 +41,7 @@ def _eagle_propose_ms(lm, spec: str, ctx: Context) -> float:
     state = jax.jit(lambda dp, ctx: drafter.init(dp, ctx, 64))(dparams, ctx)
     assert int(state.cache.length[0]) == n
     fn = jax.jit(lambda dp, st, ctx: drafter.propose(dp, st, ctx, None, sampling.Greedy())[0].tokens)
-    return _median_ms(fn, dparams, state, ctx)
+    return _timed(fn, dparams, state, ctx)
 
 
 def main() -> None:
@@ -75,7 +68,7 @@ def main() -> None:
 
     for w in [int(x) for x in args.widths.split(",")]:
         toks = jnp.ones((1, w), jnp.int32)
-        res["forward_ms"][w] = _median_ms(fwd, params, toks, cache)
+        res["forward_ms"][w] = _timed(fwd, params, toks, cache)
         print(f"target forward, {w} tokens: {res['forward_ms'][w]:.1f} ms", flush=True)
 
     hist = jnp.asarray(np.random.default_rng(0).integers(0, 1000, (1, args.capacity)), jnp.int32)
@@ -83,15 +76,15 @@ def main() -> None:
                   cache=cache, params=params)
     ng = NGramDrafter()
     draft_fn = jax.jit(lambda ctx: ng.propose(None, (), ctx, None, sampling.Greedy())[0].tokens)
-    res["ngram_propose_ms"] = _median_ms(draft_fn, ctx)
+    res["ngram_propose_ms"] = _timed(draft_fn, ctx)
     n = ng.depth
     logits = jax.random.normal(jax.random.key(0), (1, n + 1, m.config.vocab_size))
     d = Draft(tokens=jnp.zeros((1, n), jnp.int32), parents=tree.chain(1, n),
               valid=jnp.ones((1, n), bool))
-    res["verify_greedy_ms"] = _median_ms(jax.jit(lambda lg, d: verify(lg, d, None).tokens), logits, d)
+    res["verify_greedy_ms"] = _timed(jax.jit(lambda lg, d: verify(lg, d, None).tokens), logits, d)
     src = jnp.arange(n + 1, dtype=jnp.int32)[None]
     commit = jax.jit(lambda c: c.commit(src, jnp.asarray([n + 1]), window=n + 1).length)
-    res["kv_commit_ms"] = _median_ms(commit, cache)
+    res["kv_commit_ms"] = _timed(commit, cache)
     if args.eagle:
         res["eagle_propose_ms"] = _eagle_propose_ms(lm, args.eagle, ctx)
     for k in ("ngram_propose_ms", "verify_greedy_ms", "kv_commit_ms", "eagle_propose_ms"):

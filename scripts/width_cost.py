@@ -21,7 +21,6 @@ import gzip
 import json
 import re
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -30,16 +29,7 @@ import numpy as np
 import specjax  # noqa: F401  (sets the project's XLA flags before the backend starts)
 from specjax.core import encdec, tree
 from specjax.models import load, ops
-
-
-def _median_ms(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(times))
+from specjax._timing import median_ms
 
 
 def _forward_fn(model):
@@ -117,7 +107,7 @@ def main() -> None:
         fwd = jax.jit(_forward_fn(lm.model))  # a fresh trace per variant
         for w in widths:
             toks = jnp.ones((1, w), jnp.int32)
-            res[variant][w] = _median_ms(fwd, params, toks, cache, repeats=args.repeats)
+            res[variant][w] = median_ms(fwd, params, toks, cache, repeats=args.repeats)
             res["fast_width"][w] = shipped(w)
             print(f"{variant[:-3]:>8} width {w:>2}: {res[variant][w]:6.1f} ms "
                   f"({res[variant][w] / res[variant][widths[0]]:.2f}x)", flush=True)

@@ -21,7 +21,6 @@ that order, as ``specjax.hsd.hierarchy`` expects.
 from __future__ import annotations
 
 import itertools
-import time
 from typing import Sequence
 
 import jax
@@ -35,6 +34,7 @@ from specjax.core import decoder, sampling
 from specjax.core.decoder import Batch
 from specjax.drafters import Context, NGramDrafter
 from specjax.drafters.exit_heads import exit_head
+from specjax._timing import median_ms
 
 
 def names(layers: Sequence[int]) -> list[str]:
@@ -119,7 +119,7 @@ def forward_costs(target, tparams, heads: dict, layers: Sequence[int], widths: S
         for w in widths:
             toks = jnp.ones((1, w), jnp.int32)
             pos = filled + jnp.arange(w)[None]
-            out[name][int(w)] = _median_ms(f, tparams, heads.get(layer), toks, pos, cache,
+            out[name][int(w)] = median_ms(f, tparams, heads.get(layer), toks, pos, cache,
                                            repeats=repeats)
             if progress is not None:
                 progress.update(1)
@@ -127,7 +127,7 @@ def forward_costs(target, tparams, heads: dict, layers: Sequence[int], widths: S
     ctx = Context(tokens=hist, length=jnp.asarray([filled], jnp.int32),
                   prompt_len=jnp.asarray([filled // 2], jnp.int32), cache=None, params=None)
     look = jax.jit(lambda c: ngram.propose(None, (), c, None, sampling.Greedy())[0].tokens)
-    out["ngram"] = {1: _median_ms(look, ctx, repeats=repeats)}
+    out["ngram"] = {1: median_ms(look, ctx, repeats=repeats)}
     return out
 
 
@@ -198,7 +198,7 @@ def round_overhead(target, tparams, *, filled: int = 512, T: int = 4, repeats: i
     def timed(budget: int) -> tuple[float, int]:
         b = one * budget
         n = int(decode(tparams, b))
-        return _median_ms(decode, tparams, b, repeats=repeats), n
+        return median_ms(decode, tparams, b, repeats=repeats), n
 
     (t0, r0), (t1, r1) = timed(rounds[0]), timed(n_max)
     loop_round = (t1 - t0) / max(r1 - r0, 1)
@@ -207,16 +207,6 @@ def round_overhead(target, tparams, *, filled: int = 512, T: int = 4, repeats: i
     fwd, look = cost["target"][T + 1], cost["ngram"][1]
     return {"round_ms": max(loop_round - fwd - look, 0.0), "loop_round_ms": loop_round,
             "forward_ms": fwd, "lookup_ms": look, "filled": int(filled), "T": int(T)}
-
-
-def _median_ms(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(ts))
 
 
 # ----------------------------------------------------------------------------- tuning
