@@ -32,9 +32,8 @@ from jaxtyping import Array, Bool, Int
 
 from specjax import sharding
 from specjax.core import sampling
+from specjax.core.verify import PAD  # noqa: F401  (the token id after a row's last token)
 from specjax._compile import AotCache
-
-PAD = -1  # token id written after a row's last generated token
 
 
 @struct.dataclass

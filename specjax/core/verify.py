@@ -30,7 +30,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from specjax.core import sampling, tree
 
-PAD = -1
+PAD = -1  # the token id after a row's last emitted or generated token
 
 
 @struct.dataclass
@@ -113,7 +113,6 @@ def sanitize(draft: Draft, vocab_size: int) -> Draft:
 
 def _path_tokens(tokens, path, accepted, nxt):
     """[accepted path tokens, next token, PAD...] for one row."""
-    d = path.shape[0]
     toks = jnp.where(path >= 0, tokens[jnp.maximum(path, 0)], PAD)
     out = jnp.concatenate([toks, jnp.full((1,), PAD, jnp.int32)])
     return out.at[accepted].set(nxt)

@@ -18,7 +18,9 @@ from specjax.core.verify import Draft
 from specjax.core.drafter import Context, Drafter  # noqa: F401  (re-exported)
 
 
-def _take(tokens: Int[Array, "B C"], idx: Int[Array, "B T"]) -> Int[Array, "B T"]:
+def take_tokens(tokens: Int[Array, "B C"], idx: Int[Array, "B T"]) -> Int[Array, "B T"]:
+    """``tokens[b, idx[b, t]]``, with ``idx`` clipped into the row (a padded index reads an
+    edge entry instead of failing)."""
     return jnp.take_along_axis(tokens, jnp.clip(idx, 0, tokens.shape[1] - 1), axis=1)
 
 

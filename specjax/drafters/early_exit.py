@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from specjax.drafters.base import Context, TopKTree, _check_sizes, _grow, _take
+from specjax.drafters.base import Context, TopKTree, _check_sizes, _grow, take_tokens
 
 
 def target_head(target, tparams, dparams, hidden):
@@ -53,7 +53,7 @@ class EarlyExitDrafter(TopKTree):
     def propose(self, dparams, state, ctx: Context, key, sampler):
         root = ctx.length - 1
         logits, cache = self._run(dparams, ctx.params, ctx.cache,
-                                  _take(ctx.tokens, root[:, None]), root[:, None])
+                                  take_tokens(ctx.tokens, root[:, None]), root[:, None])
         step = lambda c, tok, p: self._run(dparams, ctx.params, c, tok, p)
         draft, cache = _grow(step, cache, logits, ctx.length, self.depth, self.width, key,
                              sampler)

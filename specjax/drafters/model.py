@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from specjax.core.decoding import prefill
 from specjax.core.verify import VerifyResult
-from specjax.drafters.base import Context, TopKTree, _check_sizes, _grow, _take
+from specjax.drafters.base import Context, TopKTree, _check_sizes, _grow, take_tokens
 from specjax.models.kv_cache import KVCache
 
 
@@ -47,7 +47,7 @@ class ModelDrafter(TopKTree):
         # slots < length - 2 are always valid after a round: re-run the last two tokens
         start = ctx.length - 2
         pos = start[:, None] + jnp.arange(2)[None]
-        logits, _, cache = self.model.forward(dparams, _take(ctx.tokens, pos), pos,
+        logits, _, cache = self.model.forward(dparams, take_tokens(ctx.tokens, pos), pos,
                                               cache.replace(length=start))
         cache = cache.advance(2)
 

@@ -12,7 +12,7 @@ from jax import lax
 from jaxtyping import Array, Int
 
 from specjax.core.verify import Draft
-from specjax.drafters.base import Context, _check_sizes, _take
+from specjax.drafters.base import Context, _check_sizes, take_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +94,7 @@ class NGramDrafter:
                 n = table[jnp.maximum(t, 0)]
                 return jnp.where(t >= 0, n, -1), jnp.where(t >= 0, n, -1)
 
-            root = _take(ctx.tokens, (ctx.length - 1)[:, None])[:, 0]
+            root = take_tokens(ctx.tokens, (ctx.length - 1)[:, None])[:, 0]
             _, chain = lax.scan(nxt, root, None, length=self.depth)
             chain = chain.T
             toks = jnp.where(found[:, None], toks, jnp.maximum(chain, 0))

@@ -39,6 +39,7 @@ from specjax.core.decoder import PAD, Batch, DecodeOutput, Request, Stats
 from specjax.core.decoding import prefill
 from specjax.sharding import constrain_cache
 from specjax.drafters import Context, NGramDrafter, target_head
+from specjax.drafters.base import take_tokens
 from specjax.core.verify import Draft, verify
 
 
@@ -168,10 +169,6 @@ HSDOutput = DecodeOutput  # the name ``hsd_generate``'s result had before the on
 
 # ----------------------------------------------------------------------------- helpers
 
-def _take(tokens: Int[Array, "B C"], idx: Int[Array, "B T"]) -> Int[Array, "B T"]:
-    return jnp.take_along_axis(tokens, jnp.clip(idx, 0, tokens.shape[1] - 1), axis=1)
-
-
 def _write(tokens: Int[Array, "B C"], pos: Int[Array, "B T"], vals: Int[Array, "B T"],
            mask: Bool[Array, "B T"]) -> Int[Array, "B C"]:
     """``tokens[b, pos[b, i]] = vals[b, i]`` where ``mask``; other writes are dropped."""
@@ -222,7 +219,7 @@ class _Run:
         base = cache.length
         idx = base[:, None] + jnp.arange(width + lag_max)[None]
         logits, cache = self.h.levels[k].score(self.target, self.tparams, self.hparams[k],
-                                               _take(tokens, idx), idx, cache)
+                                               take_tokens(tokens, idx), idx, cache)
         if lag_max == 0:  # the top level's cache never lags: start - 1 == base
             return logits, cache
         col = (start - 1 - base)[:, None] + jnp.arange(width)[None]
@@ -359,7 +356,7 @@ class _Run:
             d = d + extra
         pos = start[:, None] + jnp.arange(m)[None]
         chain = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32) - 1, (b, m))
-        draft = Draft(tokens=_take(s.tokens, pos), parents=chain,
+        draft = Draft(tokens=take_tokens(s.tokens, pos), parents=chain,
                       valid=jnp.arange(m)[None] < d[:, None], probs=s.q[k])
         key, sub = jax.random.split(s.key)
         accepted, nxt, p, cache, width = self.verify_round(k, s, start, draft, d, active, sub)
@@ -499,7 +496,7 @@ class HSD:
 
     def output(self, s: HSDState) -> DecodeOutput:
         top, max_out, req = self.top, s.req.max_out, s.req
-        out = _take(s.tokens, req.prompt_len[:, None] + jnp.arange(max_out)[None])
+        out = take_tokens(s.tokens, req.prompt_len[:, None] + jnp.arange(max_out)[None])
         is_eos = jnp.any(out[:, :, None] == req.eos_ids[None, None, :], -1)
         first_eos = jnp.where(jnp.any(is_eos, 1), jnp.argmax(is_eos, 1) + 1, max_out)
         lengths = jnp.minimum(jnp.minimum(s.n[top] - req.prompt_len, req.budget), first_eos)
