@@ -160,7 +160,7 @@ class DecoderParts:
     ``jnp.bfloat16`` rounds activations, keys and values to bfloat16 (faster where the
     hardware multiplies bfloat16, half the cache); that rounding turns the float32
     differences between a wide and a one-token forward into bfloat16-sized ones, and greedy
-    output can then leave ``ar``'s on near-ties (README, "bfloat16").
+    output can then leave ``ar``'s on near-ties (docs/guide.md, "bfloat16").
     """
 
     is_encoder_decoder = False  # T5 says True: its prompts are sources to encode

@@ -46,7 +46,7 @@ if [ "${1:-}" = "--specbench" ]; then
   N=${2:-60}
   TAG=$(cd "$ELSEWHERE" && "$PY" -c "from specjax import bench; print(bench.device_tag())")
   if [ "$TAG" = cpu ]; then
-    echo "no accelerator visible to JAX; use the CPU benchmarks (README)" >&2
+    echo "no accelerator visible to JAX; use the CPU benchmarks (docs/results/README.md)" >&2
     exit 1
   fi
   echo "Spec-Bench on $TAG -> docs/results/*_${TAG}.json" >&2

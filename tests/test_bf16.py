@@ -3,7 +3,7 @@
 forward equal to one-token steps on a toy model, and every method's greedy output equal to
 bfloat16 AR there, token for token, in both compute dtypes. (On SmolLM2-135M the bfloat16
 products leave AR on some prompts; float32 products on bfloat16 weights do not on the
-measured ones: README, "bfloat16", and scripts/dtype_bench.py.)"""
+measured ones: docs/guide.md, "bfloat16", and scripts/dtype_bench.py.)"""
 
 from __future__ import annotations
 
