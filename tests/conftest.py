@@ -120,3 +120,11 @@ def ar_reference():
         return [list(row) for row in cache[key]]
 
     return ar
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fails the test if a command gets as far as loading weights."""
+    def load(*a, **k):
+        raise AssertionError("the model was loaded before the input was checked")
+    monkeypatch.setattr("specjax.models.load", load)

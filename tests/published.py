@@ -46,6 +46,7 @@ __all__ = [
     "d2t_absolute",
     "eagle1_expected_shapes",
     "eagle3_expected_shapes",
+    "edit_state_dict",
 ]
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -488,3 +489,12 @@ def d2t_absolute(d2t, draft_ids):
     """The WRONG reading of d2t, as absolute ids: d2t[draft_id]. For negative checks."""
     d2t = torch.as_tensor(d2t, dtype=torch.int64)
     return d2t[torch.as_tensor(draft_ids, dtype=torch.int64)]
+
+
+def edit_state_dict(path, fn) -> None:
+    """Applies ``fn`` to the state dict in ``path/pytorch_model.bin`` and saves it back
+    (tests corrupt a written head this way)."""
+    f = os.path.join(path, "pytorch_model.bin")
+    sd = torch.load(f, weights_only=True)
+    fn(sd)
+    torch.save(sd, f)

@@ -26,13 +26,12 @@ import numpy as np
 import pytest
 import torch
 
-from published import write_eagle3_head
+from published import edit_state_dict, write_eagle3_head
 from specjax import cli
 from specjax.drafters import published
 from specjax.export import CheckpointError
 from specjax.models import WeightLoadError, load_gguf, load_hf_dir, loading
 from specjax.models.llama import LlamaConfig, rope_inv_freq
-from test_published_heads import _corrupt
 
 V, H = 64, 32
 LLAMA = dict(model_type="llama", vocab_size=V, hidden_size=H, intermediate_size=64,
@@ -354,7 +353,7 @@ HEAD_DTYPES = [  # (id, change to the state dict, None or the refusal's fragment
                          ids=[h[0] for h in HEAD_DTYPES])
 def test_head_weights_that_are_not_floats_are_refused(tmp_path, change, refusal):
     write_eagle3_head(tmp_path, **HEAD)
-    _corrupt(tmp_path, change)
+    edit_state_dict(tmp_path, change)
     if refusal is None:
         head = published.load(tmp_path, TARGET)
         assert head.vocab_ids.dtype == np.int32 and head.params["norm"].dtype == np.float32

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import specjax
-from specjax.core import decoder, decoding, sampling
+from specjax.core import decoder, sampling
 from specjax.models.llama import Llama, LlamaConfig, init_params
 
 PROMPTS = [

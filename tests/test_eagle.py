@@ -14,7 +14,7 @@ import specjax
 import toys
 from specjax.drafters import eagle
 from specjax.core import sampling
-from specjax.models.llama import Llama, LlamaConfig, init_params
+from specjax.models.llama import Llama
 from specjax.core.speculative import speculative_generate
 
 # A bigram "draft model" over 5 tokens: the next-token distribution depends on the node's
@@ -143,7 +143,7 @@ def test_greedy_eagle_equals_ar_on_toy(toy, reduced):
 
 
 def test_sampled_eagle_matches_target(toy):
-    from test_speculative import sampled_pairs
+    from laws import sampled_pairs
 
     model, tparams, dp = toy
     drafter = eagle.EagleDrafter(model, depth=2, topk=3, total_tokens=6)

@@ -16,14 +16,6 @@ from specjax import bench, cli, methods
 from specjax.core import sampling
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    """Fails the test if a command gets as far as loading weights."""
-    def load(*a, **k):
-        raise AssertionError("the model was loaded before the input was checked")
-    monkeypatch.setattr("specjax.models.load", load)
-
-
 def _bad_files(tmp_path):
     good = '{"question_id": 1, "category": "qa", "turns": ["hi"]}'
     files = {"malformed.jsonl": f"{good}\n{{bad\n", "noturns.jsonl": '{"question_id": 1, '

@@ -64,7 +64,7 @@ def _exact_second_and_third(model, tp, sampler):
 @pytest.mark.parametrize("name", ["exit-exit-target", "ngram-exit-target",
                                   "exit-exit-target+h3", "4-levels+h2"])
 def test_sampled_three_level_hsd_matches_target(toy, name):
-    from test_speculative import _pvalue
+    from laws import pvalue
 
     model, tp = toy
     levels, T, *h = HIERARCHIES[name]
@@ -77,7 +77,7 @@ def test_sampled_three_level_hsd_matches_target(toy, name):
         y = np.asarray(out.tokens)[:, :3]
         np.add.at(counts, (y[:, 1], y[:, 2]), 1)
         acc.append(out.acceptance)
-    p = _pvalue(counts, _exact_second_and_third(model, tp, sampler))
+    p = pvalue(counts, _exact_second_and_third(model, tp, sampler))
     assert p > 1e-4, f"{name}: (y1, y2) differs from the target (p={p:.2e})"
     assert np.all(np.mean(acc, 0) > 0.05), "drafts were almost never accepted: vacuous"
 
@@ -107,7 +107,7 @@ def shipped(smollm):
 
 
 def test_shipped_exit_heads_agree_with_the_target_more_than_plain_exits(smollm, shipped):
-    from test_real_smollm2 import PROMPTS
+    from toys import SMOLLM_PROMPTS as PROMPTS
 
     heads, meta = shipped
     layers = sorted(heads)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import toys
-from published import (d2t_absolute, d2t_target_ids, torch_eagle1_logits, torch_eagle3_logits,
-                       write_eagle1_head, write_eagle3_head)
+from published import (d2t_absolute, d2t_target_ids, edit_state_dict, torch_eagle1_logits,
+                       torch_eagle3_logits, write_eagle1_head, write_eagle3_head)
 from specjax import methods
 from specjax.core import sampling
 from specjax.core.decoding import generate, prefill
@@ -203,7 +203,7 @@ def test_cli_bench_with_a_published_eagle3_head(target, monkeypatch, tmp_path):
 # --- temperature 1 -------------------------------------------------------------------------
 
 def _pairs(drafter, dp, rule, batch: int, calls: int):
-    from test_speculative import PROMPT, _exact_pair, _pvalue
+    from laws import PROMPT, exact_pair, pvalue
     from specjax.core.speculative import speculative_generate
 
     model, tparams = toys.llama(seed=1)
@@ -216,17 +216,17 @@ def _pairs(drafter, dp, rule, batch: int, calls: int):
         y = np.asarray(out.tokens)[:, :2]
         np.add.at(counts, (y[:, 0], y[:, 1]), 1)
         acc.append(np.asarray(out.accepted_at)[:, 0])
-    return _pvalue(counts, _exact_pair(model, tparams, sampler)), float(np.mean(acc))
+    return pvalue(counts, exact_pair(model, tparams, sampler)), float(np.mean(acc))
 
 
 @pytest.fixture(scope="module")
 def toy_eagle3():
-    from test_speculative import _exact_pair
+    from laws import exact_pair
 
     model, tparams = toys.llama(seed=1)
     head = eagle3.init_head(toys.LLAMA, jax.random.key(4), 6)
     # a draft vocabulary of the target's likeliest second tokens, so drafts are often accepted
-    likely = np.argsort(-_exact_pair(model, tparams, sampling.Sample(1.0)).sum(0))[:6]
+    likely = np.argsort(-exact_pair(model, tparams, sampling.Sample(1.0)).sum(0))[:6]
     dp = eagle3.draft_params(head, model, np.sort(likely))
     return eagle3.Eagle3Drafter(model, depth=2, topk=3, total_tokens=6), dp
 
@@ -252,13 +252,6 @@ def test_eagle3_sampling_negative_control(toy_eagle3):
 
 # --- misfits: one clear line each --------------------------------------------------------
 
-def _corrupt(path, fn):
-    f = path / "pytorch_model.bin"
-    sd = torch.load(f, weights_only=True)
-    fn(sd)
-    torch.save(sd, f)
-
-
 @pytest.mark.parametrize("case,match", [
     ("hidden", "hidden size 48"), ("vocab", "vocabulary of 80"),
     ("missing", r"missing tensors \['layers.0.mlp.down_proj.weight'\]"),
@@ -269,12 +262,12 @@ def test_eagle1_misfits_are_refused(tmp_path, case, match):
         if case == "vocab" else SIZES
     write_eagle1_head(tmp_path, **sizes, style="vicuna")
     if case == "missing":
-        _corrupt(tmp_path, lambda sd: sd.pop("layers.0.mlp.down_proj.weight"))
+        edit_state_dict(tmp_path, lambda sd: sd.pop("layers.0.mlp.down_proj.weight"))
     elif case == "input_norm":
-        _corrupt(tmp_path, lambda sd: sd.__setitem__("layers.0.input_layernorm.weight",
+        edit_state_dict(tmp_path, lambda sd: sd.__setitem__("layers.0.input_layernorm.weight",
                                                      torch.ones(H)))
     elif case == "shape":
-        _corrupt(tmp_path, lambda sd: sd.__setitem__("fc.weight", torch.ones(H, 3 * H)))
+        edit_state_dict(tmp_path, lambda sd: sd.__setitem__("fc.weight", torch.ones(H, 3 * H)))
     elif case == "truncated":
         f = tmp_path / "pytorch_model.bin"
         f.write_bytes(f.read_bytes()[:200])
@@ -294,7 +287,8 @@ def test_eagle3_misfits_are_refused(tmp_path):
         published.load(tmp_path, TARGET)
     del cfg["eagle_config"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    _corrupt(tmp_path, lambda sd: sd.__setitem__("d2t", torch.full((DV,), V, dtype=torch.int64)))
+    edit_state_dict(tmp_path, lambda sd: sd.__setitem__("d2t", torch.full((DV,), V,
+                                                                        dtype=torch.int64)))
     with pytest.raises(CheckpointError, match="d2t does not map"):
         published.load(tmp_path, TARGET)
 
@@ -331,6 +325,6 @@ def test_a_narrower_eagle3_head_reads_the_targets_width(tmp_path):
                sd["embed_tokens.weight"][tokens].numpy(), fused.numpy())
     ref, _ = torch_eagle3_logits(sd, cfg, None, tokens, fused)
     assert np.abs(np.asarray(eagle3.draft_logits(head.spec, _hp(head), out)) - ref.numpy()).max() < 1e-4
-    _corrupt(tmp_path, lambda sd: sd.pop("embed_tokens.weight"))
+    edit_state_dict(tmp_path, lambda sd: sd.pop("embed_tokens.weight"))
     with pytest.raises(CheckpointError, match="missing tensors.*embed_tokens"):
         published.load(tmp_path, TARGET)

@@ -19,14 +19,9 @@ import specjax
 from specjax import hsd, methods
 from specjax.drafters import EarlyExitDrafter, ModelDrafter, NGramDrafter
 from specjax.drafters import eagle, exit_heads, redrafter
+from toys import SMOLLM_PROMPTS as PROMPTS
 
 MODEL = "smollm2-135m"
-PROMPTS = [
-    ("Summarize: The cat sat on the mat. The cat was happy on the mat.", False),
-    ("Repeat after me: one two three four, one two three four,", False),
-    ("List the planets of the solar system in order.", True),
-    ("def add(a, b):\n    return a + b\n\ndef sub(a, b):", False),
-]
 BUDGETS = [24, 9, 17, 30]
 SPECULATIVE = ["ngram", "early-exit", "model-tree", "eagle2", "redrafter"]
 # batch 1 also on the real weights where drafts are cheap (n-gram) or trained heads accept

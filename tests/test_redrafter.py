@@ -63,7 +63,7 @@ def _informed(model, tparams, dp):
 
 
 def test_sampled_redrafter_matches_target(toy):
-    from test_speculative import sampled_pairs
+    from laws import sampled_pairs
 
     model, tparams, dp = toy
     dp = _informed(model, tparams, dp)

@@ -20,7 +20,7 @@ from specjax.core import tree
 from specjax.drafters import EarlyExitDrafter, NGramDrafter, eagle, redrafter
 from specjax.hsd import Exit, Hierarchy, NGram, hsd_generate
 from specjax.models import llama
-from specjax.models.llama import Llama, LlamaConfig, init_params, stack_layers, unstack_layers
+from specjax.models.llama import Llama, stack_layers, unstack_layers
 
 V = toys.V
 TOY = toys.LLAMA

@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
 
 import specjax
 import toys as toy_models  # the module; "toys" is a fixture below
+from laws import PROMPT, sampled_pairs
 from specjax.core import sampling, tree
 from specjax.drafters import EarlyExitDrafter, ModelDrafter, NGramDrafter, bigram_table
 from specjax.models.llama import Llama, LlamaConfig
@@ -26,51 +26,12 @@ from specjax.core.speculative import speculative_generate
 
 V = toy_models.V
 TOY = toy_models.LLAMA
-PROMPT = [1, 5, 2, 7, 5]
 
 
 @pytest.fixture(scope="module")
 def toys():
     model, tparams = toy_models.llama(seed=1)  # params times 3: sharper, context-dependent logits
     return model, tparams, toy_models.llama_params(seed=2)
-
-
-def _exact_pair(model, params, sampler):
-    """P(y0, y1) of the target after PROMPT, by enumeration."""
-    def dist(seqs):
-        toks = jnp.asarray(seqs)
-        cache = model.init_cache(len(seqs), 64)
-        pos = jnp.broadcast_to(jnp.arange(toks.shape[1]), toks.shape)
-        logits, _, _ = model.forward(params, toks, pos, cache)
-        return np.asarray(sampling.probs(logits[:, -1], sampler), np.float64)
-
-    p0 = dist([PROMPT])[0]
-    p1 = dist([PROMPT + [y] for y in range(V)])
-    return p0[:, None] * p1
-
-
-def _pvalue(counts, probs):
-    n = counts.sum()
-    exp = probs.ravel() * n
-    big = exp >= 5
-    obs = np.append(counts.ravel()[big], counts.ravel()[~big].sum())
-    e = np.append(exp[big], exp[~big].sum())
-    return stats.chisquare(obs, e * obs.sum() / e.sum()).pvalue
-
-
-def sampled_pairs(model, tparams, drafter, dp, calls: int = 40, batch: int = 256):
-    """Two tokens sampled at temperature 1 by ``calls`` speculative runs of ``batch`` rows:
-    the chi-square p-value of their joint counts against the target's exact pair
-    distribution, and the fraction of rounds whose first draft token was accepted."""
-    sampler = sampling.Sample(1.0)
-    counts, acc = np.zeros((V, V)), []
-    for i in range(calls):
-        out = speculative_generate(model, tparams, drafter, dp, [PROMPT] * batch,
-                                   max_new_tokens=2, sampler=sampler, key=jax.random.key(i))
-        y = np.asarray(out.tokens)[:, :2]
-        np.add.at(counts, (y[:, 0], y[:, 1]), 1)
-        acc.append(np.asarray(out.accepted_at)[:, 0])
-    return _pvalue(counts, _exact_pair(model, tparams, sampler)), float(np.mean(acc))
 
 
 @pytest.mark.parametrize("kind", ["model-chain", "model-tree-wor", "early-exit", "ngram"])

@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
 
 import specjax
 import toys
+from laws import pvalue
 from specjax.core import sampling
 from specjax.core.verify import Rejection
 from specjax.drafters import EarlyExitDrafter, ModelDrafter, NGramDrafter
@@ -239,15 +239,6 @@ def _exact_pair(model, params):
     return p[0, 0][:, None] * p[1:, 1]
 
 
-def _pvalue(counts, probs):
-    exp = probs.ravel() * counts.sum()
-    big = exp >= 5
-    obs, e = counts.ravel()[big], exp[big]
-    if exp[~big].sum() > 0:  # the rare cells pooled into one
-        obs, e = np.append(obs, counts.ravel()[~big].sum()), np.append(e, exp[~big].sum())
-    return stats.chisquare(obs, e * obs.sum() / e.sum()).pvalue
-
-
 @pytest.mark.parametrize("rule,lossless", [(Rejection(), True), (AcceptWithP(), False)])
 def test_sampled_t5_speculation_follows_the_target(rule, lossless):
     model = T5(TINY)
@@ -263,7 +254,7 @@ def test_sampled_t5_speculation_follows_the_target(rule, lossless):
         np.add.at(counts, (y[:, 0], y[:, 1]), 1)
         acc.append(np.asarray(out.accepted_at)[:, 0])
     assert 0.05 < np.mean(acc) < 0.95, "acceptance must be partial, or the test is vacuous"
-    p = _pvalue(counts, _exact_pair(model, tp))
+    p = pvalue(counts, _exact_pair(model, tp))
     if lossless:
         assert p > 1e-4, f"(y0, y1) differs from the target's distribution (p={p:.2e})"
     else:
@@ -314,7 +305,7 @@ def _hsd_pair_pvalue(h, tp, sampler, calls=30):
         np.add.at(counts, (y[:, 0], y[:, 1]), 1)
         acc.append(out.acceptance)
     assert np.all(np.mean(acc, 0) > 0.05), "drafts were almost never accepted: vacuous"
-    return _pvalue(counts, _exact_pair(model, tp))
+    return pvalue(counts, _exact_pair(model, tp))
 
 
 @pytest.mark.parametrize("levels,lossless", [

@@ -17,7 +17,6 @@ import pytest
 from specjax import cli, export
 from specjax.drafters import eagle
 from specjax.train import checkpoint, distill, onpolicy, shards
-from test_faults import no_model  # noqa: F401  (fixture: loading the model fails the test)
 from toys import LLAMA, loaded_llama
 
 N_PROMPTS = 40

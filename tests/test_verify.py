@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
 
+from laws import pvalue
 from specjax.core import sampling, tree
 from specjax.core.verify import Draft, Rejection, Typical, verify
 
@@ -109,24 +109,10 @@ def _exact(sampler):
     return marg, joint
 
 
-def _pvalue(counts, probs):
-    probs = np.asarray(probs, np.float64).ravel()
-    counts = np.asarray(counts, np.float64).ravel()
-    n = counts.sum()
-    if np.any((probs == 0) & (counts > 0)):
-        return 0.0  # a token the target can never emit
-    big = probs * n >= 5
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(probs[big] * n, probs[~big].sum() * n)
-    exp = exp * (counts.sum() / exp.sum())  # float rounding of the probabilities
-    keep = exp > 0
-    return stats.chisquare(obs[keep], exp[keep]).pvalue
-
-
 def _min_pvalue(out, sampler):
     marg, joint = _exact(sampler)
-    ps = [_pvalue(np.bincount(out[:, i], minlength=V), marg[i]) for i in range(M)]
-    ps.append(_pvalue(np.bincount(out[:, 0] * V + out[:, 1], minlength=V * V), joint))
+    ps = [pvalue(np.bincount(out[:, i], minlength=V), marg[i]) for i in range(M)]
+    ps.append(pvalue(np.bincount(out[:, 0] * V + out[:, 1], minlength=V * V), joint))
     return min(ps)
 
 
@@ -167,7 +153,7 @@ def test_all_rejected_still_exact():
     res = verify(logits, draft, jax.random.key(3), sampler)
     assert np.all(np.asarray(res.accepted) == 0)
     counts = np.bincount(np.asarray(res.next_token), minlength=V)
-    assert _pvalue(counts, p0) > 1e-4
+    assert pvalue(counts, p0) > 1e-4
 
 
 def test_padding_rows_and_nodes():

@@ -24,6 +24,13 @@ LLAMA = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_laye
 GEMMA = gemma.GemmaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
                           num_heads=4, num_kv_heads=2, head_dim=8,
                           layer_types=("sliding", "full"), sliding_window=4)
+# (text, chat?) prompts for the real SmolLM2-135M tests: copying, repetition, chat, code
+SMOLLM_PROMPTS = [
+    ("Summarize: The cat sat on the mat. The cat was happy on the mat.", False),
+    ("Repeat after me: one two three four, one two three four,", False),
+    ("List the planets of the solar system in order.", True),
+    ("def add(a, b):\n    return a + b\n\ndef sub(a, b):", False),
+]
 T5 = t5.T5Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
                  num_encoder_layers=2, num_heads=4, head_dim=8, num_buckets=8, max_distance=20)
 
