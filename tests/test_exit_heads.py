@@ -18,7 +18,7 @@ from specjax.drafters import EarlyExitDrafter
 from specjax.models.llama import Llama, LlamaConfig, init_params
 from specjax.train import checkpoint, distill
 from specjax.train import exit_heads as train_exits
-from toys import ToyLM
+from toys import ToyLM, assert_within_a_bf16_step
 
 V = 32
 TOY = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=4,
@@ -66,10 +66,9 @@ def test_layer_features_are_the_targets_hidden_states(lm, corpus, feats):
                                      lm.model.init_cache(1, 128), return_layers=(1, 2))
         assert f.shape == (len(tok), 3, TOY.hidden_size) and f.dtype == jnp.bfloat16
         for k, l in enumerate((1, 2)):
-            np.testing.assert_allclose(np.asarray(f[:, k], np.float32), hid[l][0],
-                                       rtol=0.02, atol=0.05)
+            assert_within_a_bf16_step(f[:, k], hid[l][0])
         final = eagle.features(lm.model, lm.params, hid[TOY.num_layers][0])
-        np.testing.assert_allclose(np.asarray(f[:, 2], np.float32), final, rtol=0.02, atol=0.05)
+        assert_within_a_bf16_step(f[:, 2], final)
 
 
 def test_distillation_lowers_the_kl_of_every_exit(lm, corpus, feats, tmp_path):

@@ -99,3 +99,17 @@ def loaded_llama(path, seed: int = 0, layers: int = 4):
     lm = load(str(path), tokenizer=False)
     return dataclasses.replace(lm, name="toy", tokenizer=ByteTokenizer(cfg.vocab_size),
                                eos_ids=())
+
+
+BF16_STEP = 2.0 ** -7  # one bfloat16 ulp, relative: 8 significant bits
+
+
+def assert_within_a_bf16_step(got, want, atol: float = 1e-5) -> None:
+    """``got`` (stored in bfloat16) is ``want`` (float32) rounded to bfloat16, give or take
+    one bfloat16 step: ``|got - want| <= 2^-7 |want| + atol`` elementwise. Rounding alone
+    errs by half a step; the other half allows float32 differences between the program that
+    stored ``got`` and the one computing ``want`` to flip a rounding."""
+    import numpy as np
+
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=BF16_STEP, atol=atol)
