@@ -13,10 +13,9 @@ import specjax
 from specjax.drafters import blocks, eagle
 from specjax.models import gemma, llama, t5
 from specjax.models.llama import LlamaConfig
+import toys
 
-V = 12
-TOY = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=3,
-                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+TOY, V = toys.LLAMA, toys.V
 
 
 def _layer_inputs(cfg, seed=0, t=5, s=12, dtype=jnp.float32):
