@@ -184,6 +184,14 @@ def ar_method(lm, sampler=None) -> Method:
 
 
 
+def peer_method(spec, lm, threads: int, hf, temperature: float = 0.0) -> Method:
+    """The bench method of a transformers peer (``methods.Peer``, ``decodes`` False):
+    ``hf`` is ``hf_method``, ``hf-pld`` is ``hf_pld_method``, on transformers' ``hf``."""
+    if spec.format() == "hf":
+        return hf_method(lm, threads, hf, temperature)
+    return hf_pld_method(lm, threads, hf)
+
+
 def load_hf(lm):
     """transformers' model of the same weights: the GGUF file, or the HF directory."""
     import torch

@@ -28,12 +28,10 @@ CANDIDATES = tuple(methods.parse(t) for t in (
 
 
 def available(model: str, candidates=CANDIDATES) -> tuple:
-    """The candidates that can run on ``model``: those needing a head where one ships."""
-    from specjax.drafters import eagle, redrafter
-
-    shipped = {"eagle2": eagle.shipped_head, "redrafter": redrafter.shipped_head}
+    """The candidates that can run on ``model`` without options: those reading no head
+    (``checkpoint`` None), and those whose default head ships for it (``shipped``)."""
     return tuple(c for c in candidates
-                 if c.kind not in shipped or shipped[c.kind](model) is not None)
+                 if type(c).checkpoint is None or c.shipped(model) is not None)
 
 
 def cache_file(model: str) -> Path:
@@ -42,11 +40,9 @@ def cache_file(model: str) -> Path:
 
     import specjax
 
-    from specjax.drafters import eagle, redrafter
-
     dev = jax.devices()[0]
     sha = hashlib.sha1()  # a retrained head invalidates the record
-    for head in (eagle.shipped_head(model), redrafter.shipped_head(model)):
+    for head in (c.shipped(model) for c in methods.registered() if c.ships_heads):
         sha.update(head.joinpath("head.json").read_bytes() if head else b"none")
     digest = sha.hexdigest()[:8]
     key = "_".join([model, dev.platform, dev.device_kind, f"{os.cpu_count()}cpu",

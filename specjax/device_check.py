@@ -440,43 +440,16 @@ def _bench_args(lm, shape: dict, opts):
 
 
 def _built(lm, args, method: str, layers: int, seed: int = 1):
-    """The ``methods.Built`` ``specjax bench`` would run; EAGLE-2, EAGLE-3 (a
-    draft vocabulary of up to 32000 ids, as the published Llama-3.1 head) and ReDrafter
-    with a random head (no trained head fits random targets); ``hsd`` as an n-gram, an
-    early exit at ``layers`` and the target."""
+    """The ``methods.Built`` ``specjax bench`` would run, with random heads where a method
+    reads one (its class's ``random``: no trained head fits random targets); ``hsd`` as
+    an n-gram, an early exit at ``layers`` and the target."""
     import jax
-    import jax.numpy as jnp
 
     from specjax import methods
-    from specjax.drafters import eagle, eagle3, redrafter
 
     spec = methods.parse(method if method != "hsd" else f"hsd:ngram:4,{layers}:3,target")
     opts = methods.Options(widths=getattr(args, "verify_widths", None), layers=(layers,))
-    if isinstance(spec, methods.Eagle3):
-        dv = min(32000, lm.model.config.vocab_size)
-        head = eagle3.init_head(lm.model.config, jax.random.key(seed), dv,
-                                lm.model.compute_dtype)
-        d = eagle3.Eagle3Drafter(lm.model, **spec.drafter_kwargs())
-        dp = eagle3.draft_params(head, lm.model, np.arange(dv))
-        built = methods.speculative(spec, lm, opts, d, dp)
-    elif isinstance(spec, methods.Eagle):
-        head = eagle.init_head(lm.model.config, jax.random.key(seed))
-        head = jax.tree.map(lambda x: jnp.asarray(x, lm.model.compute_dtype), head)
-        sub = None if not spec.vocab else np.arange(spec.vocab)
-        d = eagle.EagleDrafter(lm.model, **spec.drafter_kwargs())
-        dp = eagle.draft_params(head, lm.model, lm.params, sub)
-        built = methods.speculative(spec, lm, opts, d, dp)
-    elif isinstance(spec, methods.Redrafter):
-        cfg = lm.model.config
-        dv = min(8192, cfg.vocab_size)
-        head = redrafter.init_head(cfg.hidden_size, dv, jax.random.key(seed))
-        head = jax.tree.map(lambda x: jnp.asarray(x, lm.model.compute_dtype), head)
-        d = redrafter.RedrafterDrafter(lm.model, **spec.drafter_kwargs())
-        dp = redrafter.draft_params(head, np.arange(dv, dtype=np.int32))
-        built = methods.speculative(spec, lm, opts, d, dp)
-    else:
-        built = methods.build(spec, lm, opts)
-    return built
+    return spec.random(lm, opts, jax.random.key(seed))
 
 
 #: methods built and compiled ahead (``prepare``), by (model id, method, batch)

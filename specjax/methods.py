@@ -1,5 +1,6 @@
-"""One method registry: every decoding method as a small typed spec, parsed from and
-formatted to its one text form, and built once into a ``(Decoder, params)`` pair.
+"""The method registry: every decoding method is one spec class, registered here, that owns
+its text form, its checks, how it builds, its random-weight build for the device check, its
+head directory option and its CLI help line.
 
 Text forms (``parse`` / ``MethodSpec.format``; ``parse(m.format()) == m``):
 
@@ -17,9 +18,16 @@ Text forms (``parse`` / ``MethodSpec.format``; ``parse(m.format()) == m``):
   ``Options.calibration``);
 * ``hf``, ``hf-pld``: the transformers peers a benchmark compares against (not decoders).
 
-``build(spec, lm, options)`` returns a ``Built``: the decoder, its parameters and the
-spec as run, callable like ``specjax.decode``. The CLI, the benchmark and the demo use it,
-so each method is dispatched in this one place.
+Where dispatch happens: on the spec's own class. ``parse`` and ``split`` pick the
+registered class whose prefix matches the text (the longest one), ``check(spec, options)``
+calls ``spec.check``, ``build(spec, lm, options)`` calls ``spec.build``, and the device
+check calls ``spec.random``. ``forms()`` (``FORMS``), the CLI's ``--method`` help and
+completion flags, ``specjax bench`` and the demo read the registered classes
+(``registered()``). Adding a method is one ``Method`` subclass decorated with ``register``
+(see ``Method``); ``unregister`` removes one.
+
+``build`` returns a ``Built``: the decoder, its parameters and the spec as run, callable
+like ``specjax.decode``.
 
 Nothing is silently wrong: a spec no builder can run (an EAGLE tree with fewer nodes than
 levels, an n-gram level above an exit) is a ``SpecError`` when constructed or parsed;
@@ -74,14 +82,149 @@ def _joined(name: str, sizes, opts: list[str]) -> str:
     return ":".join(parts)
 
 
+# ----------------------------------------------------------------------------- registry
+
+
 @dataclasses.dataclass(frozen=True)
-class AR:
+class CliOption:
+    """A CLI flag that completes a bare ``--method`` name: ``--method bare`` reads
+    ``flag`` (default ``default``) and ``Method.complete`` turns its value into a text form."""
+
+    bare: str  # e.g. "sd"
+    flag: str  # e.g. "--drafter"
+    default: str
+    help: str
+
+    @property
+    def dest(self) -> str:
+        """The argparse attribute of ``flag``."""
+        return self.flag.lstrip("-").replace("-", "_")
+
+
+class Method:
+    """What a registered method spec provides. A subclass is a frozen dataclass that sets
+    ``kind``, ``prefixes`` (its names: ``p`` matches ``p`` and ``p:...``; one ending in
+    ``-`` matches any text it starts), ``forms`` and ``usage`` (its CLI help line), and
+    defines ``parse``, ``format`` and ``build``. The defaults here: no check before the
+    model loads, no head directory (``checkpoint``: the ``Options`` field naming one), no
+    completion flag (``cli``), a decoder (``decodes``; False: a benchmark peer), and
+    ``random`` building as ``build`` does."""
+
+    kind: ClassVar[str]
+    prefixes: ClassVar[tuple[str, ...]]
+    forms: ClassVar[tuple[str, ...]]
+    usage: ClassVar[str]
+    example: ClassVar[str | None] = None  # a full spec the CLI's help shows
+    cli: ClassVar[CliOption | None] = None
+    checkpoint: ClassVar[str | None] = None
+    ships_heads: ClassVar[bool] = False  # True: ``shipped`` names heads shipped per model
+    decodes: ClassVar[bool] = True
+
+    @classmethod
+    def parse(cls, text: str) -> Method:
+        """The spec of ``text``, one of this class's forms; ``SpecError`` otherwise."""
+        raise NotImplementedError
+
+    def format(self) -> str:
+        """The text form ``parse`` reads back to this spec."""
+        raise NotImplementedError
+
+    @classmethod
+    def complete(cls, value: str) -> str:
+        """The text form of ``--method cli.bare`` with ``cli.flag`` set to ``value``."""
+        return value
+
+    @classmethod
+    def shipped(cls, model: str) -> Path | None:
+        """The head this method reads by default for registry model ``model`` (None: none
+        ships, or it reads none)."""
+        return None
+
+    def check(self, options: Options) -> None:
+        """Raises ``SpecError`` (``FileNotFoundError`` where no head ships) for what the
+        build would read besides the model; nothing by default."""
+
+    def build(self, lm, options: Options) -> Built:
+        """The decoder and its parameters on ``lm`` (``check`` has passed)."""
+        raise NotImplementedError
+
+    def random(self, lm, options: Options, key) -> Built:
+        """As ``build``, but with random heads from ``key`` (the device check: no trained
+        head fits a random target); by default ``build(self, lm, options)``."""
+        return build(self, lm, options)
+
+
+_REGISTRY: list[type] = []
+
+
+def _prefix_hits(prefix: str, text: str) -> bool:
+    """Whether ``text`` names a method of ``prefix`` (see ``Method.prefixes``)."""
+    if prefix.endswith("-"):
+        return text.startswith(prefix) or text == prefix[:-1]
+    return text == prefix or text.startswith(prefix + ":")
+
+
+def register(cls: type) -> type:
+    """Adds the ``Method`` subclass ``cls`` to the registry (after the ones before it) and
+    returns it, as a class decorator. ``ValueError`` if it is not a ``Method`` subclass or a
+    prefix is taken by another registered class."""
+    if not (isinstance(cls, type) and issubclass(cls, Method)):
+        raise TypeError(f"methods.register: {cls!r} is not a methods.Method subclass")
+    taken = {p: c for c in _REGISTRY for p in c.prefixes}
+    clash = [p for p in cls.prefixes if p in taken and taken[p] is not cls]
+    if clash:
+        raise ValueError(f"methods.register: {cls.__name__}'s prefix {clash[0]!r} is "
+                         f"{taken[clash[0]].__name__}'s")
+    if cls not in _REGISTRY:
+        _REGISTRY.append(cls)
+    return cls
+
+
+def unregister(cls: type) -> None:
+    """Removes ``cls`` from the registry (nothing if it is not there)."""
+    if cls in _REGISTRY:
+        _REGISTRY.remove(cls)
+
+
+def registered() -> tuple[type, ...]:
+    """The registered method classes, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def forms() -> tuple[str, ...]:
+    """Every registered class's text forms, in registration order (``FORMS``)."""
+    return tuple(f for cls in _REGISTRY for f in cls.forms)
+
+
+def __getattr__(name: str):
+    """``FORMS``: ``forms()``, read when asked, so it includes later registrations."""
+    if name == "FORMS":
+        return forms()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _class_of(text: str) -> type | None:
+    """The registered class whose longest prefix names ``text``, or None."""
+    hits = [(len(p), i, cls) for i, cls in enumerate(_REGISTRY) for p in cls.prefixes
+            if _prefix_hits(p, text)]
+    return max(hits, key=lambda h: (h[0], -h[1]))[2] if hits else None
+
+
+# ----------------------------------------------------------------------------- methods
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class AR(Method):
     """``ar``: one token per target forward."""
 
     kind: ClassVar[str] = "ar"
+    prefixes: ClassVar[tuple[str, ...]] = ("ar",)
+    forms: ClassVar[tuple[str, ...]] = ("ar",)
+    usage: ClassVar[str] = "ar (one token per forward)"
 
     @classmethod
-    def parse(cls, text: str) -> "AR":
+    def parse(cls, text: str) -> AR:
         if text != "ar":
             raise SpecError(f"bad method {text!r}: 'ar' takes no options")
         return cls()
@@ -89,9 +232,15 @@ class AR:
     def format(self) -> str:
         return "ar"
 
+    def build(self, lm, options: Options) -> Built:
+        from specjax.core.decoding import AR as ARDecoder
 
+        return Built(self, ARDecoder(lm.model, mesh=lm.mesh), lm.params, "ar")
+
+
+@register
 @dataclasses.dataclass(frozen=True)
-class SD:
+class SD(Method):
     """``sd-ngram[:depth]`` or ``sd-early-exit:L``: a drafter without trained weights."""
 
     drafter: str = "ngram"  # "ngram" | "early-exit"
@@ -99,6 +248,12 @@ class SD:
     layer: int | None = None  # early exit: layers run
 
     kind: ClassVar[str] = "sd"
+    prefixes: ClassVar[tuple[str, ...]] = ("sd-",)
+    forms: ClassVar[tuple[str, ...]] = ("sd-ngram[:depth]", "sd-early-exit:L")
+    usage: ClassVar[str] = "sd-ngram[:depth] | sd-early-exit:L (sd with --drafter)"
+    example: ClassVar[str | None] = "sd-ngram:7"
+    cli: ClassVar[CliOption | None] = CliOption(
+        "sd", "--drafter", "ngram", "for sd: ngram[:depth] | early-exit:L")
 
     def __post_init__(self):
         """``SpecError`` unless the fields make one of the two forms."""
@@ -110,7 +265,7 @@ class SD:
                             "(depth, L >= 1)")
 
     @classmethod
-    def parse(cls, text: str) -> "SD":
+    def parse(cls, text: str) -> SD:
         name, _, arg = text.removeprefix("sd-").partition(":")
         if name == "ngram" and (not arg or arg.isdigit()) and arg != "0":
             return cls("ngram", int(arg) if arg else None)
@@ -118,14 +273,42 @@ class SD:
             return cls("early-exit", layer=int(arg))
         raise SpecError(f"bad method {text!r}: use sd-ngram[:depth] or sd-early-exit:L")
 
+    @classmethod
+    def complete(cls, value: str) -> str:
+        return "sd-" + value
+
     def format(self) -> str:
         if self.drafter == "ngram":
             return "sd-ngram" + (f":{self.depth}" if self.depth else "")
         return f"sd-early-exit:{self.layer}"
 
+    def build(self, lm, options: Options) -> Built:
+        from specjax.drafters import EarlyExitDrafter, NGramDrafter
 
+        depth = options.draft_len or self.depth
+        kw = {} if depth is None else {"depth": depth}
+        if self.drafter == "ngram":
+            drafter = NGramDrafter(**kw)
+        else:
+            n = lm.model.config.num_layers
+            if not 1 <= self.layer < n:
+                raise SpecError(f"{self.format()}: the exit layer must lie in [1, {n - 1}]")
+            drafter = EarlyExitDrafter(lm.model, self.layer, **(
+                {} if options.draft_len is None else {"depth": options.draft_len}))
+        return speculative(self, lm, options, drafter, None)
+
+
+def _cast(tree, lm):
+    """``tree``'s arrays in ``lm``'s compute dtype."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.tree.map(lambda x: jnp.asarray(x, lm.model.compute_dtype), tree)
+
+
+@register
 @dataclasses.dataclass(frozen=True)
-class Eagle:
+class Eagle(Method):
     """``eagle2[:depth,topk,total][:opts]``; opts ``conf`` (expand by confidence),
     ``norerank``, ``vocab=N`` (draft vocabulary size; ``fullvocab``: the target's)."""
 
@@ -136,6 +319,17 @@ class Eagle:
 
     kind: ClassVar[str] = "eagle2"
     default_sizes: ClassVar[tuple[int, int, int] | None] = None  # None: EagleDrafter's
+    head_kind: ClassVar[str] = "eagle"  # the kind an exported head's head.json names
+    prefixes: ClassVar[tuple[str, ...]] = ("eagle2",)
+    forms: ClassVar[tuple[str, ...]] = ("eagle2[:depth,topk,total][:opts]",)
+    usage: ClassVar[str] = ("eagle2[:depth,topk,total][:conf,norerank,fullvocab,vocab=N] "
+                            "(eagle2 with --eagle)")
+    example: ClassVar[str | None] = "eagle2:3,4,7"
+    cli: ClassVar[CliOption | None] = CliOption(
+        "eagle2", "--eagle", "eagle2",
+        "EAGLE spec: eagle2[:depth,topk,total][:conf,norerank,fullvocab,vocab=N]")
+    checkpoint: ClassVar[str | None] = "draft_checkpoint"
+    ships_heads: ClassVar[bool] = True
 
     def __post_init__(self):
         """``SpecError`` unless the sizes can draft a tree: each >= 1 and
@@ -160,7 +354,7 @@ class Eagle:
                             f"{topk} draft (topk + (depth - 1) * topk^2)")
 
     @classmethod
-    def parse(cls, text: str) -> "Eagle":
+    def parse(cls, text: str) -> Eagle:
         sizes, opts = _sections(text, cls.kind, f"{cls.kind}[:depth,topk,total][:opts]")
         out = cls(_sizes(sizes, 3, "depth,topk,total", text) if sizes else None)
         for opt in opts:
@@ -187,7 +381,58 @@ class Eagle:
             opts.append("fullvocab" if self.vocab == 0 else f"vocab={self.vocab}")
         return _joined(self.kind, self.sizes, opts)
 
+    @classmethod
+    def shipped(cls, model: str) -> Path | None:
+        from specjax.drafters import eagle
 
+        return eagle.shipped_head(model)
+
+    def check(self, options: Options) -> None:
+        """A ``draft_checkpoint`` holds a head of this kind (exported or published);
+        without one, a head ships for ``options.model_name``."""
+        if options.draft_checkpoint:
+            _head_dir(options.draft_checkpoint, "--draft-checkpoint", self.head_kind,
+                      published=True)
+        else:
+            self._check_default(options)
+
+    def _check_default(self, options: Options) -> None:
+        if self.shipped(options.model_name) is None:
+            raise FileNotFoundError(f"no EAGLE head ships for {options.model_name!r}; train "
+                                    "one with `specjax train eagle` and pass "
+                                    "--draft-checkpoint DIR")
+
+    def build(self, lm, options: Options) -> Built:
+        import jax
+
+        from specjax import export
+        from specjax.drafters import eagle, published
+
+        if options.draft_checkpoint and published.is_published(options.draft_checkpoint):
+            return _build_published(self, lm, options)
+        path = options.draft_checkpoint or self.shipped(options.model_name)  # check: set
+        head, meta = export.load_head(path, "eagle",
+                                      like=eagle.init_head(lm.model.config, jax.random.key(0)))
+        dparams = eagle.draft_params(_cast(head, lm), lm.model, lm.params,
+                                     _draft_vocab(self, meta, lm.model.config.vocab_size))
+        drafter = eagle.EagleDrafter(lm.model, **self.drafter_kwargs())
+        drafter.check_params(dparams)
+        return speculative(self, lm, options, drafter, dparams)
+
+    def random(self, lm, options: Options, key) -> Built:
+        """A random head; ``vocab=N``: the first ``N`` ids."""
+        import numpy as np
+
+        from specjax.drafters import eagle
+
+        head = _cast(eagle.init_head(lm.model.config, key), lm)
+        sub = None if not self.vocab else np.arange(self.vocab)
+        d = eagle.EagleDrafter(lm.model, **self.drafter_kwargs())
+        dp = eagle.draft_params(head, lm.model, lm.params, sub)
+        return speculative(self, lm, options, d, dp)
+
+
+@register
 @dataclasses.dataclass(frozen=True)
 class Eagle3(Eagle):
     """``eagle3[:depth,topk,total][:conf,norerank]``: a published EAGLE-3 head
@@ -197,16 +442,76 @@ class Eagle3(Eagle):
 
     kind: ClassVar[str] = "eagle3"
     default_sizes: ClassVar[tuple[int, int, int] | None] = (7, 10, 60)
+    head_kind: ClassVar[str] = "eagle3"
+    prefixes: ClassVar[tuple[str, ...]] = ("eagle3",)
+    forms: ClassVar[tuple[str, ...]] = ("eagle3[:depth,topk,total][:opts]",)
+    usage: ClassVar[str] = "eagle3[:depth,topk,total][:conf,norerank] (--draft-checkpoint)"
+    example: ClassVar[str | None] = "eagle3:7,10,60"
+    cli: ClassVar[CliOption | None] = None
+    ships_heads: ClassVar[bool] = False
+
+    @classmethod
+    def shipped(cls, model: str) -> Path | None:
+        return None
+
+    def _check_default(self, options: Options) -> None:
+        raise SpecError("eagle3 drafts with an EAGLE-3 head: pass --draft-checkpoint DIR, a "
+                        "published head (config.json and pytorch_model.bin or "
+                        "model.safetensors) or one `specjax train onpolicy --kind eagle3` "
+                        "exported")
+
+    def build(self, lm, options: Options) -> Built:
+        """Over a published head, or one ``specjax train onpolicy --kind eagle3`` exported."""
+        import jax
+
+        from specjax import export
+        from specjax.drafters import eagle3, published
+
+        path = options.draft_checkpoint  # check: an eagle3 head's directory
+        if published.is_published(path):
+            return _build_published(self, lm, options)
+        meta = export.read_meta(path, "eagle3")
+        ids = meta["vocab_ids"]
+        like = eagle3.init_head(lm.model.config, jax.random.key(0), len(ids))
+        head, _ = export.load_head(path, "eagle3", like=like)
+        drafter = eagle3.Eagle3Drafter(lm.model, layers=tuple(meta["layers"]),
+                                       **self.drafter_kwargs())
+        dparams = eagle3.draft_params(_cast(head, lm), lm.model, ids)
+        drafter.check_params(dparams)
+        return speculative(self, lm, options, drafter, dparams)
+
+    def random(self, lm, options: Options, key) -> Built:
+        """A random head over the first ``min(32000, vocab)`` ids (as the published
+        Llama-3.1 head's draft vocabulary)."""
+        import numpy as np
+
+        from specjax.drafters import eagle3
+
+        dv = min(32000, lm.model.config.vocab_size)
+        head = eagle3.init_head(lm.model.config, key, dv, lm.model.compute_dtype)
+        d = eagle3.Eagle3Drafter(lm.model, **self.drafter_kwargs())
+        dp = eagle3.draft_params(head, lm.model, np.arange(dv))
+        return speculative(self, lm, options, d, dp)
 
 
+@register
 @dataclasses.dataclass(frozen=True)
-class Redrafter:
+class Redrafter(Method):
     """``redrafter[:W,L][:nodedup]``: ``W`` beams of ``L`` drafted tokens."""
 
     sizes: tuple[int, int] | None = None
     dedup: bool = True
 
     kind: ClassVar[str] = "redrafter"
+    prefixes: ClassVar[tuple[str, ...]] = ("redrafter",)
+    forms: ClassVar[tuple[str, ...]] = ("redrafter[:W,L][:nodedup]",)
+    usage: ClassVar[str] = "redrafter[:W,L][:nodedup] (redrafter with --redrafter)"
+    example: ClassVar[str | None] = "redrafter:2,3"
+    cli: ClassVar[CliOption | None] = CliOption(
+        "redrafter", "--redrafter", "redrafter",
+        "ReDrafter spec: redrafter[:W,L][:nodedup] (W beams of L tokens)")
+    checkpoint: ClassVar[str | None] = "redrafter_checkpoint"
+    ships_heads: ClassVar[bool] = True
 
     def __post_init__(self):
         """``SpecError`` unless the sizes are ``W,L``, each >= 1."""
@@ -214,7 +519,7 @@ class Redrafter:
             raise SpecError(f"bad sizes {self.sizes} in redrafter: want W,L, each >= 1")
 
     @classmethod
-    def parse(cls, text: str) -> "Redrafter":
+    def parse(cls, text: str) -> Redrafter:
         sizes, opts = _sections(text, "redrafter", "redrafter[:W,L][:nodedup]")
         if any(o != "nodedup" for o in opts):
             raise SpecError(f"unknown ReDrafter option in {text!r}: nodedup")
@@ -228,14 +533,72 @@ class Redrafter:
     def format(self) -> str:
         return _joined("redrafter", self.sizes, [] if self.dedup else ["nodedup"])
 
+    @classmethod
+    def shipped(cls, model: str) -> Path | None:
+        from specjax.drafters import redrafter
 
+        return redrafter.shipped_head(model)
+
+    def check(self, options: Options) -> None:
+        """A ``redrafter_checkpoint`` holds an exported ReDrafter head."""
+        if options.redrafter_checkpoint:
+            _head_dir(options.redrafter_checkpoint, "--redrafter-checkpoint", "redrafter")
+
+    def build(self, lm, options: Options) -> Built:
+        import jax
+        import numpy as np
+
+        from specjax import export
+        from specjax.drafters import redrafter as rd
+
+        path = options.redrafter_checkpoint or self.shipped(options.model_name)
+        if path is None:
+            raise FileNotFoundError(f"no ReDrafter head ships for {options.model_name!r}; "
+                                    "train one: " + rd.RECIPE.format(model=options.model_name))
+        meta, cfg = export.read_meta(path, "redrafter"), lm.model.config
+        if meta.get("hidden_size") != cfg.hidden_size:
+            raise ValueError(f"{path} holds a ReDrafter head for hidden size "
+                             f"{meta.get('hidden_size')}, but "
+                             f"{options.model_name or 'the target'} has {cfg.hidden_size}")
+        like = rd.exportable(rd.init_head(cfg.hidden_size, meta["draft_vocab"],
+                                          jax.random.key(0), meta["blocks"]))
+        head, meta = export.load_head(path, "redrafter", like=like)
+        ids = meta.get("vocab_ids")
+        dparams = rd.draft_params(_cast(head, lm),
+                                  None if ids is None else np.asarray(ids, np.int32))
+        drafter = rd.RedrafterDrafter(lm.model, **self.drafter_kwargs())
+        drafter.check_params(dparams)
+        return speculative(self, lm, options, drafter, dparams)
+
+    def random(self, lm, options: Options, key) -> Built:
+        """A random head over the first ``min(8192, vocab)`` ids."""
+        import numpy as np
+
+        from specjax.drafters import redrafter as rd
+
+        cfg = lm.model.config
+        dv = min(8192, cfg.vocab_size)
+        head = _cast(rd.init_head(cfg.hidden_size, dv, key), lm)
+        d = rd.RedrafterDrafter(lm.model, **self.drafter_kwargs())
+        dp = rd.draft_params(head, np.arange(dv, dtype=np.int32))
+        return speculative(self, lm, options, d, dp)
+
+
+@register
 @dataclasses.dataclass(frozen=True)
-class HSD:
+class HSD(Method):
     """``hsd:SPEC`` (a ``HierarchySpec``), or ``hsd`` alone: tuned from a calibration."""
 
     hierarchy: HierarchySpec | None = None
 
     kind: ClassVar[str] = "hsd"
+    prefixes: ClassVar[tuple[str, ...]] = ("hsd",)
+    forms: ClassVar[tuple[str, ...]] = ("hsd[:SPEC]",)
+    usage: ClassVar[str] = "hsd[:SPEC] (hsd with --hierarchy)"
+    example: ClassVar[str | None] = "hsd:ngram:4,target"
+    cli: ClassVar[CliOption | None] = CliOption(
+        "hsd", "--hierarchy", "auto", "for hsd: auto (tuned from --calibration) or a spec "
+        "such as ngram:4,12:3,target")
 
     def __post_init__(self):
         """``SpecError`` for a hierarchy no target can run (``Hierarchy.check``'s rules but
@@ -253,7 +616,7 @@ class HSD:
             raise SpecError(f"hsd:{self.hierarchy.format()}: {e}") from None
 
     @classmethod
-    def parse(cls, text: str) -> "HSD":
+    def parse(cls, text: str) -> HSD:
         name, _, spec = text.partition(":")
         if name != "hsd":
             raise SpecError(f"bad method {text!r}: use hsd or hsd:SPEC")
@@ -264,20 +627,58 @@ class HSD:
         except ValueError as e:
             raise SpecError(str(e)) from None
 
+    @classmethod
+    def complete(cls, value: str) -> str:
+        return "hsd" if value == "auto" else f"hsd:{value}"
+
     def format(self) -> str:
         return "hsd" if self.hierarchy is None else f"hsd:{self.hierarchy.format()}"
 
+    def check(self, options: Options) -> None:
+        """``exit_heads`` holds exported exit heads; bare ``hsd``'s calibration is
+        readable and measured for ``options.model_name``."""
+        if options.exit_heads:
+            _head_dir(options.exit_heads, "--exit-heads", "exit-heads")
+        if self.hierarchy is None:
+            _calibration(options)
 
+    def build(self, lm, options: Options) -> Built:
+        from specjax.drafters.exit_heads import exit_head
+        from specjax.hsd.loop import HSD as HSDDecoder
+
+        note = None
+        if self.hierarchy is None:
+            hierarchy, heads, note = _tuned(lm, options)
+        else:
+            heads, layers, _ = exit_heads(lm, options)
+            hierarchy = self.hierarchy
+            try:
+                hierarchy.sigma(layers)  # every exit layer has a head (or is a plain exit)
+            except ValueError as e:
+                raise SpecError(str(e)) from None
+        h, hp = hierarchy.build(heads, exit_head)
+        h.check(lm.model)
+        dec = HSDDecoder(lm.model, h, mesh=lm.mesh, widths=options.widths)
+        dec.level_widths()  # a bad width policy fails here
+        return Built(HSD(hierarchy), dec, (lm.params, hp), f"hsd:{hierarchy.format()}", note)
+
+
+@register
 @dataclasses.dataclass(frozen=True)
-class Peer:
-    """``hf`` or ``hf-pld``: transformers' own decoding, which a benchmark runs beside ours."""
+class Peer(Method):
+    """``hf`` or ``hf-pld``: transformers' own decoding, which a benchmark runs beside ours
+    (``specjax.bench.peer_method``)."""
 
     name: str = "hf"
 
     kind: ClassVar[str] = "peer"
+    prefixes: ClassVar[tuple[str, ...]] = ("hf-pld", "hf")
+    forms: ClassVar[tuple[str, ...]] = ("hf", "hf-pld")
+    usage: ClassVar[str] = "hf | hf-pld (transformers' generate and prompt lookup; bench only)"
+    decodes: ClassVar[bool] = False
 
     @classmethod
-    def parse(cls, text: str) -> "Peer":
+    def parse(cls, text: str) -> Peer:
         if text not in ("hf", "hf-pld"):
             raise SpecError(f"bad method {text!r}")
         return cls(text)
@@ -285,34 +686,34 @@ class Peer:
     def format(self) -> str:
         return self.name
 
+    def build(self, lm, options: Options) -> Built:
+        raise SpecError(f"{self.format()} is a peer for benchmarks, not a specjax decoder")
 
-MethodSpec = AR | SD | Eagle | Eagle3 | Redrafter | HSD | Peer
-_PREFIXES = (("ar", AR), ("sd-", SD), ("eagle2", Eagle), ("eagle3", Eagle3),
-             ("redrafter", Redrafter), ("hsd", HSD), ("hf-pld", Peer), ("hf", Peer))
-FORMS = ("ar", "sd-ngram[:depth]", "sd-early-exit:L", "eagle2[:depth,topk,total][:opts]",
-         "eagle3[:depth,topk,total][:opts]", "redrafter[:W,L][:nodedup]", "hsd[:SPEC]", "hf",
-         "hf-pld")
+
+MethodSpec = AR | SD | Eagle | Eagle3 | Redrafter | HSD | Peer  # the built-in methods
 
 
 def parse(text: str) -> MethodSpec:
-    """The spec of one method's text form; ``SpecError`` naming the forms (or the rule a
-    spec breaks) otherwise, ``TypeError`` for a ``text`` that is not a ``str``."""
+    """The spec of one method's text form (the registered class whose longest prefix names
+    it parses it); ``SpecError`` naming the forms (or the rule a spec breaks) otherwise,
+    ``TypeError`` for a ``text`` that is not a ``str``."""
     if not isinstance(text, str):
         raise _type_error("methods.parse", "text", "a method's text form (str)", text)
     text = text.strip()
-    for prefix, cls in _PREFIXES:
-        if text == prefix.rstrip("-") or text.startswith(prefix if prefix.endswith("-")
-                                                          else prefix + ":"):
-            return cls.parse(text)
-    raise SpecError(f"unknown method {text!r}; available: {', '.join(FORMS)}")
+    cls = _class_of(text)
+    if cls is None:
+        raise SpecError(f"unknown method {text!r}; available: {', '.join(forms())}")
+    return cls.parse(text)
 
 
 def split(text: str) -> list[str]:
     """``"ar,eagle2:4,4,8:conf,vocab=4096,hf"`` -> ``["ar", "eagle2:4,4,8:conf,vocab=4096",
-    "hf"]``: a comma starts a new method only where a method name follows."""
+    "hf"]``: a comma starts a new method only where a registered method's name follows."""
     if not isinstance(text, str):
         raise _type_error("methods.split", "text", "comma-separated methods (str)", text)
-    parts = re.split(r",(?=\s*(?:ar\b|hf\b|hf-pld\b|sd-|eagle[23]|redrafter|hsd))", text)
+    names = sorted({p for cls in _REGISTRY for p in cls.prefixes}, key=len, reverse=True)
+    alts = "|".join(re.escape(p) + ("" if p.endswith("-") else r"\b") for p in names)
+    parts = re.split(rf",(?=\s*(?:{alts}))", text)
     return [m.strip() for m in parts if m.strip()]
 
 
@@ -362,7 +763,7 @@ def as_spec(spec: MethodSpec | str, where: str) -> MethodSpec:
     anything else."""
     if isinstance(spec, str):
         return parse(spec)
-    if not isinstance(spec, MethodSpec):
+    if not isinstance(spec, registered()):
         raise _type_error(where, "spec", "a method spec (methods.parse) or its text", spec)
     return spec
 
@@ -384,18 +785,14 @@ def build(spec: MethodSpec | str, lm, options: Options = Options()) -> Built:
     its parameters, heads loaded and checked. Raises ``TypeError`` for an argument of the
     wrong type, ``SpecError`` for a bad spec or option (``check``'s, then the model's: a
     draft vocabulary or exit layer it lacks), ``FileNotFoundError`` where no head ships,
-    before anything compiles."""
+    before anything compiles. Runs ``check`` and then the spec's own ``build``."""
     spec = as_spec(spec, "methods.build")
     _check_lm(lm, "methods.build")
     _check_options(options, "methods.build")
     if not options.model_name and isinstance(getattr(lm, "name", None), str):
         options = dataclasses.replace(options, model_name=lm.name)  # picks its shipped heads
     check(spec, options)
-    builders = {"ar": _build_ar, "sd": _build_sd, "eagle2": _build_eagle,
-                "eagle3": _build_eagle, "redrafter": _build_redrafter, "hsd": _build_hsd}
-    if spec.kind not in builders:
-        raise SpecError(f"{spec.format()} is a peer for benchmarks, not a specjax decoder")
-    return builders[spec.kind](spec, lm, options)
+    return spec.build(lm, options)
 
 
 def check(spec: MethodSpec | str, options: Options = Options()) -> MethodSpec:
@@ -404,28 +801,10 @@ def check(spec: MethodSpec | str, options: Options = Options()) -> MethodSpec:
     an ``eagle2`` without one has a head shipped for ``options.model_name``, and bare
     ``hsd``'s calibration is readable and measured for ``options.model_name``. Raises
     ``SpecError`` saying what is wrong with the given path (``FileNotFoundError`` where no
-    head ships); returns the spec."""
-    from specjax.drafters import eagle
-
+    head ships); returns the spec. Each spec's class checks its own (``Method.check``)."""
     spec = as_spec(spec, "methods.check")
     _check_options(options, "methods.check")
-    if spec.kind in ("eagle2", "eagle3") and options.draft_checkpoint:
-        _head_dir(options.draft_checkpoint, "--draft-checkpoint",
-                  "eagle" if spec.kind == "eagle2" else "eagle3", published=True)
-    elif spec.kind == "eagle3":
-        raise SpecError("eagle3 drafts with an EAGLE-3 head: pass --draft-checkpoint DIR, a "
-                        "published head (config.json and pytorch_model.bin or "
-                        "model.safetensors) or one `specjax train onpolicy --kind eagle3` "
-                        "exported")
-    elif spec.kind == "eagle2" and eagle.shipped_head(options.model_name) is None:
-        raise FileNotFoundError(f"no EAGLE head ships for {options.model_name!r}; train one "
-                                "with `specjax train eagle` and pass --draft-checkpoint DIR")
-    if spec.kind == "redrafter" and options.redrafter_checkpoint:
-        _head_dir(options.redrafter_checkpoint, "--redrafter-checkpoint", "redrafter")
-    if spec.kind == "hsd" and options.exit_heads:
-        _head_dir(options.exit_heads, "--exit-heads", "exit-heads")
-    if spec.kind == "hsd" and spec.hierarchy is None:
-        _calibration(options)
+    spec.check(options)
     return spec
 
 
@@ -471,50 +850,6 @@ def speculative(spec, lm, opts: Options, drafter, dparams) -> Built:
     return Built(spec, dec, (lm.params, dparams), spec.format())
 
 
-def _build_ar(spec: AR, lm, opts: Options) -> Built:
-    from specjax.core.decoding import AR as ARDecoder
-
-    return Built(spec, ARDecoder(lm.model, mesh=lm.mesh), lm.params, "ar")
-
-
-def _build_sd(spec: SD, lm, opts: Options) -> Built:
-    from specjax.drafters import EarlyExitDrafter, NGramDrafter
-
-    depth = opts.draft_len or spec.depth
-    kw = {} if depth is None else {"depth": depth}
-    if spec.drafter == "ngram":
-        drafter = NGramDrafter(**kw)
-    else:
-        n = lm.model.config.num_layers
-        if not 1 <= spec.layer < n:
-            raise SpecError(f"{spec.format()}: the exit layer must lie in [1, {n - 1}]")
-        drafter = EarlyExitDrafter(lm.model, spec.layer, **({} if opts.draft_len is None
-                                                            else {"depth": opts.draft_len}))
-    return speculative(spec, lm, opts, drafter, None)
-
-
-def _build_eagle(spec: Eagle, lm, opts: Options) -> Built:
-    import jax
-    import jax.numpy as jnp
-
-    from specjax import export
-    from specjax.drafters import eagle, published
-
-    if opts.draft_checkpoint and published.is_published(opts.draft_checkpoint):
-        return _build_published(spec, lm, opts)
-    if spec.kind == "eagle3":
-        return _build_eagle3(spec, lm, opts)
-    path = opts.draft_checkpoint or eagle.shipped_head(opts.model_name)  # check: not None
-    head, meta = export.load_head(path, "eagle",
-                                  like=eagle.init_head(lm.model.config, jax.random.key(0)))
-    head = jax.tree.map(lambda x: jnp.asarray(x, lm.model.compute_dtype), head)
-    dparams = eagle.draft_params(head, lm.model, lm.params,
-                                 _draft_vocab(spec, meta, lm.model.config.vocab_size))
-    drafter = eagle.EagleDrafter(lm.model, **spec.drafter_kwargs())
-    drafter.check_params(dparams)
-    return speculative(spec, lm, opts, drafter, dparams)
-
-
 def _draft_vocab(spec: Eagle, meta: dict, vocab: int):
     """The ids an exported EAGLE-2 head drafts over (None: all ``vocab``): the first
     ``spec.vocab`` (else the head's ``draft_vocab``) of its ``vocab_ids``, most frequent
@@ -539,27 +874,6 @@ def _draft_vocab(spec: Eagle, meta: dict, vocab: int):
     return ids[:spec.vocab]
 
 
-def _build_eagle3(spec: Eagle, lm, opts: Options) -> Built:
-    """``eagle3`` over a head ``specjax train onpolicy --kind eagle3`` exported."""
-    import jax
-    import jax.numpy as jnp
-
-    from specjax import export
-    from specjax.drafters import eagle3
-
-    path = opts.draft_checkpoint  # check: an exported eagle3 head's directory
-    meta = export.read_meta(path, "eagle3")
-    ids = meta["vocab_ids"]
-    like = eagle3.init_head(lm.model.config, jax.random.key(0), len(ids))
-    head, _ = export.load_head(path, "eagle3", like=like)
-    head = jax.tree.map(lambda x: jnp.asarray(x, lm.model.compute_dtype), head)
-    drafter = eagle3.Eagle3Drafter(lm.model, layers=tuple(meta["layers"]),
-                                   **spec.drafter_kwargs())
-    dparams = eagle3.draft_params(head, lm.model, ids)
-    drafter.check_params(dparams)
-    return speculative(spec, lm, opts, drafter, dparams)
-
-
 def _build_published(spec: Eagle, lm, opts: Options) -> Built:
     """An ``eagle2`` (EAGLE-1/2 head) or ``eagle3`` spec over a published head directory."""
     from specjax.drafters import published
@@ -579,34 +893,6 @@ def _build_published(spec: Eagle, lm, opts: Options) -> Built:
     return speculative(spec, lm, opts, drafter, dparams)
 
 
-def _build_redrafter(spec: Redrafter, lm, opts: Options) -> Built:
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from specjax import export
-    from specjax.drafters import redrafter as rd
-
-    path = opts.redrafter_checkpoint or rd.shipped_head(opts.model_name)
-    if path is None:
-        raise FileNotFoundError(f"no ReDrafter head ships for {opts.model_name!r}; train "
-                                "one: " + rd.RECIPE.format(model=opts.model_name))
-    meta, cfg = export.read_meta(path, "redrafter"), lm.model.config
-    if meta.get("hidden_size") != cfg.hidden_size:
-        raise ValueError(f"{path} holds a ReDrafter head for hidden size "
-                         f"{meta.get('hidden_size')}, but {opts.model_name or 'the target'} "
-                         f"has {cfg.hidden_size}")
-    like = rd.exportable(rd.init_head(cfg.hidden_size, meta["draft_vocab"], jax.random.key(0),
-                                      meta["blocks"]))
-    head, meta = export.load_head(path, "redrafter", like=like)
-    head = jax.tree.map(lambda x: jnp.asarray(x, lm.model.compute_dtype), head)
-    ids = meta.get("vocab_ids")
-    dparams = rd.draft_params(head, None if ids is None else np.asarray(ids, np.int32))
-    drafter = rd.RedrafterDrafter(lm.model, **spec.drafter_kwargs())
-    drafter.check_params(dparams)
-    return speculative(spec, lm, opts, drafter, dparams)
-
-
 def load_drafter(spec: MethodSpec | str, lm, model_name: str = "", checkpoint_dir=None):
     """``(drafter, dparams)`` of an ``eagle2`` or ``redrafter`` spec: its exported head
     (default: the one shipped for ``model_name``) loaded onto ``lm``'s devices, checked
@@ -614,8 +900,7 @@ def load_drafter(spec: MethodSpec | str, lm, model_name: str = "", checkpoint_di
     ``build`` does."""
     spec = as_spec(spec, "methods.load_drafter")
     _check_lm(lm, "methods.load_drafter")
-    field = {"eagle2": "draft_checkpoint", "eagle3": "draft_checkpoint",
-             "redrafter": "redrafter_checkpoint"}.get(spec.kind)
+    field = type(spec).checkpoint
     if field is None:
         raise SpecError(f"{spec.format()} has no trained head to load")
     path = None if checkpoint_dir is None else str(checkpoint_dir)
@@ -636,27 +921,6 @@ def exit_heads(lm, opts: Options, layers: Sequence[int] | None = None):
         heads, _ = eh.load_heads(lm.model, path, lm.model.compute_dtype)
         return heads, sorted(heads), str(opts.exit_heads or Path(str(path)).name)
     return {}, list(opts.layers if layers is None else layers), None
-
-
-def _build_hsd(spec: HSD, lm, opts: Options) -> Built:
-    from specjax.drafters.exit_heads import exit_head
-    from specjax.hsd.loop import HSD as HSDDecoder
-
-    note = None
-    if spec.hierarchy is None:
-        hierarchy, heads, note = _tuned(lm, opts)
-    else:
-        heads, layers, _ = exit_heads(lm, opts)
-        hierarchy = spec.hierarchy
-        try:
-            hierarchy.sigma(layers)  # every exit layer has a head (or is a plain exit)
-        except ValueError as e:
-            raise SpecError(str(e)) from None
-    h, hp = hierarchy.build(heads, exit_head)
-    h.check(lm.model)
-    dec = HSDDecoder(lm.model, h, mesh=lm.mesh, widths=opts.widths)
-    dec.level_widths()  # a bad width policy fails here
-    return Built(HSD(hierarchy), dec, (lm.params, hp), f"hsd:{hierarchy.format()}", note)
 
 
 def read_calibration(path: str) -> dict:
@@ -716,6 +980,8 @@ def draft_temperatures(calib: dict, n_levels: int) -> tuple | None:
     return None if t is None else tuple([t] * (n_levels - 1) + [None])
 
 
-__all__ = ["AR", "SD", "Eagle", "Redrafter", "HSD", "Peer", "MethodSpec", "Options", "Built",
-           "SpecError", "parse", "split", "as_spec", "check", "build", "speculative",
-           "load_drafter", "exit_heads", "read_calibration", "draft_temperatures", "FORMS"]
+__all__ = ["AR", "SD", "Eagle", "Eagle3", "Redrafter", "HSD", "Peer", "MethodSpec", "Method",
+           "CliOption", "Options", "Built", "SpecError", "register", "unregister",
+           "registered", "forms", "parse", "split", "as_spec", "check", "build", "speculative",
+           "load_drafter", "exit_heads", "read_calibration", "draft_temperatures",
+           "FORMS"]  # noqa: F822 -- FORMS is the module's __getattr__

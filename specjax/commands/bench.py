@@ -46,24 +46,25 @@ def _specs(names: list[str]) -> dict:
 
 
 def _runners(args, lm, specs: dict, threads: int, hierarchies: dict) -> dict:
-    """A bench ``Method`` per name; ``hierarchies`` gets each hsd method's hierarchy."""
-    from specjax import bench
+    """A bench ``Method`` per name: a peer's (``bench.peer_method``), else the built
+    decoder (``ar``: ``bench.ar_method``); ``hierarchies`` gets each hsd method's hierarchy."""
+    from specjax import bench, methods
 
-    peers = {s.name for s in specs.values() if s.kind == "peer"}
+    peers = [s for s in specs.values() if not s.decodes]
     hf = bench.load_hf(lm) if peers else None
     sampler = common.sampler(args)
     out = {}
     for name, spec in specs.items():
-        if spec.kind == "peer":
-            out[name] = (bench.hf_method(lm, threads, hf, max(args.temperature, 0.0))
-                         if spec.name == "hf" else bench.hf_pld_method(lm, threads, hf))
-        elif spec.kind == "ar":
+        if not spec.decodes:
+            out[name] = bench.peer_method(spec, lm, threads, hf, max(args.temperature, 0.0))
+            continue
+        if spec == methods.AR():  # the reference every other method is compared with
             out[name] = bench.ar_method(lm, sampler)
-        else:
-            built = common.build(spec, lm, args)
-            if spec.kind == "hsd":
-                hierarchies[name] = built.spec.hierarchy.format()
-            out[name] = bench.decoder_method(lm, built, sampler)
+            continue
+        built = common.build(spec, lm, args)
+        if spec.kind == "hsd":  # the report names the hierarchy a bare hsd was tuned to
+            hierarchies[name] = built.spec.hierarchy.format()
+        out[name] = bench.decoder_method(lm, built, sampler)
     return out
 
 
@@ -72,7 +73,7 @@ def cmd_bench(args) -> int:
 
     names = methods.split(args.methods)
     specs = _specs(names)
-    peers = sorted(s.name for s in specs.values() if s.kind == "peer")
+    peers = sorted(s.format() for s in specs.values() if not s.decodes)
     if peers:  # checked before the model loads
         from specjax._optional import require
 
@@ -84,7 +85,7 @@ def cmd_bench(args) -> int:
         raise UsageError("give --questions or --random-prompts, not both")
     common.writable(args.out, "--out")
     for spec in specs.values():  # head directories and calibration, before the model loads
-        if spec.kind != "peer":
+        if spec.decodes:
             common.check_method(spec, args)
     common.readable(args.questions, "--questions")
     questions = (None if args.random_prompts else  # checked before the model loads
@@ -205,14 +206,13 @@ def _bandwidth(lm, ar_tokens_per_s: float) -> dict:
 
 def register(sub) -> list:
     """Adds this module's commands to ``sub``; returns their parsers."""
+    from specjax import methods
+
     b = sub.add_parser("bench", help="tokens/s of methods side by side")
     common.add_model(b)
     common.add_mesh(b)
     b.add_argument("--methods", default="ar,hf",
-                   help="comma-separated: ar, hf, hf-pld, sd-ngram[:depth], sd-early-exit:L, "
-                        "eagle2[:depth,topk,total][:conf,norerank,fullvocab,vocab=N], "
-                        "eagle3[:depth,topk,total][:conf,norerank], "
-                        "redrafter[:W,L][:nodedup], hsd[:SPEC]")
+                   help="comma-separated: " + "; ".join(c.usage for c in methods.registered()))
     b.add_argument("--draft-len", type=int, help="draft tokens per round for sd-* methods")
     common.add_verify_widths(b)
     common.add_heads(b)

@@ -128,19 +128,15 @@ def load(args, m, **kw):
 
 def method_text(args) -> str:
     """``--method`` as one ``specjax.methods`` text form: a full spec (``eagle2:3,4,7``,
-    ``sd-ngram:7``, ``hsd:ngram:4,target``) as given, or a bare name completed by its
-    option (``sd`` + ``--drafter``, ``eagle2`` + ``--eagle``, ``redrafter`` +
-    ``--redrafter``, ``hsd`` + ``--hierarchy``)."""
-    m = args.method
-    if m == "sd":
-        return "sd-" + args.drafter
-    if m == "eagle2":
-        return args.eagle
-    if m == "redrafter":
-        return args.redrafter
-    if m == "hsd":
-        return "hsd" if args.hierarchy == "auto" else f"hsd:{args.hierarchy}"
-    return m
+    ``sd-ngram:7``, ``hsd:ngram:4,target``) as given, or a registered method's bare name
+    completed by its flag (``Method.cli``: ``sd`` + ``--drafter``, ``eagle2`` +
+    ``--eagle``, ``redrafter`` + ``--redrafter``, ``hsd`` + ``--hierarchy``)."""
+    from specjax import methods
+
+    for cls in methods.registered():
+        if cls.cli is not None and args.method == cls.cli.bare:
+            return cls.complete(getattr(args, cls.cli.dest))
+    return args.method
 
 
 def parse_method(text: str):
@@ -271,23 +267,31 @@ def add_sampling(s) -> None:
     s.add_argument("--top-p", type=float, default=1.0)
 
 
+def method_help() -> str:
+    """``--method``'s help, from the registered decoding methods: their bare names, the
+    flags completing them, and an example of each full spec."""
+    from specjax import methods
+
+    decoding = [c for c in methods.registered() if c.decodes]
+    bare = [c.cli.bare if c.cli else c.prefixes[0].rstrip("-") for c in decoding]
+    flags = [c.cli.flag for c in decoding if c.cli]
+    examples = [c.example for c in decoding if c.example]
+    return (f"{' | '.join(bare)}, completed by {', '.join(flags)}; or a full method spec "
+            f"such as {', '.join(examples)}. Forms: {'; '.join(c.usage for c in decoding)}")
+
+
 def add_method(s) -> None:
-    """``--method`` and what completes it (see ``method_text``)."""
+    """``--method`` and what completes it (see ``method_text``): each registered method's
+    ``cli`` flag."""
+    from specjax import methods
+
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--method", default="ar",
-                   help="ar | sd | eagle2 | eagle3 | redrafter | hsd, completed by --drafter, "
-                        "--eagle, --redrafter or --hierarchy; or a full method spec such as "
-                        "sd-ngram:7, eagle2:3,4,7, eagle3:7,10,60, redrafter:2,3 or "
-                        "hsd:ngram:4,target")
-    s.add_argument("--eagle", default="eagle2", help="EAGLE spec: "
-                   "eagle2[:depth,topk,total][:conf,norerank,fullvocab,vocab=N]")
-    s.add_argument("--redrafter", default="redrafter",
-                   help="ReDrafter spec: redrafter[:W,L][:nodedup] (W beams of L tokens)")
-    s.add_argument("--drafter", default="ngram", help="for sd: ngram[:depth] | early-exit:L")
+    s.add_argument("--method", default="ar", help=method_help())
+    for cls in methods.registered():
+        if cls.cli is not None:
+            s.add_argument(cls.cli.flag, default=cls.cli.default, help=cls.cli.help)
     s.add_argument("--draft-len", type=int, help="draft tokens per round (default: the "
                                                   "drafter's own)")
-    s.add_argument("--hierarchy", default="auto", help="for hsd: auto (tuned from "
-                   "--calibration) or a spec such as ngram:4,12:3,target")
     add_heads(s)
     add_hsd(s)
     add_verify_widths(s)
