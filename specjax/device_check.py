@@ -1074,8 +1074,6 @@ def main(argv=None) -> int:
     opts.capacity, opts.filled = (128, 64) if small else (1024, 800)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the device
 
-    import jax
-
     from specjax import bench
 
     budget = Budget(opts.budget)

@@ -166,8 +166,8 @@ def _prefix_hits(prefix: str, text: str) -> bool:
 
 def register(cls: type) -> type:
     """Adds the ``Method`` subclass ``cls`` to the registry (after the ones before it) and
-    returns it, as a class decorator. ``ValueError`` if it is not a ``Method`` subclass or a
-    prefix is taken by another registered class."""
+    returns it, as a class decorator. ``TypeError`` if it is not a ``Method`` subclass,
+    ``ValueError`` if a prefix is taken by another registered class."""
     if not (isinstance(cls, type) and issubclass(cls, Method)):
         raise TypeError(f"methods.register: {cls!r} is not a methods.Method subclass")
     taken = {p: c for c in _REGISTRY for p in c.prefixes}
