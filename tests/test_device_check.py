@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specjax import device_check
+from specjax import device_check, hlo
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,14 +35,14 @@ def test_hlo_stats_counts_loops_branches_and_host_transfers():
         return lax.fori_loop(0, 4, body_cb, x)
 
     x = jnp.ones((8, 8))
-    s = device_check.hlo_stats(jax.jit(decode).lower(x, 3).compile().as_text())
+    s = hlo.hlo_stats(jax.jit(decode).lower(x, 3).compile().as_text())
     assert s["host_transfers_in_module"] == 0
     r = s["round"]
     assert r["conditionals"] == 1 and r["host_transfers"] == 0 and r["kernels"] >= 2
     assert s["program"]["whiles"] >= 1 and s["program"]["kernels"] > r["kernels"]
-    cb = device_check.hlo_stats(jax.jit(with_callback).lower(x).compile().as_text())
+    cb = hlo.hlo_stats(jax.jit(with_callback).lower(x).compile().as_text())
     assert cb["round"]["host_transfers"] >= 1 and cb["host_transfers_in_module"] >= 1
-    fwd = device_check.hlo_stats(jax.jit(lambda x: jnp.tanh(x @ x).sum()).lower(x)
+    fwd = hlo.hlo_stats(jax.jit(lambda x: jnp.tanh(x @ x).sum()).lower(x)
                                  .compile().as_text())
     assert fwd["round"] is None and fwd["program"]["kernels"] >= 1
 
@@ -50,11 +50,11 @@ def test_hlo_stats_counts_loops_branches_and_host_transfers():
 def test_opcode_of_tuple_typed_instructions():
     line = ("  %w = (f32[2]{0}, s32[]) while(%t), condition=%c, body=%b, "
             'backend_config={"known_trip_count":{"n":"7"}}')
-    assert device_check._opcode(line) == "while"
-    assert device_check._opcode("  ROOT %a.1 = f32[2]{0} add(%x, %y)") == "add"
+    assert hlo._opcode(line) == "while"
+    assert hlo._opcode("  ROOT %a.1 = f32[2]{0} add(%x, %y)") == "add"
     comps = {"e": [("while", line)], "b": [("fusion", "  %f = f32[] fusion(%p)")],
              "c": [("fusion", "  %g = pred[] fusion(%p)")]}
-    c = device_check.count(comps, "e")
+    c = hlo.count(comps, "e")
     assert c.whiles == 1 and c.fusions == 7 + 8 and c.kernels == 15  # body 7x, condition 8x
 
 

@@ -1,4 +1,4 @@
-"""The decoding round's size in the compiled program (``device_check.hlo_stats``), so that it
+"""The decoding round's size in the compiled program (``specjax.hlo.hlo_stats``), so that it
 does not silently grow back: on an accelerator a small model is launch-bound, and each
 kernel, nested loop iteration and conditional of a round costs about the same whatever it
 computes. Tiny shapes, abstract weights (compile only), ``widths="padded"`` (what
@@ -11,7 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specjax import device_check as dc
+from specjax import hlo
 from specjax.core import decoder, decoding, sampling, speculative
 from specjax.drafters import eagle, ngram
 from specjax.models import llama, loading
@@ -45,7 +45,7 @@ def _round(method: str, layers: int = 2) -> dict:
             dparams = {"head": jax.eval_shape(lambda: eagle.init_head(cfg, jax.random.key(1)))}
         dec, params = speculative.Speculative(model, drafter, "padded"), (params, dparams)
     lowered = jax.jit(decoder._run, static_argnames=("dec",)).lower(params, batch, dec=dec)
-    return dc.hlo_stats(lowered.compile().as_text())["round"]
+    return hlo.hlo_stats(lowered.compile().as_text())["round"]
 
 
 def test_rounds_have_no_nested_loops_or_conditionals():
