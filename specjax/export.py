@@ -146,17 +146,26 @@ def _key(seg: str):
 
 # ----------------------------------------------------------------------------- writing
 
+def replaceable(out_dir: str | Path) -> bool:
+    """Whether ``export_head`` may write ``out_dir``: it does not exist, or it is a
+    directory holding nothing but an exported head's files (which it replaces)."""
+    out = Path(out_dir)
+    if not out.exists():
+        return True
+    ours = {HEAD_JSON, PARAMS, LEGACY_PARAMS, PARAMS + ".tmp"}
+    return out.is_dir() and all(p.name in ours for p in out.iterdir())
+
+
 def export_head(params: Any, out_dir: str | Path, meta: dict, dtype=jnp.bfloat16) -> Path:
     """Writes a head for inference into ``out_dir`` (replacing a head there): floating
     parameters cast to ``dtype`` (others as they are) in ``params.safetensors``, and
     ``meta`` with ``shapes`` and ``dtypes`` added in ``head.json``, written last. Returns
     the absolute directory. ``CheckpointError`` when ``out_dir`` holds something else."""
     out = Path(out_dir).absolute()
+    if not replaceable(out):
+        raise CheckpointError(f"{out} exists and is not an exported head; refusing to "
+                              f"overwrite it")
     if out.exists():
-        ours = {HEAD_JSON, PARAMS, LEGACY_PARAMS, PARAMS + ".tmp"}
-        if any(p.name not in ours for p in out.iterdir()):
-            raise CheckpointError(f"{out} exists and is not an exported head; refusing to "
-                                  f"overwrite it")
         shutil.rmtree(out)
     out.mkdir(parents=True)
     cast = jax.tree.map(lambda x: np.asarray(jnp.asarray(x, dtype) if jnp.issubdtype(
@@ -290,5 +299,5 @@ def _read_orbax(d: Path) -> Any:
                               f"({type(e).__name__}: {str(e)[:300]})") from e
 
 
-__all__ = ["CheckpointError", "export_head", "read_meta", "load_head", "place", "flatten",
+__all__ = ["CheckpointError", "export_head", "replaceable", "read_meta", "load_head", "place", "flatten",
            "unflatten", "shipped_dir"]

@@ -36,8 +36,7 @@ def _check_export(path: str | None) -> None:
         return
     from specjax import export
 
-    ours = {export.HEAD_JSON, export.PARAMS, export.LEGACY_PARAMS, export.PARAMS + ".tmp"}
-    if any(p.name not in ours for p in Path(path).iterdir()):
+    if not export.replaceable(path):
         raise UsageError(f"--export {path} is a non-empty directory that is not an exported "
                          "head; give a new or empty directory")
 
@@ -50,12 +49,8 @@ def _check_outputs(args) -> None:
 
 def _input_dir(path: str, flag: str) -> Path:
     """``path`` as an existing directory; ``UsageError`` naming ``flag`` otherwise."""
-    p = Path(path)
-    if not p.exists():
-        raise UsageError(f"{flag} {path} does not exist")
-    if not p.is_dir():
-        raise UsageError(f"{flag} {path} is a file; give a directory")
-    return p
+    common.readable(path, flag, directory=True)
+    return Path(path)
 
 
 def _check_prompts(path: str) -> None:
