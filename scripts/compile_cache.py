@@ -4,7 +4,7 @@ reading what the first wrote.
 
 Each pass is a fresh interpreter (this script with ``--child``) that sets
 ``SPECJAX_CACHE`` to one temporary directory, loads the model and, for every method of
-``specjax.device_check.ALL_METHODS``, builds it as ``python -m specjax.device_check`` does
+``scripts/device_check.py``'s ``ALL_METHODS``, builds it as the device check does
 (random EAGLE/EAGLE-3/ReDrafter heads: compile cost does not depend on the weights) and
 decodes one random prompt. ``compile_s`` is the lowering plus compilation of the method's
 decode program (``specjax._compile.AotCache``: what ``specjax bench`` reports),
@@ -39,12 +39,26 @@ _DURATIONS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
               "/jax/compilation_cache/cache_retrieval_time_sec": "cache_read_s"}
 
 
+def _device_check():
+    """The device check script beside this one (``scripts/device_check.py``), imported once
+    as the module ``device_check_script``."""
+    import importlib.util
+
+    name = "device_check_script"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, Path(__file__).resolve().with_name("device_check.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before running it: its dataclasses look it up
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def _model(name: str):
     """``(LoadedModel, device_check shape)``: the real weights, or ``random-<shape>``."""
     import jax.numpy as jnp
 
-    from specjax import device_check
-
+    device_check = _device_check()
     if name.startswith("random-"):
         key = name[len("random-"):]
         shapes = {**device_check._shapes(False), **device_check._shapes(True)}
@@ -63,7 +77,9 @@ def child(a) -> None:
     import numpy as np
 
     import specjax
-    from specjax import _cache, device_check
+    from specjax import _cache
+
+    device_check = _device_check()
 
     counts: dict[str, int] = {}
     secs: dict[str, float] = {}
@@ -84,9 +100,8 @@ def child(a) -> None:
                       "cache_dir": "a temporary directory" if _cache.directory() else None,
                       "cache_on": _cache.enabled(),
                       "specjax": specjax.__version__}), flush=True)
-    opts = argparse.Namespace(max_new_tokens=a.max_new_tokens, prompts=1,
-                              prompt_len=a.prompt_len, verify_widths=None)
-    args, layers = device_check._bench_args(lm, shape, opts)
+    settings = device_check.method_settings(lm, a.max_new_tokens)
+    layers = device_check.exit_layer(shape)
     ids = np.random.default_rng(0).integers(3, lm.model.config.vocab_size,
                                             a.prompt_len).tolist()
     cache_dir = _cache.directory()
@@ -95,7 +110,7 @@ def child(a) -> None:
         secs.clear()
         before = _dir_size(cache_dir)[1]
         t, cpu = time.perf_counter(), time.process_time()
-        run, label = device_check._runner(lm, args, method, layers)
+        run, label = device_check._runner(lm, settings, method, layers)
         r = run(ids, a.max_new_tokens)
         print(json.dumps({"method": method, "spec": label, "compile_s": round(r.compile_s, 3),
                           "first_call_s": round(time.perf_counter() - t, 3),
@@ -143,7 +158,7 @@ def main() -> None:
                    help="a registry name (real weights) or random-<device_check shape>, "
                         "e.g. random-smollm2-135m, random-tiny-llama")
     p.add_argument("--methods", help="methods separated by ';' (default: "
-                                     "specjax.device_check.ALL_METHODS)")
+                                     "scripts/device_check.py's ALL_METHODS)")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--note", default="", help="recorded as is (e.g. that the machine was "
@@ -153,9 +168,9 @@ def main() -> None:
     a = p.parse_args()
     if a.child:
         return child(a)
-    from specjax import bench, device_check
+    from specjax import bench
 
-    a.method_list = a.methods.split(";") if a.methods else list(device_check.ALL_METHODS)
+    a.method_list = a.methods.split(";") if a.methods else list(_device_check().ALL_METHODS)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="specjax-cc-") as cache:
         first = _pass(a, cache, "first")

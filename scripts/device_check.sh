@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared check of a GPU or TPU host (specjax/device_check.py): random weights of real
+# The prepared check of a GPU or TPU host (scripts/device_check.py): random weights of real
 # shapes (SmolLM2-135M, Llama-3.1-8B, Gemma-3-270M), offline, within a time budget (default
 # 480 s of phases, first compiles included; a hard stop 90 s later), results rewritten
 # after every measurement to docs/results/device_check_<device>.json with a plot beside it.
@@ -17,8 +17,9 @@
 # plugin, transformers, torch and matplotlib must be there already), unless the
 # interpreter's specjax is already this tree (an editable install). PYTHON picks the
 # interpreter (default: .venv/bin/python, else the first of python3, python with jax).
-# Python runs outside the tree, so that the tree's specjax/ folder does not shadow the
-# installed package (whose specjax.models lives in models/).
+# Python runs outside the tree (`python scripts/device_check.py` from a temporary directory
+# puts scripts/ first on sys.path, not the tree), so that the tree's specjax/ folder does not
+# shadow the installed package (whose specjax.models lives in models/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HERE=$(pwd -P)
@@ -77,4 +78,5 @@ done
 BUDGET=${EXPLICIT:-$BUDGET}
 HARD=$(( ${BUDGET%.*} + 90 ))
 cd "$ELSEWHERE"
-timeout --signal=INT --kill-after=30 "$HARD" "$PY" -m specjax.device_check ${ARGS[@]+"${ARGS[@]}"} --out "$OUT"
+timeout --signal=INT --kill-after=30 "$HARD" "$PY" "$HERE/scripts/device_check.py" \
+  ${ARGS[@]+"${ARGS[@]}"} --out "$OUT"

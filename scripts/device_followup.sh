@@ -14,10 +14,10 @@ OUT=${1:?usage: device_followup.sh OUT_DIR}
 PY=${PYTHON:-python3}
 HERE=$(cd "$(dirname "$0")/.." && pwd -P)
 case "$OUT" in /*) ;; *) OUT="$HERE/$OUT";; esac
-cd "$(mktemp -d)"  # the installed specjax, not the tree's folder
+cd "$(mktemp -d)"  # the installed specjax, not the tree's folder (sys.path[0] is scripts/)
 ARGS=(--shapes smollm2-135m --methods "ar,sd-ngram:7,eagle2:3,4,7" --widths 1 --no-hf
       --law-rows 0 --batch 1 --budget 60)
-timeout --signal=INT 90 "$PY" -m specjax.device_check "${ARGS[@]}" --out "$OUT/second"
+timeout --signal=INT 90 "$PY" "$HERE/scripts/device_check.py" "${ARGS[@]}" --out "$OUT/second"
 CMDBUF=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL
 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=$CMDBUF" \
-  timeout --signal=INT 90 "$PY" -m specjax.device_check "${ARGS[@]}" --out "$OUT/cmdbuf"
+  timeout --signal=INT 90 "$PY" "$HERE/scripts/device_check.py" "${ARGS[@]}" --out "$OUT/cmdbuf"

@@ -1,9 +1,11 @@
-"""The prepared accelerator check (``scripts/device_check.sh``, ``specjax.device_check``)
+"""The prepared accelerator check (``scripts/device_check.sh``, ``scripts/device_check.py``)
 runs its whole code path on this CPU in a small setting, and its HLO kernel counts see
-loops, branches and host transfers."""
+loops, branches and host transfers; the old module name ``specjax.device_check`` forwards
+to the script from a source checkout."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,9 +16,24 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specjax import device_check, hlo
+import specjax.device_check as shim
+from specjax import hlo
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _device_check():
+    """``scripts/device_check.py`` as the module ``device_check_script`` (imported once)."""
+    name = "device_check_script"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "device_check.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before running it: its dataclasses look it up
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+device_check = _device_check()
 
 
 def test_hlo_stats_counts_loops_branches_and_host_transfers():
@@ -71,7 +88,8 @@ def test_device_check_small_runs_every_method_equal_to_ar(tmp_path):
     rep = json.loads((tmp_path / "device_check_cpu.json").read_text())
     assert (tmp_path / "device_check_cpu.png").stat().st_size > 0
     assert rep["small"] and rep["settings"]["budget"] == 300
-    assert rep["complete"] and rep["skipped"] == [] and rep["failed"] == []
+    assert rep["complete"] and rep["skipped"] == [] and rep["failed"] == [], \
+        (rep["skipped"], rep["failed"])
     assert rep["elapsed_s"] < 300
     assert rep["device"]["platform"] == "cpu" and rep["device"]["count"] >= 1
     assert rep["bandwidth"]["method"].startswith("host") and rep["bandwidth"]["GBps"] > 0
@@ -150,3 +168,43 @@ def test_incomplete_lists_skips_errors_and_real_mismatches():
     assert device_check.incomplete({"phases": [], "shapes": {}}, 8) == ([], [])
     res["law"]["passed"] = False
     assert "law check" in device_check.incomplete(res, 8)[1][0]
+
+
+def test_settings_fill_the_small_and_full_defaults():
+    small, full = device_check.settings(small=True, batch=None), device_check.settings()
+    assert (small.budget, small.max_new_tokens, small.widths, small.capacity) == \
+        (300.0, 16, "1,4,16", 128)
+    assert (full.budget, full.max_new_tokens, full.widths, full.capacity) == \
+        (480.0, 128, "1,8,16,32,64", 1024)
+    assert small.batch == full.batch == 8 and 2 <= small.workers <= 12
+    assert device_check.settings(small=True, max_new_tokens=4).max_new_tokens == 4
+
+
+def test_old_module_name_runs_the_script():
+    """``python -m specjax.device_check ARGS`` from a source checkout: the script with the
+    same arguments (its help, its usage error), after one line saying it moved."""
+    run = [sys.executable, "-m", "specjax.device_check"]
+    help_ = subprocess.run([*run, "--help"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
+    assert help_.returncode == 0, help_.stderr[-2000:]
+    assert "usage: python scripts/device_check.py" in help_.stdout
+    (line,) = help_.stderr.splitlines()
+    assert "specjax.device_check moved to" in line and "scripts/device_check.py" in line
+    bad = subprocess.run([*run, "--small", "--shapes", "nope"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "unknown shapes ['nope']" in bad.stderr
+
+
+def test_old_module_name_without_the_script(tmp_path, monkeypatch, capsys):
+    """An installed wheel (no ``scripts/`` beside the package nor under the current
+    directory): exit 2 with one line naming ``scripts/device_check.sh``; a script under the
+    current directory is found."""
+    monkeypatch.setattr(shim, "__file__", str(tmp_path / "site" / "specjax" / "device_check.py"))
+    monkeypatch.chdir(tmp_path)
+    assert shim.find_script() is None
+    assert shim.main(["--small"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "scripts/device_check.sh" in line
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "device_check.py").write_text("")
+    assert shim.find_script().resolve() == (tmp_path / "scripts" / "device_check.py").resolve()

@@ -17,12 +17,27 @@ from specjax import bench, divergence, methods
 NEW, PROMPT_LEN, N_PROMPTS = 16, 12, 2
 
 
+def _device_check():
+    """``scripts/device_check.py`` as the module ``device_check_script`` (imported once)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "device_check_script"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "scripts" / "device_check.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before running it: its dataclasses look it up
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 @pytest.fixture(scope="module")
 def tiny():
     """The device check's tiny Llama (float32 weights and products), sharpened as there."""
-    from specjax.device_check import _shapes, random_model
-
-    return random_model("tiny-llama", _shapes(small=True)["tiny-llama"], scale=3.0)
+    dc = _device_check()
+    return dc.random_model("tiny-llama", dc._shapes(small=True)["tiny-llama"], scale=3.0)
 
 
 @pytest.fixture(scope="module")
@@ -177,14 +192,12 @@ def test_bench_reports_counts_and_exits_non_zero_on_a_real_mismatch(
 def test_device_check_records_real_mismatches(tiny, questions, monkeypatch):
     """`device_check.run_methods`: per method the divergence counts and `real_mismatches`
     (0 for methods equal to ar)."""
-    from specjax import cli, device_check
-
+    device_check = _device_check()
     _corrupt(monkeypatch, "sd-ngram:7", list(questions[1].ids), 5, tiny.model.config.vocab_size)
-    args = cli.build_parser().parse_args(
-        ["bench", "--random-prompts", str(N_PROMPTS), "--prompt-len", str(PROMPT_LEN),
-         "--max-new-tokens", str(NEW)])
+    settings = device_check.MethodSettings(max_new_tokens=NEW)
     out, ref, defer = {}, {}, []
-    device_check.run_methods(tiny, questions, args, 2, ["ar", "sd-ngram:7", "sd-early-exit:2"],
+    device_check.run_methods(tiny, questions, settings, 2,
+                             ["ar", "sd-ngram:7", "sd-early-exit:2"],
                              device_check.Budget(600.0), out, ref, lambda: None, defer)
     # the diverging method is classified after every timing, the others at once
     assert [m for m, _, _ in defer] == ["sd-ngram:7"] and "divergence" not in out["sd-ngram:7"]
