@@ -1,9 +1,11 @@
 """Exported draft heads on disk: a directory with ``head.json`` (kind, target, shapes,
 training metadata) and the parameters in ``params.safetensors``.
 
-The inference side (``specjax.drafters.eagle``, ``specjax.drafters.exit_heads``,
-``specjax.drafters.redrafter``) loads heads from here and never imports the training
-package; training writes them with ``export_head``.
+This module knows the file layout, not the kinds: ``specjax.head_io`` has one save and
+one load function per kind of head (what each writes into ``head.json`` and the parameter
+template a directory is checked against), used by decoding (``specjax.methods``) and by
+training (``specjax.train``) alike; the inference side never imports the training
+package.
 
 A head is placed on the devices in use when it loads (``load_head``): the file records
 no device, so a head exported on a CPU loads on a GPU or TPU, on one device or on a mesh.

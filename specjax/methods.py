@@ -403,16 +403,13 @@ class Eagle(Method):
                                     "--draft-checkpoint DIR")
 
     def build(self, lm, options: Options) -> Built:
-        import jax
-
-        from specjax import export
+        from specjax import head_io
         from specjax.drafters import eagle, published
 
         if options.draft_checkpoint and published.is_published(options.draft_checkpoint):
             return _build_published(self, lm, options)
         path = options.draft_checkpoint or self.shipped(options.model_name)  # check: set
-        head, meta = export.load_head(path, "eagle",
-                                      like=eagle.init_head(lm.model.config, jax.random.key(0)))
+        head, meta = head_io.load_eagle(path, lm.model.config)
         dparams = eagle.draft_params(_cast(head, lm), lm.model, lm.params,
                                      _draft_vocab(self, meta, lm.model.config.vocab_size))
         drafter = eagle.EagleDrafter(lm.model, **self.drafter_kwargs())
@@ -462,18 +459,14 @@ class Eagle3(Eagle):
 
     def build(self, lm, options: Options) -> Built:
         """Over a published head, or one ``specjax train onpolicy --kind eagle3`` exported."""
-        import jax
-
-        from specjax import export
+        from specjax import head_io
         from specjax.drafters import eagle3, published
 
         path = options.draft_checkpoint  # check: an eagle3 head's directory
         if published.is_published(path):
             return _build_published(self, lm, options)
-        meta = export.read_meta(path, "eagle3")
+        head, meta = head_io.load_eagle3(path, lm.model.config)
         ids = meta["vocab_ids"]
-        like = eagle3.init_head(lm.model.config, jax.random.key(0), len(ids))
-        head, _ = export.load_head(path, "eagle3", like=like)
         drafter = eagle3.Eagle3Drafter(lm.model, layers=tuple(meta["layers"]),
                                        **self.drafter_kwargs())
         dparams = eagle3.draft_params(_cast(head, lm), lm.model, ids)
@@ -545,27 +538,16 @@ class Redrafter(Method):
             _head_dir(options.redrafter_checkpoint, "--redrafter-checkpoint", "redrafter")
 
     def build(self, lm, options: Options) -> Built:
-        import jax
-        import numpy as np
-
-        from specjax import export
+        from specjax import head_io
         from specjax.drafters import redrafter as rd
 
         path = options.redrafter_checkpoint or self.shipped(options.model_name)
         if path is None:
             raise FileNotFoundError(f"no ReDrafter head ships for {options.model_name!r}; "
                                     "train one: " + rd.RECIPE.format(model=options.model_name))
-        meta, cfg = export.read_meta(path, "redrafter"), lm.model.config
-        if meta.get("hidden_size") != cfg.hidden_size:
-            raise ValueError(f"{path} holds a ReDrafter head for hidden size "
-                             f"{meta.get('hidden_size')}, but "
-                             f"{options.model_name or 'the target'} has {cfg.hidden_size}")
-        like = rd.exportable(rd.init_head(cfg.hidden_size, meta["draft_vocab"],
-                                          jax.random.key(0), meta["blocks"]))
-        head, meta = export.load_head(path, "redrafter", like=like)
-        ids = meta.get("vocab_ids")
-        dparams = rd.draft_params(_cast(head, lm),
-                                  None if ids is None else np.asarray(ids, np.int32))
+        head, meta = head_io.load_redrafter(path, lm.model.config.hidden_size,
+                                            target=options.model_name or "the target")
+        dparams = rd.draft_params(_cast(head, lm), head_io.redrafter_vocab(meta))
         drafter = rd.RedrafterDrafter(lm.model, **self.drafter_kwargs())
         drafter.check_params(dparams)
         return speculative(self, lm, options, drafter, dparams)
@@ -912,13 +894,14 @@ def exit_heads(lm, opts: Options, layers: Sequence[int] | None = None):
     """``(heads, layers, source)``: trained exit heads from ``opts.exit_heads`` (default:
     the ones shipped for the model, named by directory, never by a machine path), else
     plain early exits at ``layers`` (default ``opts.layers``)."""
+    from specjax import head_io
     from specjax.drafters import exit_heads as eh
 
     _check_lm(lm, "methods.exit_heads")
     _check_options(opts, "methods.exit_heads")
     path = opts.exit_heads or eh.shipped_heads(opts.model_name)
     if path is not None:
-        heads, _ = eh.load_heads(lm.model, path, lm.model.compute_dtype)
+        heads, _ = head_io.load_exit_heads(path, lm.model, lm.model.compute_dtype)
         return heads, sorted(heads), str(opts.exit_heads or Path(str(path)).name)
     return {}, list(opts.layers if layers is None else layers), None
 

@@ -14,9 +14,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [("_cache", "_compile", "_optional", "_timing", "_xla_flags", "sharding", "export",
            "hlo"),
-          ("models",), ("core",), ("drafters",), ("hsd",), ("methods", "divergence"),
-          ("__init__",), ("bench", "demo", "train"), ("commands",), ("cli",),
-          ("device_check",)]
+          ("models",), ("core",), ("drafters",), ("hsd",), ("head_io",),
+          ("methods", "divergence"), ("__init__",), ("bench", "demo", "train"), ("commands",),
+          ("cli",), ("device_check",)]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 

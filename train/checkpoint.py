@@ -2,7 +2,8 @@
 
 A run directory holds ``run.json`` (what is being trained: a mismatch is refused) and an
 Orbax ``CheckpointManager`` tree of ``{params, opt_state, step}``. Exported heads (what
-inference loads) live in ``specjax.export``; their functions are re-exported here.
+inference loads) are written and read per kind by ``specjax.head_io``, on
+``specjax.export``'s layout; export's functions are re-exported here.
 """
 
 from __future__ import annotations

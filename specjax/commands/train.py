@@ -150,13 +150,11 @@ def cmd_features(args) -> int:
 
 
 def cmd_train_exits(args) -> int:
-    import dataclasses
-
     _check_ranges(args, "exit-heads")
     _check_outputs(args)
     from tqdm import tqdm
 
-    from specjax.train import checkpoint, distill
+    from specjax.train import distill, glue
     from specjax.train import exit_heads as train_exits
 
     try:
@@ -165,10 +163,7 @@ def cmd_train_exits(args) -> int:
         raise UsageError(f"--layers must be comma-separated ints, got {args.layers!r}") from None
     corpus = distill.load_shards(_input_dir(args.data, "--data"))
     lm = _load(args)
-    cfg = train_exits.ExitConfig(layers=layers, rank=args.rank, steps=args.steps,
-                                 batch_tokens=args.batch_tokens, max_len=args.max_len,
-                                 lr=args.lr, seed=args.seed, save_every=args.save_every,
-                                 kl_vocab=args.kl_vocab)
+    cfg = glue.from_args(train_exits.ExitConfig, args, layers=layers)
     log = RunLog(args.run)
     print(f"{len(corpus)} examples, {sum(len(t) for t, _, _ in corpus)} tokens; {cfg}", flush=True)
     def feats():
@@ -180,47 +175,27 @@ def cmd_train_exits(args) -> int:
                                   progress=bar, log=log, mesh=common.mesh(args, rows=None),
                                   meta={"model": args.model, "data": str(Path(args.data))})
     if args.export:
-        summary = Path(args.data, "summary.json")
-        meta = {"kind": "exit-heads", "model": args.model, "layers": list(cfg.layers),
-                "rank": cfg.rank, "train": dataclasses.asdict(cfg),
-                "steps_done": int(state["step"]),
-                "data": json.loads(summary.read_text()) if summary.exists() else None}
-        ids = train_exits.vocab_ids(corpus, lm.model.config.vocab_size, cfg)
-        if ids is not None:  # the exits propose only tokens the KL was taken over
-            meta["vocab_ids"] = ids.tolist()
-        out = checkpoint.export_head(state["params"], args.export, meta)
+        out = glue.export_exit_heads(state, cfg, args.export, model=args.model, corpus=corpus,
+                                     vocab_size=lm.model.config.vocab_size, data_dir=args.data)
         print(f"exported the exit heads (bfloat16) to {out}")
     return 0
 
 
 def cmd_train(args) -> int:
-    import dataclasses
-
     _check_ranges(args, "eagle")
     _check_outputs(args)
-    import jax
     from tqdm import tqdm
 
-    from specjax.train import checkpoint, distill
+    from specjax.train import distill, glue
     from specjax.train import eagle as train_eagle
 
     corpus = distill.load_shards(_input_dir(args.data, "--data"))
     lm = _load(args, vocab=True)
-    cfg = train_eagle.TrainConfig(steps=args.steps, batch_tokens=args.batch_tokens,
-                                  max_len=args.max_len, lr=args.lr, seed=args.seed,
-                                  save_every=args.save_every, ce_vocab=args.ce_vocab,
-                                  val_examples=args.val_examples, warmup=args.warmup,
-                                  w_reg=args.w_reg, w_ce=args.w_ce, noise=args.noise,
-                                  all_positions=args.all_positions)
+    cfg = glue.from_args(train_eagle.TrainConfig, args)
     log = RunLog(args.run)
     n_tok = sum(len(t) - (0 if cfg.all_positions else pl) for t, pl, _ in corpus)
     print(f"{len(corpus)} examples, {n_tok} trained tokens; {cfg}", flush=True)
-    init = None
-    if args.init:
-        from specjax.drafters import eagle
-
-        init, _ = checkpoint.load_head(args.init, "eagle",
-                                       like=eagle.init_head(lm.model.config, jax.random.key(0)))
+    init = glue.eagle_init(args.init, lm.model.config) if args.init else None
     with tqdm(total=cfg.steps, desc="train eagle", unit="step") as bar:
         state = train_eagle.train(lm.model, lm.params, corpus, cfg, args.run, progress=bar, log=log,
                                   mesh=common.mesh(args, rows=None),
@@ -228,37 +203,22 @@ def cmd_train(args) -> int:
                                         "init": args.init and Path(args.init).name},
                                   init=init)
     if args.export:
-        ids = train_eagle.vocab_by_frequency(corpus, lm.model.config.vocab_size, 32768)
-        summary = Path(args.data, "summary.json")
-        meta = {"kind": "eagle", "model": args.model, "draft_vocab": args.draft_vocab,
-                "train": dataclasses.asdict(cfg), "steps_done": int(state["step"]),
-                "data": json.loads(summary.read_text()) if summary.exists() else None,
-                "vocab_ids": ids.tolist()}
-        out = checkpoint.export_head(state["params"], args.export, meta)
+        out = glue.export_eagle(state, cfg, args.export, model=args.model, corpus=corpus,
+                                vocab_size=lm.model.config.vocab_size,
+                                draft_vocab=args.draft_vocab, data_dir=args.data)
         print(f"exported the head (bfloat16) to {out}")
     return 0
 
 
 def cmd_train_redrafter(args) -> int:
-    import dataclasses
-
     _check_ranges(args, "redrafter")
     _check_outputs(args)
-    import jax
-    import numpy as np
     from tqdm import tqdm
 
-    from specjax import export
-    from specjax.drafters import redrafter
-    from specjax.train import distill, shards
+    from specjax.train import distill, glue, shards
     from specjax.train import redrafter as train_rd
 
-    cfg = train_rd.TrainConfig(steps=args.steps, batch_tokens=args.batch_tokens,
-                               max_len=args.max_len, unroll=args.unroll, blocks=args.blocks,
-                               draft_vocab=args.draft_vocab, loss=args.loss, lr=args.lr,
-                               warmup=args.warmup, seed=args.seed, save_every=args.save_every,
-                               val_examples=args.val_examples,
-                               all_positions=not args.answers_only)
+    cfg = glue.from_args(train_rd.TrainConfig, args, all_positions=not args.answers_only)
     if args.shards:  # every shard present and unaltered before the target loads
         shards.check_store(_input_dir(args.shards, "--shards"), required=True)
     corpus = None if args.shards else distill.load_shards(_input_dir(args.data, "--data"))
@@ -275,14 +235,8 @@ def cmd_train_redrafter(args) -> int:
                          "built for another model")
     print(f"{len(corpus)} examples, {sum(len(t) for t, _, _ in corpus)} tokens; {cfg}",
           flush=True)
-    init = None
-    if args.init:  # fine-tune an exported head: its parameters and its draft vocabulary
-        meta = export.read_meta(args.init, "redrafter")
-        like = redrafter.exportable(redrafter.init_head(
-            meta["hidden_size"], meta["draft_vocab"], jax.random.key(0), meta["blocks"]))
-        head, meta = export.load_head(args.init, "redrafter", like=like)
-        ids = meta.get("vocab_ids")
-        init = (head, None if ids is None else np.asarray(ids, np.int32))
+    # --init: fine-tune an exported head, its parameters and its draft vocabulary
+    init = glue.redrafter_init(args.init) if args.init else None
     with tqdm(total=cfg.steps, desc="train redrafter", unit="step") as bar:
         state, ids = train_rd.train(lm.model, lm.params, corpus, cfg, args.run, progress=bar,
                                     log=RunLog(args.run), init=init,
@@ -291,69 +245,24 @@ def cmd_train_redrafter(args) -> int:
                                           "data": Path(args.data or args.shards).name,
                                           "init": args.init and Path(args.init).name})
     if args.export:
-        summary = Path(args.data or "-", "summary.json")
-        meta = {"kind": "redrafter", "model": args.model,
-                "hidden_size": lm.model.config.hidden_size, "blocks": cfg.blocks,
-                "draft_vocab": lm.model.config.vocab_size if ids is None else len(ids),
-                "train": dataclasses.asdict(cfg), "steps_done": int(state["step"]),
-                "data": (json.loads(summary.read_text()) if summary.exists() else
-                         _store_summary(args.shards) if args.shards else None),
-                "init": args.init and Path(args.init).name,
-                "vocab_ids": None if ids is None else ids.tolist()}
-        out = export.export_head(redrafter.exportable(state["params"]), args.export, meta)
+        out = glue.export_redrafter(state, cfg, ids, args.export, model=args.model,
+                                    data_dir=args.data, shards=args.shards, init=args.init)
         print(f"exported the head (bfloat16) to {out}")
     return 0
 
 
-def _store_summary(root: str) -> dict:
-    """What an exported head records of the shard store it trained on."""
-    m = json.loads(Path(root, "manifest.json").read_text())
-    return {"kind": "onpolicy", "store": Path(root).name, "target": m["target"],
-            "sampling": m["sampling"], "rounds": len(m["shards"]),
-            "tokens": sum(s["tokens"] for s in m["shards"]),
-            "answer_tokens": sum(s["answer_tokens"] for s in m["shards"])}
-
-
-def _init_dir(args) -> str:
-    """The head directory ``--init`` names (``shipped``: the model's shipped EAGLE head)."""
+def _onpolicy_start(args, kind):
+    """``--init`` as a ``glue.Start`` (``shipped``: the head that ships for the model;
+    ``none``: a random head), read from head.json alone, before the target loads;
+    ``UsageError`` for ``shipped`` where no head ships."""
     from specjax.drafters import eagle
-
-    return eagle.shipped_head(args.model) if args.init == "shipped" else args.init
-
-
-def _onpolicy_init(args, kind) -> tuple[str | None, list | None]:
-    """``(head directory to start from or None, vocabulary order or None)`` from ``--init``
-    (``shipped``: the head that ships for the model; ``none``: a random head), read from
-    head.json alone, before the target loads."""
-    from specjax import export
-    from specjax.drafters import eagle
+    from specjax.train import glue
 
     shipped = eagle.shipped_head(args.model)
-    if args.init == "none":  # a random head; the shipped head's vocabulary order if any
-        return None, (export.read_meta(shipped, "eagle").get("vocab_ids") if shipped else None)
-    path = shipped if args.init == "shipped" else args.init
-    if path is None:
+    if args.init == "shipped" and shipped is None:
         raise UsageError(f"--init shipped: no EAGLE head ships for {args.model!r}; "
                          "give --init none or a head directory")
-    saved = export.read_kind(path)
-    meta = export.read_meta(path, saved if saved in ("eagle", "eagle3") else kind.name)
-    # an EAGLE-2 head gives an EAGLE-3 run its vocabulary only
-    return (path if meta["kind"] == kind.name else None), meta.get("vocab_ids")
-
-
-def _onpolicy_head(path, lm, kind, order):
-    """The parameters of the head at ``path`` (None: none) for ``lm``'s target; an EAGLE-3
-    head has a row per id of its vocabulary ``order``."""
-    if path is None:
-        return None
-    import jax
-
-    from specjax import export
-    from specjax.drafters import eagle, eagle3
-
-    like = (eagle.init_head(lm.model.config, jax.random.key(0)) if kind.name == "eagle" else
-            eagle3.init_head(lm.model.config, jax.random.key(0), len(order)))
-    return export.load_head(path, kind.name, like=like)[0]
+    return glue.onpolicy_start(args.init, shipped, kind)
 
 
 def _onpolicy_vocab(args, cfg, order):
@@ -375,31 +284,28 @@ def _onpolicy_vocab(args, cfg, order):
 
 
 def _onpolicy_inputs(args, kind):
-    """``(config, prompt pool, init head path, vocabulary order, draft vocabulary)``: every
-    flag and input of ``train onpolicy`` checked, the store's shards to replay among them,
-    before the target loads (``UsageError`` for a flag, ``ShardError`` for the store)."""
-    from specjax.train import onpolicy, ttt
+    """``(config, prompt pool, glue.Start, draft vocabulary)``: every flag and input of
+    ``train onpolicy`` checked, the store's shards to replay among them, before the target
+    loads (``UsageError`` for a flag, ``ShardError`` for the store)."""
+    from specjax.train import glue, onpolicy, ttt
 
     _check_ranges(args, "onpolicy")
     common.writable(args.run, "--run", directory=True)
     common.writable(args.shards, "--shards", directory=True)
     _check_export(args.export)
     _check_prompts(args.prompts)
-    cfg = onpolicy.OnPolicyConfig(
-        rounds=args.rounds, batch=args.batch, max_new_tokens=args.max_new_tokens,
-        passes=args.passes, batch_tokens=args.batch_tokens, lr=args.lr, warmup=args.warmup,
-        draft_vocab=args.draft_vocab, val_prompts=args.val_prompts, val_every=args.val_every,
-        seed=args.seed, loss=ttt.LossConfig(k=args.ttt, noise=args.noise))
+    cfg = glue.from_args(onpolicy.OnPolicyConfig, args,
+                         loss=glue.from_args(ttt.LossConfig, args, k=args.ttt))
     pool = onpolicy.prompt_pool(args.prompts, _spec_bench_texts(args.exclude), args.seed)
     need = cfg.val_prompts + cfg.rounds * cfg.batch
     if need > len(pool):
         raise UsageError(f"--rounds {cfg.rounds} of --batch {cfg.batch} prompts and "
                          f"--val-prompts {cfg.val_prompts} need {need} prompts; "
                          f"--prompts {args.prompts} has {len(pool)}")
-    init, order = _onpolicy_init(args, kind)
-    vocab_ids = _onpolicy_vocab(args, cfg, order)
+    start = _onpolicy_start(args, kind)
+    vocab_ids = _onpolicy_vocab(args, cfg, start.order)
     onpolicy.check_store(args.shards, args.run, cfg, _exclude_name(args), args.stop_after)
-    return cfg, pool, init, order, vocab_ids
+    return cfg, pool, start, vocab_ids
 
 
 def _exclude_name(args) -> str:
@@ -412,15 +318,15 @@ def cmd_train_onpolicy(args) -> int:
     import numpy as np
     from tqdm import tqdm
 
-    from specjax.train import onpolicy, shards, ttt
+    from specjax.train import glue, onpolicy, shards, ttt
 
     kind = ttt.EAGLE3 if args.kind == "eagle3" else ttt.EAGLE2
-    cfg, pool, init, order, vocab_ids = _onpolicy_inputs(args, kind)
+    cfg, pool, start, vocab_ids = _onpolicy_inputs(args, kind)
     lm = _load(args, vocab=True)
     thash = shards.target_hash(lm.model.config, lm.params)
     store = shards.ShardStore(args.shards, onpolicy.store_header(
         lm, cfg, _exclude_name(args), thash), lm.model.config.vocab_size)
-    head = _onpolicy_head(init, lm, kind, order)
+    head = glue.onpolicy_head(start, lm.model.config, kind)
     vfile = Path(args.run, "vocab_ids.npy")
     if not vfile.exists():
         vfile.parent.mkdir(parents=True, exist_ok=True)
@@ -432,26 +338,11 @@ def cmd_train_onpolicy(args) -> int:
                                progress=bar, log=RunLog(args.run),
                                stop_after=args.stop_after)
     if args.export:
-        _export_onpolicy(args, lm, kind, cfg, state, order, vocab_ids)
+        out = glue.export_onpolicy(state, kind, cfg, args.export, model=args.model,
+                                   target_cfg=lm.model.config, start=start,
+                                   shards=args.shards, vocab_ids=vocab_ids)
+        print(f"exported the head (bfloat16) to {out}")
     return 0
-
-
-def _export_onpolicy(args, lm, kind, cfg, state, order, vocab_ids) -> None:
-    import dataclasses
-
-    from specjax import export
-
-    meta = {"kind": kind.name, "model": args.model, "draft_vocab": 0,
-            "train": {**dataclasses.asdict(cfg), "onpolicy": True},
-            "steps_done": int(state["step"]), "tokens_seen": int(state["tokens"]),
-            "init": "none" if args.init == "none" else Path(_init_dir(args)).name,
-            "data": _store_summary(args.shards),
-            "vocab_ids": (order if kind.name == "eagle" and order is not None
-                          else vocab_ids.tolist())}
-    if kind.name == "eagle3":
-        meta["layers"] = list(kind.layers(lm.model.config)[:-1])
-    out = export.export_head(state["params"], args.export, meta)
-    print(f"exported the head (bfloat16) to {out}")
 
 
 def _add_onpolicy(tsub):

@@ -1,0 +1,289 @@
+"""``specjax.head_io``: one save and one load function per kind of exported head, the one
+place decoding (``specjax.methods``) and training (``specjax.train.glue``: exports, warm
+starts, ``--init``) read and write heads. Each kind round-trips bit for bit, both sides read
+through the same function, a directory of another kind is refused in one line, and the
+training commands' configurations come from their flags field by field as before."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import cli, export, head_io, methods
+from specjax.drafters import eagle, eagle3, exit_heads, redrafter
+from specjax.train import eagle as train_eagle
+from specjax.train import exit_heads as train_exits
+from specjax.train import glue, onpolicy, ttt
+from specjax.train import redrafter as train_rd
+from toys import LLAMA, ToyLM, llama
+
+REC = head_io.Record(model="toy", train={"steps": 3, "lr": 0.5}, steps_done=3,
+                     data={"kind": "text", "tokens": 7}, tokens_seen=40, init="base")
+EXIT_LAYERS = (2, 1)  # in this order, not sorted
+
+
+def _bits(tree) -> dict:
+    """``{name: (dtype, shape, bytes)}`` of every leaf: equal iff bit-identical."""
+    return {k: (v.dtype.str, v.shape, v.tobytes()) for k, v in export.flatten(
+        jax.tree.map(np.asarray, tree)).items()}
+
+
+def _heads() -> dict:
+    """A tiny random head of each kind, in the tree its trainer holds."""
+    key = jax.random.key(4)
+    return {"eagle": eagle.init_head(LLAMA, key),
+            "eagle3": eagle3.init_head(LLAMA, key, 6),
+            "redrafter": redrafter.init_head(LLAMA.hidden_size, 5, key, blocks=2),
+            "exit-heads": exit_heads.init_heads(LLAMA, EXIT_LAYERS, key, rank=4)}
+
+
+def _save(kind: str, params, out, dtype=jnp.float32):
+    """``params`` saved as ``kind`` with ``REC`` and the kind's own fields."""
+    if kind == "eagle":
+        return head_io.save_eagle(params, out, REC, vocab_ids=np.arange(10, 0, -1),
+                                  draft_vocab=4, dtype=dtype)
+    if kind == "eagle3":
+        return head_io.save_eagle3(params, out, REC, vocab_ids=[3, 1, 4, 5, 9, 2],
+                                   layers=(2, 1, 0), dtype=dtype)
+    if kind == "redrafter":
+        return head_io.save_redrafter(params, out, REC, vocab_ids=np.asarray([7, 0, 3, 1, 2]),
+                                      dtype=dtype)
+    return head_io.save_exit_heads(params, out, REC, layers=EXIT_LAYERS, rank=4,
+                                   vocab_ids=[1, 2, 3, 4, 5], dtype=dtype)
+
+
+def _load(kind: str, path, dtype=jnp.float32):
+    """``(params, meta)`` read back by the kind's own loader, in the tree it was saved in
+    (exit heads: cast to ``dtype``, as ``load_exit_heads`` returns them)."""
+    if kind == "eagle":
+        return head_io.load_eagle(path, LLAMA)
+    if kind == "eagle3":
+        return head_io.load_eagle3(path, LLAMA)
+    if kind == "redrafter":
+        return head_io.load_redrafter(path, LLAMA.hidden_size)
+    heads, meta = head_io.load_exit_heads(path, llama()[0], dtype)
+    return {str(l): {k: v for k, v in hp.items() if k != "vocab_ids"}
+            for l, hp in heads.items()}, meta
+
+
+EXPECTED = {  # what each kind writes into head.json besides the record, shapes and dtypes
+    "eagle": {"draft_vocab": 4, "vocab_ids": list(range(10, 0, -1))},
+    "eagle3": {"draft_vocab": 0, "vocab_ids": [3, 1, 4, 5, 9, 2], "layers": [2, 1, 0]},
+    "redrafter": {"hidden_size": LLAMA.hidden_size, "blocks": 2, "draft_vocab": 5,
+                  "vocab_ids": [7, 0, 3, 1, 2]},
+    "exit-heads": {"layers": [2, 1], "rank": 4, "vocab_ids": [1, 2, 3, 4, 5]},
+}
+KINDS = sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_each_kind_round_trips_bit_for_bit(kind, dtype, tmp_path):
+    params = _heads()[kind]
+    if kind == "redrafter":
+        params = redrafter.exportable(params)  # stored and read back with str block keys
+    out = _save(kind, params, tmp_path / kind, dtype)
+    back, meta = _load(kind, out, dtype)
+    cast = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+    assert _bits(back) == _bits(cast)
+    saved = json.loads((out / export.HEAD_JSON).read_text())
+    assert meta == saved and meta["kind"] == kind
+    assert {k: meta[k] for k in EXPECTED[kind]} == EXPECTED[kind]
+    assert {k: meta[k] for k in ("model", "train", "steps_done", "data", "tokens_seen",
+                                 "init")} == dataclasses.asdict(REC)
+    assert list(meta)[:2] == ["kind", "model"] and meta["dtypes"] == {
+        "float": jnp.dtype(dtype).name}
+    again = _save(kind, back, tmp_path / f"{kind}2", dtype)  # a loaded head saves the same
+    back2, meta2 = _load(kind, again, dtype)
+    assert _bits(back2) == _bits(back) and meta2 == meta
+
+
+def test_a_record_writes_only_what_it_knows(tmp_path):
+    out = head_io.save_eagle(_heads()["eagle"], tmp_path / "h",
+                             head_io.Record(model="m", train={}, steps_done=0))
+    meta = export.read_meta(out, "eagle")
+    assert [k for k in meta if k not in ("shapes", "dtypes")] == [
+        "kind", "model", "draft_vocab", "train", "steps_done", "data", "vocab_ids"]
+    bare = head_io.save_eagle(_heads()["eagle"], tmp_path / "b")
+    assert export.read_meta(bare, "eagle")["vocab_ids"] is None
+
+
+def test_savers_refuse_inconsistent_fields(tmp_path):
+    heads = _heads()
+    with pytest.raises(ValueError, match="drafts over 5 tokens, but 3 vocab_ids"):
+        head_io.save_redrafter(heads["redrafter"], tmp_path / "r", vocab_ids=[1, 2, 3])
+    with pytest.raises(ValueError, match="do not name the exit heads"):
+        head_io.save_exit_heads(heads["exit-heads"], tmp_path / "x", layers=(1,), rank=4)
+    assert not (tmp_path / "r").exists() and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_directory_of_another_kind_is_refused_in_one_line(kind, tmp_path):
+    heads = _heads()
+    other = "redrafter" if kind == "eagle" else "eagle"
+    params = heads[other] if other == "eagle" else redrafter.exportable(heads[other])
+    out = _save(other, params, tmp_path / "other")
+    with pytest.raises(export.CheckpointError) as e:
+        _load(kind, out)
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1 and f"holds a '{other}' head, not '{kind}'" in msg
+    with pytest.raises(export.CheckpointError, match="not an exported head"):
+        _load(kind, tmp_path)
+
+
+def test_a_head_for_other_sizes_is_refused(tmp_path):
+    out = _save("eagle", _heads()["eagle"], tmp_path / "e")
+    with pytest.raises(export.CheckpointError, match="exported for another model"):
+        head_io.load_eagle(out, dataclasses.replace(LLAMA, hidden_size=48))
+    rd = _save("redrafter", redrafter.exportable(_heads()["redrafter"]), tmp_path / "r")
+    with pytest.raises(ValueError, match="hidden size 32, but toy has 48"):
+        head_io.load_redrafter(rd, 48, target="toy")
+    meta = json.loads((rd / export.HEAD_JSON).read_text())
+    del meta["blocks"]
+    (rd / export.HEAD_JSON).write_text(json.dumps(meta))
+    with pytest.raises(export.CheckpointError, match="does not describe a 'redrafter' head"):
+        head_io.load_redrafter(rd)
+
+
+def test_the_shipped_heads_load_as_before():
+    """Every head shipped in the package loads through its kind's function exactly as
+    ``export.load_head`` reads the directory."""
+    from specjax.models import GEMMA3_270M, SMOLLM2_135M
+
+    configs = {"smollm2-135m": SMOLLM2_135M, "gemma3-270m": GEMMA3_270M}
+    for model, cfg in configs.items():
+        path = eagle.shipped_head(model)
+        if path is None:  # not installed with this copy of the package
+            continue
+        head, meta = head_io.load_eagle(path, cfg)
+        raw, raw_meta = export.load_head(path, "eagle")
+        assert _bits(head) == _bits(raw) and meta == raw_meta
+    path = exit_heads.shipped_heads("smollm2-135m")
+    if path is None:
+        return
+    heads, meta = head_io.load_exit_heads(path, _Target(SMOLLM2_135M))
+    raw, _ = export.load_head(path, "exit-heads")
+    assert sorted(heads) == sorted(int(k) for k in raw) == meta["layers"]
+    for l, hp in heads.items():
+        assert _bits({k: hp[k] for k in raw[str(l)]}) == _bits(
+            jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), raw[str(l)]))
+
+
+@dataclasses.dataclass
+class _Target:
+    config: object
+
+
+class _Spy:
+    """Wraps a function, keeping each call's first argument and result."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, []
+
+    def __call__(self, *a, **k):
+        out = self.fn(*a, **k)
+        self.calls.append((str(a[0]), out))
+        return out
+
+
+def _spy(monkeypatch, name: str) -> _Spy:
+    spy = _Spy(getattr(head_io, name))
+    monkeypatch.setattr(head_io, name, spy)
+    return spy
+
+
+def test_decoding_and_warm_starts_read_through_the_same_functions(tmp_path, monkeypatch):
+    """``methods.build`` (decoding) and ``glue``'s warm starts (``train eagle|redrafter
+    --init``, ``train onpolicy --init``) call the same ``head_io`` loader and get the same
+    parameters."""
+    lm = ToyLM(*llama())
+    heads = _heads()
+    paths = {k: _save(k, heads[k] if k != "redrafter" else redrafter.exportable(heads[k]),
+                      tmp_path / k) for k in KINDS}
+    spies = {k: _spy(monkeypatch, n) for k, n in [
+        ("eagle", "load_eagle"), ("eagle3", "load_eagle3"), ("redrafter", "load_redrafter"),
+        ("exit-heads", "load_exit_heads")]}
+
+    methods.build("eagle2:2,2,3", lm, methods.Options(draft_checkpoint=str(paths["eagle"])))
+    warm = glue.eagle_init(paths["eagle"], LLAMA)
+    start = glue.onpolicy_start(str(paths["eagle"]), None, ttt.EAGLE2)
+    online = glue.onpolicy_head(start, LLAMA, ttt.EAGLE2)
+    (_, (decoded, _)), (_, (w, _)), (_, (o, _)) = spies["eagle"].calls
+    assert _bits(decoded) == _bits(warm) == _bits(w) == _bits(online) == _bits(o)
+
+    methods.build("redrafter:2,2", lm,
+                  methods.Options(redrafter_checkpoint=str(paths["redrafter"])))
+    head, ids = glue.redrafter_init(paths["redrafter"])
+    (_, (decoded, meta)), (_, (w, _)) = spies["redrafter"].calls
+    assert _bits(decoded) == _bits(head) == _bits(w)
+    assert ids.tolist() == meta["vocab_ids"] and ids.dtype == np.int32
+
+    start = glue.onpolicy_start(str(paths["eagle3"]), None, ttt.EAGLE3)
+    assert start.order == EXPECTED["eagle3"]["vocab_ids"] and start.name == "eagle3"
+    online = glue.onpolicy_head(start, LLAMA, ttt.EAGLE3)
+    assert len(spies["eagle3"].calls) == 1 and _bits(online) == _bits(heads["eagle3"])
+
+    _, layers, _ = methods.exit_heads(lm, methods.Options(exit_heads=str(paths["exit-heads"])))
+    assert layers == [1, 2] and len(spies["exit-heads"].calls) == 1
+    assert all(spy.calls[0][0] == str(paths[k]) for k, spy in spies.items())
+
+
+def test_an_eagle2_head_gives_an_eagle3_run_its_vocabulary_only(tmp_path):
+    path = _save("eagle", _heads()["eagle"], tmp_path / "e")
+    start = glue.onpolicy_start(str(path), None, ttt.EAGLE3)
+    assert start == glue.Start(None, EXPECTED["eagle"]["vocab_ids"], "e")
+    assert glue.onpolicy_head(start, LLAMA, ttt.EAGLE3) is None
+    assert glue.onpolicy_start("none", path, ttt.EAGLE3) == glue.Start(
+        None, EXPECTED["eagle"]["vocab_ids"], "none")
+    assert glue.onpolicy_start("shipped", path, ttt.EAGLE2).path == path
+
+
+def _args(argv: list[str]):
+    return cli.build_parser().parse_args(argv)
+
+
+def test_training_configs_come_from_their_flags_as_before():
+    """``glue.from_args`` gives each command the configuration its field-by-field copy
+    gave, at the defaults and with every flag set."""
+    base = ["--data", "d", "--run", "r"]
+    for a in (_args(["train", "eagle", *base]),
+              _args(["train", "eagle", *base, "--steps", "7", "--lr", "0.2", "--w-ce", "0.5",
+                     "--all-positions", "--save-every", "3", "--ce-vocab", "0", "--warmup",
+                     "2"])):
+        assert glue.from_args(train_eagle.TrainConfig, a) == train_eagle.TrainConfig(
+            steps=a.steps, batch_tokens=a.batch_tokens, max_len=a.max_len, lr=a.lr,
+            seed=a.seed, save_every=a.save_every, ce_vocab=a.ce_vocab,
+            val_examples=a.val_examples, warmup=a.warmup, w_reg=a.w_reg, w_ce=a.w_ce,
+            noise=a.noise, all_positions=a.all_positions)
+    for a in (_args(["train", "redrafter", *base]),
+              _args(["train", "redrafter", *base, "--loss", "ce", "--answers-only",
+                     "--blocks", "1", "--unroll", "2", "--draft-vocab", "0"])):
+        got = glue.from_args(train_rd.TrainConfig, a, all_positions=not a.answers_only)
+        assert got == train_rd.TrainConfig(
+            steps=a.steps, batch_tokens=a.batch_tokens, max_len=a.max_len, unroll=a.unroll,
+            blocks=a.blocks, draft_vocab=a.draft_vocab, loss=a.loss, lr=a.lr,
+            warmup=a.warmup, seed=a.seed, save_every=a.save_every,
+            val_examples=a.val_examples, all_positions=not a.answers_only)
+    for a in (_args(["train", "exit-heads", *base]),
+              _args(["train", "exit-heads", *base, "--rank", "8", "--kl-vocab", "0"])):
+        layers = tuple(int(x) for x in a.layers.split(","))
+        assert glue.from_args(train_exits.ExitConfig, a, layers=layers) == \
+            train_exits.ExitConfig(layers=layers, rank=a.rank, steps=a.steps,
+                                   batch_tokens=a.batch_tokens, max_len=a.max_len, lr=a.lr,
+                                   seed=a.seed, save_every=a.save_every, kl_vocab=a.kl_vocab)
+    on = ["train", "onpolicy", "--prompts", "p", "--shards", "s", "--run", "r"]
+    for a in (_args(on), _args([*on, "--ttt", "3", "--noise", "0.2", "--batch", "4"])):
+        got = glue.from_args(onpolicy.OnPolicyConfig, a,
+                             loss=glue.from_args(ttt.LossConfig, a, k=a.ttt))
+        assert got == onpolicy.OnPolicyConfig(
+            rounds=a.rounds, batch=a.batch, max_new_tokens=a.max_new_tokens,
+            passes=a.passes, batch_tokens=a.batch_tokens, lr=a.lr, warmup=a.warmup,
+            draft_vocab=a.draft_vocab, val_prompts=a.val_prompts, val_every=a.val_every,
+            seed=a.seed, loss=ttt.LossConfig(k=a.ttt, noise=a.noise))
+    with pytest.raises(TypeError, match="has no field nope"):
+        glue.from_args(train_eagle.TrainConfig, a, nope=1)

@@ -1,0 +1,177 @@
+"""What the training commands do around training: CLI flags into training configurations,
+warm starts from exported heads (``--init``), and exports that record what a head was
+trained on.
+
+Head directories are read and written by ``specjax.head_io``, the functions decoding
+(``specjax.methods``) uses too, so a head a run exports or starts from is read exactly as a
+decoder reads it. Nothing here parses arguments or reports usage errors: that stays in
+``specjax.commands.train``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specjax import export, head_io
+
+# ----------------------------------------------------------------------------- configs
+
+
+def from_args(cls, args, **given):
+    """An instance of the config dataclass ``cls``: each field named in ``given`` takes
+    that value, every other field takes the attribute of ``args`` (an ``argparse``
+    namespace) of its name where ``args`` has one, and the rest keep ``cls``'s defaults.
+    ``TypeError`` for a ``given`` name that is not a field."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field {', '.join(unknown)}")
+    kw = {n: getattr(args, n) for n in names if n not in given and hasattr(args, n)}
+    return cls(**kw, **given)
+
+
+# ----------------------------------------------------------------------------- provenance
+
+
+def data_summary(data_dir: str | Path | None) -> dict | None:
+    """The ``summary.json`` of a training corpus directory (None: no such file)."""
+    f = Path(data_dir, "summary.json") if data_dir else None
+    return json.loads(f.read_text()) if f is not None and f.exists() else None
+
+
+def store_summary(root: str | Path) -> dict:
+    """What an exported head records of the token shard store it trained on."""
+    m = json.loads(Path(root, "manifest.json").read_text())
+    return {"kind": "onpolicy", "store": Path(root).name, "target": m["target"],
+            "sampling": m["sampling"], "rounds": len(m["shards"]),
+            "tokens": sum(s["tokens"] for s in m["shards"]),
+            "answer_tokens": sum(s["answer_tokens"] for s in m["shards"])}
+
+
+def record(model: str, cfg, state: dict, data: dict | None, *, train: dict | None = None,
+           **extra) -> head_io.Record:
+    """The ``head_io.Record`` of a finished run: ``model``, the config ``cfg`` as a dict (or
+    ``train``), the steps in ``state``, the ``data`` summary and ``extra`` fields
+    (``tokens_seen``, ``init``)."""
+    return head_io.Record(model=model, train=dataclasses.asdict(cfg) if train is None else train,
+                          steps_done=int(state["step"]), data=data, **extra)
+
+
+# ----------------------------------------------------------------------------- warm starts
+
+
+def eagle_init(path: str | Path, target_cfg) -> dict:
+    """The parameters of the exported EAGLE-1/2 head in ``path`` (``train eagle --init``),
+    read by ``head_io.load_eagle``, as decoding reads them."""
+    return head_io.load_eagle(path, target_cfg)[0]
+
+
+def redrafter_init(path: str | Path) -> tuple[dict, np.ndarray | None]:
+    """``(parameters, draft vocabulary)`` of the exported ReDrafter head in ``path``
+    (``train redrafter --init``: fine-tuning keeps both), read by
+    ``head_io.load_redrafter``, as decoding reads them."""
+    head, meta = head_io.load_redrafter(path)
+    return head, head_io.redrafter_vocab(meta)
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """Where an on-policy run starts: the head directory whose parameters it loads (None: a
+    random head), the vocabulary order it drafts from (None: none known), and the name its
+    export records as ``init``."""
+
+    path: Any
+    order: list | None
+    name: str
+
+
+def onpolicy_start(init: str, shipped, kind) -> Start:
+    """The ``Start`` of ``train onpolicy --init init`` for a head of ``kind``
+    (``specjax.train.ttt.Kind``), read from ``head.json`` alone: ``none`` is a random head
+    (with ``shipped``'s vocabulary order, if a head ships), ``shipped`` the head
+    ``shipped`` (a directory; the caller refuses None), anything else a head directory.
+    An EAGLE-2 head gives an EAGLE-3 run its vocabulary order only. ``CheckpointError``
+    when the directory holds no EAGLE head."""
+    if init == "none":
+        order = export.read_meta(shipped, head_io.EAGLE).get("vocab_ids") if shipped else None
+        return Start(None, order, "none")
+    path = shipped if init == "shipped" else init
+    if path is None:
+        raise ValueError("--init shipped: no EAGLE head ships for this model")
+    saved = export.read_kind(path)
+    meta = export.read_meta(path, saved if saved in (head_io.EAGLE, head_io.EAGLE3)
+                            else kind.name)
+    return Start(path if meta["kind"] == kind.name else None, meta.get("vocab_ids"),
+                 Path(str(path)).name)
+
+
+def onpolicy_head(start: Start, target_cfg, kind) -> dict | None:
+    """The parameters of ``start``'s head for a target of ``target_cfg`` (None: a random
+    head), read by ``head_io.load_eagle`` or ``head_io.load_eagle3`` as ``kind`` says."""
+    if start.path is None:
+        return None
+    load = head_io.load_eagle if kind.name == head_io.EAGLE else head_io.load_eagle3
+    return load(start.path, target_cfg)[0]
+
+
+# ----------------------------------------------------------------------------- exports
+
+
+def export_eagle(state: dict, cfg, out: str | Path, *, model: str, corpus: Sequence,
+                 vocab_size: int, draft_vocab: int, data_dir) -> Path:
+    """``train eagle --export``: the trained head with the corpus's 32768 most frequent ids
+    (``draft_vocab`` of them drafted by default; 0: all) and the corpus summary."""
+    from specjax.train import eagle as train_eagle
+
+    ids = train_eagle.vocab_by_frequency(corpus, vocab_size, 32768)
+    return head_io.save_eagle(state["params"], out, record(model, cfg, state,
+                                                           data_summary(data_dir)),
+                              vocab_ids=ids, draft_vocab=draft_vocab)
+
+
+def export_redrafter(state: dict, cfg, ids, out: str | Path, *, model: str, data_dir,
+                     shards, init) -> Path:
+    """``train redrafter --export``: the trained head over ``ids`` (None: the whole
+    vocabulary), with the summary of the corpus (``data_dir``) or shard store (``shards``)
+    and the name of the head it started from (``init``, a directory, or None)."""
+    data = data_summary(data_dir) if data_dir else store_summary(shards) if shards else None
+    rec = record(model, cfg, state, data, init=init and Path(init).name)
+    return head_io.save_redrafter(state["params"], out, rec, vocab_ids=ids)
+
+
+def export_exit_heads(state: dict, cfg, out: str | Path, *, model: str, corpus: Sequence,
+                      vocab_size: int, data_dir) -> Path:
+    """``train exit-heads --export``: the trained adapters, with the ids the KL was taken
+    over (the only tokens the exits propose; none when it was the whole vocabulary)."""
+    from specjax.train import exit_heads as train_exits
+
+    ids = train_exits.vocab_ids(corpus, vocab_size, cfg)
+    return head_io.save_exit_heads(state["params"], out,
+                                   record(model, cfg, state, data_summary(data_dir)),
+                                   layers=cfg.layers, rank=cfg.rank, vocab_ids=ids)
+
+
+def export_onpolicy(state: dict, kind, cfg, out: str | Path, *, model: str, target_cfg,
+                    start: Start, shards, vocab_ids) -> Path:
+    """``train onpolicy --export``: the trained head of ``kind``, with the shard store's
+    summary; an EAGLE-2 head keeps the full vocabulary order it started from, an EAGLE-3
+    head records its ``vocab_ids`` and the target layers it fuses."""
+    rec = record(model, cfg, state, store_summary(shards),
+                 train={**dataclasses.asdict(cfg), "onpolicy": True},
+                 tokens_seen=int(state["tokens"]), init=start.name)
+    if kind.name == head_io.EAGLE:
+        order = start.order if start.order is not None else vocab_ids
+        return head_io.save_eagle(state["params"], out, rec, vocab_ids=order, draft_vocab=0)
+    return head_io.save_eagle3(state["params"], out, rec, vocab_ids=vocab_ids,
+                               layers=kind.layers(target_cfg)[:-1])
+
+
+__all__ = ["from_args", "data_summary", "store_summary", "record", "eagle_init",
+           "redrafter_init", "Start", "onpolicy_start", "onpolicy_head", "export_eagle",
+           "export_redrafter", "export_exit_heads", "export_onpolicy"]
