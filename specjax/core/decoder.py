@@ -192,10 +192,38 @@ class Decoder(Protocol):
     def output(self, state) -> DecodeOutput: ...
 
 
+def is_eos(tokens: Int[Array, "*S"], eos_ids: Int[Array, "E"]) -> Bool[Array, "*S"]:
+    """Whether each token is one of ``eos_ids`` (elementwise; no ids: all False)."""
+    return jnp.any(tokens[..., None] == eos_ids, axis=-1)
+
+
+def eos_cut(tokens: Int[Array, "B T"], n: Int[Array, "B"], eos_ids: Int[Array, "E"]
+            ) -> Int[Array, "B"]:
+    """How many of each row's first ``n`` tokens it keeps: through its first EOS among
+    them (the EOS is kept), all ``n`` when there is none. Tokens at ``n`` and after are
+    never read, so they may be anything."""
+    eos = is_eos(tokens, eos_ids) & (jnp.arange(tokens.shape[1])[None] < n[:, None])
+    return jnp.where(jnp.any(eos, -1), jnp.argmax(eos, -1) + 1, n)
+
+
+def after_prompt(tokens: Int[Array, "B C"], prompt_len: Int[Array, "B"], max_out: int
+                 ) -> Int[Array, "B M"]:
+    """Each row's ``M = max_out`` buffer slots from the end of its prompt on (an index
+    past the buffer reads its last slot): the generated tokens of a decoder that appends
+    them to the prompt, before ``pad_after`` cuts them to length."""
+    idx = prompt_len[:, None] + jnp.arange(max_out)[None]
+    return jnp.take_along_axis(tokens, jnp.minimum(idx, tokens.shape[1] - 1), axis=1)
+
+
+def pad_after(tokens: Int[Array, "B T"], n: Int[Array, "B"]) -> Int[Array, "B T"]:
+    """``tokens`` with each row's slots from ``n`` on set to ``PAD``."""
+    return jnp.where(jnp.arange(tokens.shape[1])[None] < n[:, None], tokens, PAD)
+
+
 def stops(tok: Int[Array, "B"], num: Int[Array, "B"], budget: Int[Array, "B"],
           eos_ids: Int[Array, "E"]) -> Bool[Array, "B"]:
     """Whether a row ends after emitting ``tok`` as its ``num``-th token."""
-    return jnp.any(tok[:, None] == eos_ids[None, :], axis=-1) | (num >= budget)
+    return is_eos(tok, eos_ids) | (num >= budget)
 
 
 def loop(dec: Decoder, params, state):
@@ -303,4 +331,5 @@ def decode(dec: Decoder, params, prompts: Sequence[Sequence[int]], *,
 
 
 __all__ = ["Batch", "Decoder", "DecodeOutput", "PAD", "Request", "Stats", "decode", "loop",
-           "plan_shapes", "prepare", "stops"]
+           "plan_shapes", "prepare", "stops", "is_eos", "eos_cut",
+           "after_prompt", "pad_after"]

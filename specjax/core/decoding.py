@@ -25,6 +25,21 @@ from specjax.models.kv_cache import KVCache
 
 
 
+def over_chunks(body, carry, prompt_len: Int[Array, "B"], chunk: int):
+    """``carry = body(start, positions, carry)`` for ``start = 0, chunk, 2·chunk, ...``, as
+    many chunks as the longest prompt needs (at least one token of some row in each), in
+    one ``lax.fori_loop``; ``positions`` ``[B, chunk]`` are ``start + arange(chunk)``.
+    Returns the last carry. The chunked prefill of the target and of an EAGLE head."""
+    b = prompt_len.shape[0]
+    n_chunks = (jnp.max(prompt_len) + chunk - 1) // chunk
+
+    def step(i, c):
+        start = i * chunk
+        return body(start, jnp.broadcast_to(start + jnp.arange(chunk), (b, chunk)), c)
+
+    return lax.fori_loop(0, n_chunks, step, carry)
+
+
 def prefill(model, params, prompt: Int[Array, "B S"], prompt_len: Int[Array, "B"],
             cache: KVCache, chunk: int, keep_hidden: bool | tuple[int, ...] = False):
     """Writes each row's prompt into the cache in chunks of ``chunk`` tokens.
@@ -37,17 +52,14 @@ def prefill(model, params, prompt: Int[Array, "B S"], prompt_len: Int[Array, "B"
     forwards.
     """
     b = prompt.shape[0]
-    n_chunks = (jnp.max(prompt_len) + chunk - 1) // chunk
     depth = model.config.num_layers
     layers = (depth,) if keep_hidden is True else tuple(keep_hidden or ())
     d = model.config.hidden_size * len(layers)
     dtype = jnp.float32  # hidden states are float32 (bfloat16 weights accumulate in it)
 
-    def body(i, carry):
+    def body(start, pos, carry):
         h_last, c, h_all = carry
-        start = i * chunk
         toks = lax.dynamic_slice_in_dim(prompt, start, chunk, axis=1)
-        pos = jnp.broadcast_to(start + jnp.arange(chunk), (b, chunk))
         _, hidden, c = model.forward(params, toks, pos, c, compute_logits=False,
                                      return_layers=layers)
         c = c.replace(length=c.length + chunk)
@@ -62,9 +74,27 @@ def prefill(model, params, prompt: Int[Array, "B S"], prompt_len: Int[Array, "B"
     h0 = jnp.zeros((b, model.config.hidden_size), dtype)
     h_all = jnp.zeros((b, prompt.shape[1] if keep_hidden else 0, d), dtype)
     cache = cache.replace(length=jnp.zeros_like(cache.length))
-    h_last, cache, h_all = lax.fori_loop(0, n_chunks, body, (h0, cache, h_all))
+    h_last, cache, h_all = over_chunks(body, (h0, cache, h_all), prompt_len, chunk)
     cache = cache.replace(length=prompt_len.astype(jnp.int32))
     return (h_last, cache, h_all) if keep_hidden else (h_last, cache)
+
+
+def prefill_first(model, params, batch: Batch, chunk: int, mesh=None,
+                  keep_hidden: bool | tuple[int, ...] = False):
+    """The start every decoder shares: a fresh cache (pinned to ``mesh``'s cache layout),
+    ``batch``'s prompts prefilled into it (``prefill``), and each row's first token drawn
+    from the target's logits at its last prompt token with ``batch.sampler``.
+
+    Returns ``(first [B], cache, key, hidden)``: the cache holds the prompts
+    (``length == batch.lengths``); ``key`` is ``batch.key``'s first half after one split,
+    the second having drawn ``first``; ``hidden`` is ``prefill``'s per-slot hidden states
+    with ``keep_hidden``, else None."""
+    cache = constrain_cache(model.init_cache(batch.tokens.shape[0], batch.capacity), mesh)
+    out = prefill(model, params, batch.tokens, batch.lengths, cache, chunk, keep_hidden)
+    h_last, cache = out[:2]
+    key, sub = jax.random.split(batch.key)
+    first = sampling.sample(sub, model.logits(params, h_last), batch.sampler)
+    return first, cache, key, (out[2] if keep_hidden else None)
 
 
 def hidden_features(hidden: dict, layers: tuple[int, ...]) -> Array:
@@ -110,10 +140,7 @@ class AR:
     def init(self, params, batch: Batch) -> DecodeState:
         model, b = self.model, batch.tokens.shape[0]
         req = Request.of(batch)
-        cache = constrain_cache(model.init_cache(b, batch.capacity), self.mesh)
-        h_last, cache = prefill(model, params, batch.tokens, batch.lengths, cache, self.chunk)
-        key, sub = jax.random.split(batch.key)
-        first = sampling.sample(sub, model.logits(params, h_last), req.sampler)
+        first, cache, key, _ = prefill_first(model, params, batch, self.chunk, self.mesh)
         one = jnp.ones((b,), jnp.int32)
         return DecodeState(
             tokens=jnp.full((b, batch.max_out), PAD, jnp.int32).at[:, 0].set(first), num=one,

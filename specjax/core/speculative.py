@@ -21,12 +21,13 @@ from jaxtyping import Array, Bool, Int
 from specjax import sharding
 from specjax.core import encdec, sampling, tree, widths as width_policy
 from specjax.core import decoder
-from specjax.core.decoder import PAD, Batch, DecodeOutput, Request, Stats
-from specjax.core.decoding import hidden_features, prefill
+from specjax.core.decoder import (PAD, Batch, DecodeOutput, Request, Stats, after_prompt,
+                                  eos_cut, pad_after)
+from specjax.core.decoding import hidden_features, prefill_first
 from specjax.sharding import constrain_cache
 from specjax.core.drafter import Context
 from specjax.models.kv_cache import KVCache
-from specjax.core.verify import Draft, Rejection, Rule, VerifyResult, sanitize, verify
+from specjax.core.verify import Draft, Rejection, Rule, VerifyResult, sanitize, trim, verify
 
 
 SpecOutput = DecodeOutput  # the name ``speculative_generate``'s result had before
@@ -51,11 +52,7 @@ class SpecState:
 
 def _keep_count(emitted, n_emit, num, budget, eos_ids, active):
     """How many of a round's emitted tokens a row keeps: up to its first EOS and budget."""
-    d1 = emitted.shape[1]
-    is_eos = jnp.any(emitted[:, :, None] == eos_ids[None, None, :], -1)
-    is_eos = is_eos & (jnp.arange(d1)[None] < n_emit[:, None])
-    first = jnp.where(jnp.any(is_eos, -1), jnp.argmax(is_eos, -1) + 1, n_emit)
-    return jnp.where(active, jnp.minimum(first, budget - num), 0)
+    return jnp.where(active, jnp.minimum(eos_cut(emitted, n_emit, eos_ids), budget - num), 0)
 
 
 def _pad_result(res: VerifyResult, depth: int) -> VerifyResult:
@@ -71,9 +68,7 @@ def _verify_width(w: int, target, rule, depth: int, layers: tuple[int, ...], tpa
     """Target forward over the root and the first ``w - 1`` nodes, then verification; the
     hidden states after ``layers`` concatenated (``hidden_features``; none for ``()``)."""
     n = w - 1
-    d = Draft(tokens=draft.tokens[:, :n], parents=draft.parents[:, :n],
-              valid=draft.valid[:, :n], probs=None if draft.probs is None else draft.probs[:, :n])
-    d = sanitize(d, target.config.vocab_size)  # a malformed node is inert, never run as is
+    d = sanitize(trim(draft, n), target.config.vocab_size)  # a malformed node is inert
     toks = jnp.concatenate([root, d.tokens], axis=1)
     logits, hidden, cache = target.forward(tparams, toks, tree.positions(length - 1, d.parents),
                                            cache, tree.attention_mask(d.parents, d.valid),
@@ -140,15 +135,9 @@ class Speculative:
         (tparams, dparams), target, drafter = params, self.target, self.drafter
         b, req = batch.tokens.shape[0], Request.of(batch)
         prompt, prompt_len = batch.tokens, batch.lengths
-        cache = constrain_cache(target.init_cache(b, batch.capacity), self.mesh)
-        h_all = None
-        if drafter.needs_features:
-            h_last, cache, h_all = prefill(target, tparams, prompt, prompt_len, cache,
-                                           self.chunk, drafter.feature_layers)
-        else:
-            h_last, cache = prefill(target, tparams, prompt, prompt_len, cache, self.chunk)
-        key, sub = jax.random.split(batch.key)
-        first = sampling.sample(sub, target.logits(tparams, h_last), req.sampler)
+        first, cache, key, h_all = prefill_first(
+            target, tparams, batch, self.chunk, self.mesh,
+            drafter.feature_layers if drafter.needs_features else False)
         tokens = prompt.at[jnp.arange(b), prompt_len].set(first)
         length = prompt_len + 1
         ctx = Context(tokens=tokens, length=length, prompt_len=prompt_len, cache=cache,
@@ -174,7 +163,7 @@ class Speculative:
         live = draft.valid & ~s.done[:, None]
         need = 1 + jnp.max(jnp.where(live, jnp.arange(draft.tokens.shape[1])[None] + 1, 0),
                            initial=0)  # a drafter may propose no nodes at all
-        branch = jnp.minimum(jnp.sum(jnp.asarray(widths)[None, :] < need), len(widths) - 1)
+        branch = width_policy.narrowest(widths, need)
         layers = drafter.feature_layers if drafter.needs_features else ()
         fns = [functools.partial(_verify_width, w, target, self.rule, depth, layers)
                for w in widths]
@@ -218,11 +207,8 @@ class Speculative:
         return decoder.loop(self, params, s)
 
     def output(self, s: SpecState) -> DecodeOutput:
-        max_out, capacity = s.req.max_out, s.tokens.shape[1]
-        idx = s.req.prompt_len[:, None] + jnp.arange(max_out)[None]
-        out = jnp.take_along_axis(s.tokens, jnp.minimum(idx, capacity - 1), axis=1)
-        out = jnp.where(jnp.arange(max_out)[None] < s.num[:, None], out, PAD)
-        return DecodeOutput(tokens=out, lengths=s.num, stats=s.stats)
+        out = after_prompt(s.tokens, s.req.prompt_len, s.req.max_out)
+        return DecodeOutput(tokens=pad_after(out, s.num), lengths=s.num, stats=s.stats)
 
 
 def speculative_generate(target, tparams, drafter, dparams, prompts: Sequence[Sequence[int]],

@@ -47,6 +47,15 @@ class Draft:
     probs: Float[Array, "B N V"] | None = None
 
 
+def trim(draft: Draft, n: int) -> Draft:
+    """The draft's first ``n`` nodes (``n`` static): what a verification forward of width
+    ``n + 1`` carries. Parents precede children, so every kept node's parent is kept too
+    (the kept nodes are a subtree)."""
+    cut = lambda x: None if x is None else x[:, :n]
+    return Draft(tokens=cut(draft.tokens), parents=cut(draft.parents), valid=cut(draft.valid),
+                 probs=cut(draft.probs))
+
+
 @struct.dataclass
 class VerifyResult:
     """Per row: ``accepted`` draft tokens along ``path``; ``tokens`` holds them then
@@ -223,4 +232,5 @@ def verify(target_logits: Float[Array, "B N+1 V"], draft: Draft, key: Array | No
     return VerifyResult(accepted=acc, path=path, tokens=toks, next_token=nxt)
 
 
-__all__ = ["Draft", "VerifyResult", "Rejection", "Typical", "Rule", "verify", "sanitize", "PAD"]
+__all__ = ["Draft", "VerifyResult", "Rejection", "Typical", "Rule", "verify", "sanitize", "trim",
+           "PAD"]

@@ -31,6 +31,7 @@ import dataclasses
 from typing import Sequence, Union
 
 import jax
+import jax.numpy as jnp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,10 +110,17 @@ def as_policy(spec: "WidthPolicy | Sequence[int] | str | None") -> WidthPolicy:
     return Fixed(tuple(int(w) for w in spec))
 
 
+def narrowest(widths: Sequence[int], need) -> jax.Array:
+    """The index, in ascending ``widths``, of the narrowest width that holds ``need``
+    slots (root and nodes; a traced scalar): the ``lax.switch`` branch a round runs. The
+    last (widest) when none does, which holds every node a drafter can propose."""
+    return jnp.minimum(jnp.sum(jnp.asarray(widths) < need), len(widths) - 1)
+
+
 def resolve(drafter, spec: "WidthPolicy | Sequence[int] | str | None") -> tuple[int, ...]:
     """The ascending verification widths ``spec`` compiles for ``drafter``."""
     return as_policy(spec).widths(drafter)
 
 
 __all__ = ["Padded", "PerWidth", "Auto", "Fixed", "WidthPolicy", "NAMES", "as_policy",
-           "resolve"]
+           "resolve", "narrowest"]

@@ -1,6 +1,7 @@
-"""The top-k tree growth that model-based drafters share, and the drafter protocol and
-context re-exported from ``specjax.core.drafter`` (where the decoding loops define what
-they need of a drafter).
+"""What drafters share: the top-k tree growth of model-based drafters, ``OnTarget`` (the
+base of drafters that run a head or the first layers on the target itself), the lookup of
+a shipped head, and the drafter protocol and context re-exported from
+``specjax.core.drafter`` (where the decoding loops define what they need of a drafter).
 """
 
 from __future__ import annotations
@@ -97,3 +98,38 @@ def _check_sizes(depth: int, width: int) -> None:
     if depth < 1 or width < 1:
         raise ValueError(f"draft depth and width must be >= 1, got depth={depth}, "
                          f"width={width}")
+
+
+class OnTarget:
+    """The base of a drafter that runs on the target it was built for, ``self.target`` (a
+    head over its features, or its own first layers): it has no draft model of its own,
+    and by default reads the target's last layer (``needs_features``, ``feature_layers``;
+    a drafter reading other layers, or none, overrides them). Its ``check`` calls
+    ``check_target`` first."""
+
+    draft_model = None  # the target's head or layers, not a model of its own
+    needs_features = True  # reads the target's hidden states (Context.hidden)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target's last layer: its output, final-normed, is the head's feature."""
+        return (self.target.config.num_layers,)
+
+    def check_target(self, target) -> None:
+        """``ValueError`` unless ``target`` is the target this drafter was built on (its
+        head, cache or layers are that model's)."""
+        if target != self.target:
+            name = type(self).__name__
+            article = "an" if name[0].lower() in "aeiou" else "a"
+            raise ValueError(f"{article} {name} must be built on the target it drafts for")
+
+
+def shipped_head(shipped: dict[str, str], model_name: str):
+    """The package directory of the head that ships for ``model_name`` in ``shipped``
+    (registry name -> package-data path; each head kind keeps its own table, and
+    ``eagle.shipped_head(model)``, ``redrafter.shipped_head(model)`` and
+    ``exit_heads.shipped_heads(model)`` pass theirs), or None when none ships or its files
+    are missing (``specjax.export.shipped_dir``)."""
+    from specjax import export
+
+    return export.shipped_dir(shipped.get(model_name))

@@ -32,7 +32,8 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
 from specjax.core import tree
-from specjax.drafters import blocks
+from specjax.core.decoding import over_chunks
+from specjax.drafters import base, blocks
 from specjax.drafters.blocks import features
 from specjax.models.kv_cache import KVCache
 from specjax.core.verify import Draft
@@ -297,7 +298,7 @@ class EagleState:
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleDrafter:
+class EagleDrafter(base.OnTarget):
     """EAGLE-2: the trained head drafts a dynamic tree of ``total_tokens`` nodes grown over
     ``depth`` levels by expanding the ``topk`` best nodes of each level.
 
@@ -314,19 +315,13 @@ class EagleDrafter:
     spec: blocks.LayerSpec | None = None  # the head layer's sizes (None: the target's)
 
     chain = False  # drafts are trees
-    needs_features = True  # reads the target's hidden states (Context.hidden)
-    draft_model = None  # drafts with a head on the target, not a model of its own
+    # needs_features, feature_layers (the last layer), draft_model (None): OnTarget's
 
     @property
     def layer_spec(self) -> blocks.LayerSpec:
         """The head layer's sizes: ``spec``, or the target's geometry
         (``LayerSpec.of(target.config)``, the heads ``specjax train eagle`` makes)."""
         return blocks.LayerSpec.of(self.target.config) if self.spec is None else self.spec
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        """The target's last layer: its output, final-normed, is the head's feature."""
-        return (self.target.config.num_layers,)
 
     @property
     def num_nodes(self) -> int:
@@ -341,8 +336,7 @@ class EagleDrafter:
         return self.depth + 1 + (self.depth - 1) * self.topk
 
     def check(self, target) -> None:
-        if target != self.target:
-            raise ValueError("an EagleDrafter must be built on the target it drafts for")
+        self.check_target(target)
         if self.depth < 1 or self.topk < 1:
             raise ValueError(f"EAGLE depth and topk must be >= 1, got depth={self.depth}, "
                              f"topk={self.topk}")
@@ -383,18 +377,14 @@ class EagleDrafter:
         prev = shift_features(feats)
         plen = ctx.prompt_len
 
-        def body(i, kv):
+        def body(start, pos, kv):
             k, v = kv
-            start = i * chunk
             sl = lambda x: lax.dynamic_slice_in_dim(x, start, chunk, axis=1)
-            pos = jnp.broadcast_to(start + jnp.arange(chunk), (b, chunk))
-            mask = jnp.broadcast_to(jnp.tril(jnp.ones((chunk, chunk), bool)), (b, chunk, chunk))
             _, k, v = self._head(dparams, tp, sl(ctx.tokens), sl(prev), pos, k, v,
-                                 jnp.full((b,), start, jnp.int32), mask)
+                                 jnp.full((b,), start, jnp.int32), blocks.causal(b, chunk))
             return k, v
 
-        n_chunks = (jnp.max(plen) + chunk - 1) // chunk
-        k, v = lax.fori_loop(0, n_chunks, body, (cache.k[0], cache.v[0]))
+        k, v = over_chunks(body, (cache.k[0], cache.v[0]), plen, chunk)
         pending = jnp.take_along_axis(feats, (plen - 1)[:, None, None], axis=1)
         pending = jnp.pad(pending, ((0, 0), (0, self.depth), (0, 0)))
         return EagleState(cache=KVCache(k=(k,), v=(v,), length=plen.astype(jnp.int32)),
@@ -407,7 +397,7 @@ class EagleDrafter:
         count = ctx.length - L  # pending positions, the root last
         pos = L[:, None] + jnp.arange(m)[None]
         toks = jnp.take_along_axis(ctx.tokens, jnp.minimum(pos, ctx.tokens.shape[1] - 1), 1)
-        mask = jnp.broadcast_to(jnp.tril(jnp.ones((m, m), bool)), (b, m, m))
+        mask = blocks.causal(b, m)
         out, k, v = self._head(dparams, tp, toks, state.feats, pos, state.cache.k[0],
                                state.cache.v[0], L, mask)
         f_root = jnp.take_along_axis(out, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
@@ -464,7 +454,6 @@ SHIPPED = {"smollm2-135m": "heads/smollm2-135m-eagle",  # registry name -> packa
 
 
 def shipped_head(model_name: str):
-    """The directory of the head that ships for ``model_name``, or None."""
-    from specjax import export
-
-    return export.shipped_dir(SHIPPED.get(model_name))
+    """The directory of the head that ships for ``model_name``, or None
+    (``base.shipped_head`` over ``SHIPPED``)."""
+    return base.shipped_head(SHIPPED, model_name)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from specjax.drafters.base import Context, TopKTree, _check_sizes, _grow, take_tokens
+from specjax.drafters.base import (Context, OnTarget, TopKTree, _check_sizes, _grow,
+                                   take_tokens)
 
 
 def target_head(target, tparams, dparams, hidden):
@@ -14,8 +15,21 @@ def target_head(target, tparams, dparams, hidden):
     return target.logits(tparams, hidden)
 
 
+def exit_logits(target, tparams, layer: int, head: Callable, hparams, tokens, positions,
+                cache, last: bool = False):
+    """An early exit's scores: the target's first ``layer`` layers over ``tokens`` at
+    ``positions`` (their K/V written into ``cache`` past its length, which is unchanged),
+    then ``head(target, tparams, hparams, hidden)``. Returns ``(logits, cache)``: logits
+    ``[B, T, V]`` at every token, or with ``last`` ``[B, V]`` at the last token only (the
+    head runs on that one). ``EarlyExitDrafter`` and ``specjax.hsd.Exit`` score with it."""
+    _, hid, cache = target.forward(tparams, tokens, positions, cache, exit_layer=layer,
+                                   compute_logits=False)
+    h = hid[layer][:, -1] if last else hid[layer]
+    return head(target, tparams, hparams, h), cache
+
+
 @dataclasses.dataclass(frozen=True)
-class EarlyExitDrafter(TopKTree):
+class EarlyExitDrafter(OnTarget, TopKTree):
     """The target's first ``layer`` layers and a head (default: the target's final norm and
     LM head; ``head(target, tparams, dparams, hidden) -> logits`` plugs in another).
 
@@ -29,15 +43,13 @@ class EarlyExitDrafter(TopKTree):
     width: int = 1
     head: Callable = target_head
 
-    # chain: TopKTree's (width 1)
+    # chain: TopKTree's (width 1); draft_model: OnTarget's (None)
     needs_features = False  # its exit reads the target's cache, not its hidden states
     feature_layers = ()
-    draft_model = None  # the target's own layers, not a model of its own
 
     def check(self, target) -> None:
         _check_sizes(self.depth, self.width)
-        if target != self.target:
-            raise ValueError("an EarlyExitDrafter must be built on the target it drafts for")
+        self.check_target(target)
         if not 1 <= self.layer < target.config.num_layers:
             raise ValueError(f"early-exit layer {self.layer} outside [1, "
                              f"{target.config.num_layers - 1}]")
@@ -46,9 +58,9 @@ class EarlyExitDrafter(TopKTree):
         return ()
 
     def _run(self, dparams, tparams, cache, tok, pos):
-        _, hid, cache = self.target.forward(tparams, tok, pos, cache, exit_layer=self.layer,
-                                            compute_logits=False)
-        return self.head(self.target, tparams, dparams, hid[self.layer][:, -1]), cache.advance(1)
+        logits, cache = exit_logits(self.target, tparams, self.layer, self.head, dparams, tok,
+                                    pos, cache, last=True)
+        return logits, cache.advance(1)
 
     def propose(self, dparams, state, ctx: Context, key, sampler):
         root = ctx.length - 1

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float
 
-from specjax.drafters import blocks
+from specjax.drafters import base, blocks
 from specjax.drafters.eagle import output_embedding
 
 SHIPPED = {"smollm2-135m": "heads/smollm2-135m-exits"}  # registry name -> package data
@@ -101,10 +101,9 @@ def exit_head(target, tparams, hp: dict | None, hidden: Float[Array, "... D"]
 
 
 def shipped_heads(model_name: str):
-    """The directory of the exit heads that ship for ``model_name``, or None."""
-    from specjax import export
-
-    return export.shipped_dir(SHIPPED.get(model_name))
+    """The directory of the exit heads that ship for ``model_name``, or None
+    (``base.shipped_head`` over ``SHIPPED``)."""
+    return base.shipped_head(SHIPPED, model_name)
 
 
 def load_heads(target, path: str | Path, dtype=jnp.float32) -> tuple[dict[int, dict], dict]:

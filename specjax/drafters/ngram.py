@@ -11,6 +11,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Int
 
+from specjax.core import tree
 from specjax.core.verify import Draft
 from specjax.drafters.base import Context, _check_sizes, take_tokens
 
@@ -100,7 +101,7 @@ class NGramDrafter:
             toks = jnp.where(found[:, None], toks, jnp.maximum(chain, 0))
             valid = jnp.where(found[:, None], valid, jnp.cumprod(chain >= 0, axis=1) > 0)
         b = toks.shape[0]
-        parents = jnp.broadcast_to(jnp.arange(self.depth, dtype=jnp.int32) - 1, (b, self.depth))
+        parents = tree.chain(b, self.depth)
         return Draft(tokens=jnp.maximum(toks, 0).astype(jnp.int32), parents=parents, valid=valid), state, ctx.cache
 
     def commit(self, table, state, ctx, result):

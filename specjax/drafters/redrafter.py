@@ -32,6 +32,7 @@ from jaxtyping import Array, Float, Int
 
 from specjax.core import beams as beam_lib
 from specjax.core.verify import Draft
+from specjax.drafters import base
 from specjax.drafters.blocks import features
 
 
@@ -141,7 +142,7 @@ class RedrafterState:
 
 
 @dataclasses.dataclass(frozen=True)
-class RedrafterDrafter:
+class RedrafterDrafter(base.OnTarget):
     """ReDrafter: ``width`` beams of ``length`` tokens from the recurrent head, verified as
     one tree with shared prefixes merged (``dedup``; False verifies every beam's nodes as
     its own chain, the reference's layout, for comparison).
@@ -157,13 +158,7 @@ class RedrafterDrafter:
     dedup: bool = True
 
     chain = False  # beams are verified as one tree (or, without dedup, chains side by side)
-    needs_features = True  # reads the target's hidden states (Context.hidden)
-    draft_model = None  # drafts with a head on the target, not a model of its own
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        """The target's last layer: its output, final-normed, is the head's feature."""
-        return (self.target.config.num_layers,)
+    # needs_features, feature_layers (the last layer), draft_model (None): OnTarget's
 
     @property
     def depth(self) -> int:
@@ -180,8 +175,7 @@ class RedrafterDrafter:
         return tuple(range(self.length + 1, self.num_nodes + 2))
 
     def check(self, target) -> None:
-        if target != self.target:
-            raise ValueError("a RedrafterDrafter must be built on the target it drafts for")
+        self.check_target(target)
         beam_lib.check_sizes(self.width, self.length)
 
     def check_params(self, dparams) -> None:
@@ -259,10 +253,9 @@ RECIPE = ("`specjax features --model {model} --prompts PROMPTS --out FEAT`, then
 
 
 def shipped_head(model_name: str):
-    """The directory of the head that ships for ``model_name``, or None."""
-    from specjax import export
-
-    return export.shipped_dir(SHIPPED.get(model_name))
+    """The directory of the head that ships for ``model_name``, or None
+    (``base.shipped_head`` over ``SHIPPED``)."""
+    return base.shipped_head(SHIPPED, model_name)
 
 
 def draft_params(head: dict, vocab_ids=None) -> dict:

@@ -33,14 +33,16 @@ from jax import lax
 from jaxtyping import Array, Bool, Int
 
 from specjax import sharding
-from specjax.core import encdec, sampling, widths as width_policy
+from specjax.core import encdec, sampling, tree, widths as width_policy
 from specjax.core import decoder
-from specjax.core.decoder import PAD, Batch, DecodeOutput, Request, Stats
-from specjax.core.decoding import prefill
+from specjax.core.decoder import (Batch, DecodeOutput, Request, Stats, after_prompt, eos_cut,
+                                  is_eos, pad_after)
+from specjax.core.decoding import prefill_first
 from specjax.sharding import constrain_cache
 from specjax.drafters import Context, NGramDrafter, target_head
 from specjax.drafters.base import take_tokens
-from specjax.core.verify import Draft, verify
+from specjax.drafters.early_exit import exit_logits
+from specjax.core.verify import Draft, trim, verify
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +78,9 @@ class Exit:
         if self.layer is None:
             logits, _, cache = target.forward(tparams, tokens, positions, cache)
             return logits, cache
-        _, hid, cache = target.forward(tparams, tokens, positions, cache,
-                                       exit_layer=self.layer, compute_logits=False)
-        return self.head(target, tparams, hparams, hid[self.layer]).astype(jnp.float32), cache
+        logits, cache = exit_logits(target, tparams, self.layer, self.head, hparams, tokens,
+                                    positions, cache)
+        return logits.astype(jnp.float32), cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,11 +244,7 @@ class _Run:
 
         def at(w, tokens, cache, start, draft, key):
             logits, cache = self._score(k, tokens, cache, start, w)
-            n = w - 1
-            cut = Draft(tokens=draft.tokens[:, :n], parents=draft.parents[:, :n],
-                        valid=draft.valid[:, :n],
-                        probs=None if draft.probs is None else draft.probs[:, :n])
-            res = verify(logits, cut, key, self.draws(k))
+            res = verify(logits, trim(draft, w - 1), key, self.draws(k))
             p = None
             if wants_p:
                 b, v = logits.shape[0], logits.shape[-1]
@@ -258,18 +256,23 @@ class _Run:
         ops = (s.tokens, s.caches[k], start, draft, key)
         if len(ws) == 1:
             return (*fns[0](*ops), full)
+        # a chain's need is its count d (Speculative reads it off a tree's valid mask)
         need = 1 + jnp.max(jnp.where(active, d, 0), initial=0)
-        branch = jnp.minimum(jnp.sum(jnp.asarray(ws) < need), len(ws) - 1)
+        branch = width_policy.narrowest(ws, need)
         return (*lax.switch(branch, fns, *ops), jnp.asarray(ws)[branch])
+
+    def _lookup(self, tokens, at) -> Draft:
+        """The n-gram bottom level's draft after each row's first ``at`` tokens (prompt
+        lookup in them and, for an encoder-decoder target, in its source)."""
+        ctx = Context(tokens=tokens, length=at, prompt_len=self.prompt_len, cache=None,
+                      params=self.tparams, source=self.target.source_tokens(self.tparams))
+        return self.h.levels[0].drafter.propose(None, (), ctx, None, sampling.Greedy())[0]
 
     def draft0(self, s: HSDState, active) -> HSDState:
         """Level 0 writes ``T[0]`` drafts after ``n[1]`` (fewer for an n-gram miss)."""
         lvl, t0, start = self.h.levels[0], self.h.T[0], s.n[1]
         if isinstance(lvl, NGram):
-            ctx = Context(tokens=s.tokens, length=start, prompt_len=self.prompt_len,
-                          cache=None, params=self.tparams,
-                          source=self.target.source_tokens(self.tparams))  # T5's source
-            d, _, _ = lvl.drafter.propose(None, (), ctx, None, sampling.Greedy())
+            d = self._lookup(s.tokens, start)
             valid = d.valid[:, :t0] & active[:, None]
             tokens = _write(s.tokens, start[:, None] + jnp.arange(t0)[None], d.tokens[:, :t0],
                             valid)
@@ -315,9 +318,7 @@ class _Run:
         h, lvl, at = self.h.horizontal, self.h.levels[0], s.n[k - 1]
         q_off = at - s.n[k]
         if isinstance(lvl, NGram):
-            ctx = Context(tokens=s.tokens, length=at, prompt_len=self.prompt_len, cache=None,
-                          params=self.tparams, source=self.target.source_tokens(self.tparams))
-            d, _, _ = lvl.drafter.propose(None, (), ctx, None, sampling.Greedy())
+            d = self._lookup(s.tokens, at)
             valid = (jnp.cumprod(d.valid[:, :h], axis=1) > 0) & active[:, None]
             tokens = _write(s.tokens, at[:, None] + jnp.arange(h)[None], d.tokens[:, :h], valid)
             q = list(s.q)
@@ -355,8 +356,7 @@ class _Run:
             s, extra = self.extend(k, s, active)
             d = d + extra
         pos = start[:, None] + jnp.arange(m)[None]
-        chain = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32) - 1, (b, m))
-        draft = Draft(tokens=take_tokens(s.tokens, pos), parents=chain,
+        draft = Draft(tokens=take_tokens(s.tokens, pos), parents=tree.chain(b, m),
                       valid=jnp.arange(m)[None] < d[:, None], probs=s.q[k])
         key, sub = jax.random.split(s.key)
         accepted, nxt, p, cache, width = self.verify_round(k, s, start, draft, d, active, sub)
@@ -461,10 +461,7 @@ class HSD:
         (tparams, _), target, hierarchy = params, self.target, self.hierarchy
         top, b, req = self.top, batch.tokens.shape[0], Request.of(batch)
         prompt, prompt_len = batch.tokens, batch.lengths
-        cache = constrain_cache(target.init_cache(b, batch.capacity), self.mesh)
-        h_last, cache = prefill(target, tparams, prompt, prompt_len, cache, self.chunk)
-        key, sub = jax.random.split(batch.key)
-        first = sampling.sample(sub, target.logits(tparams, h_last), req.sampler)
+        first, cache, key, _ = prefill_first(target, tparams, batch, self.chunk, self.mesh)
         tokens = prompt.at[jnp.arange(b), prompt_len].set(first)
         vocab = target.config.vocab_size
         # q[k]: level k - 1's probabilities, kept where level k verifies by sampling
@@ -477,7 +474,7 @@ class HSD:
         return HSDState(
             tokens=tokens, n=jnp.broadcast_to(prompt_len + 1, (top + 1, b)),
             caches=tuple(None if isinstance(l, NGram) else cache for l in hierarchy.levels),
-            q=q, key=key, done=_ends(tokens, req, prompt_len + 1), req=req,
+            q=q, key=key, done=req.stops(first, jnp.ones((b,), jnp.int32)), req=req,
             stats=Stats.zeros(top + 1, b))
 
     def step(self, params, s: HSDState) -> HSDState:
@@ -495,21 +492,22 @@ class HSD:
         return decoder.loop(self, params, s)
 
     def output(self, s: HSDState) -> DecodeOutput:
-        top, max_out, req = self.top, s.req.max_out, s.req
-        out = take_tokens(s.tokens, req.prompt_len[:, None] + jnp.arange(max_out)[None])
-        is_eos = jnp.any(out[:, :, None] == req.eos_ids[None, None, :], -1)
-        first_eos = jnp.where(jnp.any(is_eos, 1), jnp.argmax(is_eos, 1) + 1, max_out)
-        lengths = jnp.minimum(jnp.minimum(s.n[top] - req.prompt_len, req.budget), first_eos)
-        out = jnp.where(jnp.arange(max_out)[None] < lengths[:, None], out, PAD)
-        return DecodeOutput(tokens=out, lengths=lengths, stats=s.stats)
+        req = s.req
+        out = after_prompt(s.tokens, req.prompt_len, req.max_out)
+        # the target's committed tokens, cut at the first EOS (lower levels wrote drafts past)
+        lengths = eos_cut(out, jnp.minimum(s.n[self.top] - req.prompt_len, req.budget),
+                          req.eos_ids)
+        return DecodeOutput(tokens=pad_after(out, lengths), lengths=lengths, stats=s.stats)
 
 
 def _ends(tokens, req: Request, n) -> Bool[Array, "B"]:
-    """A row ends once it holds ``budget`` new tokens or an EOS among them."""
+    """A row ends once it holds ``budget`` new tokens or an EOS among them. (Whether any
+    EOS lies in the whole committed span, not where the first is: ``eos_cut`` would need
+    the span gathered out of the buffer every round.)"""
     c = tokens.shape[1]
     span = jnp.arange(c)[None]
     new = (span >= req.prompt_len[:, None]) & (span < n[:, None])
-    eos = jnp.any(new & jnp.any(tokens[:, :, None] == req.eos_ids[None, None, :], -1), 1)
+    eos = jnp.any(new & is_eos(tokens, req.eos_ids), 1)
     return eos | (n - req.prompt_len >= req.budget)
 
 
