@@ -2,8 +2,8 @@
 module level and inside functions alike (read from the source, nothing imported).
 
     base (sharding, export, private helpers) -> models -> core -> drafters -> hsd
-    -> methods, divergence -> the package's API (specjax/__init__) -> bench, demo, train
-    -> commands -> cli -> device_check (a tool, free to use all of them)
+    -> head_io -> methods, divergence -> the package's API (specjax/__init__) -> bench, demo, train
+    -> commands -> cli -> device_check (a shim for scripts/device_check.py)
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ negative control, and must be rejected (``p < 1e-6``), or the test would prove n
 Everything runs jitted on JAX's default device (the PRNG, the draft, ``verify`` and the
 continuation), so this checks sampling where the user decodes; only the counts and the
 chi-square statistic are computed on the host. No scipy: the chi-square tail is
-``jax.scipy.special.gammaincc``. The tests run it on the CPU, ``specjax.device_check`` on
-an accelerator.
+``jax.scipy.special.gammaincc``. The tests run it on the CPU, ``scripts/device_check.py``
+on an accelerator.
 """
 
 from __future__ import annotations
