@@ -21,7 +21,7 @@ from pathlib import Path
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 
-import jax  # noqa: E402
+import jax  # noqa: E402, F401  (the backend starts after XLA_FLAGS is set)
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
