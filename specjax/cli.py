@@ -1,5 +1,5 @@
-"""The ``specjax`` command: demo, generate, bench, calibrate, tune, distill, features and
-train. Each command lives in ``specjax.commands``; methods are built by
+"""The ``specjax`` command: demo, generate, bench, calibrate, tune, distill, features,
+train and convert-head. Each command lives in ``specjax.commands``; methods are built by
 ``specjax.methods``; this module only assembles the parser and reports errors."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import sys
 
 from specjax._optional import MissingExtra
-from specjax.commands import bench, decode, hsd, train
+from specjax.commands import bench, convert, decode, hsd, train
 from specjax.commands.common import UsageError, check_args
 
 # errors whose message says it all: printed without the exception's name or a traceback hint
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="specjax", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     p.set_defaults(debug=False)
-    for module in (decode, bench, hsd, train):
+    for module in (decode, bench, hsd, train, convert):
         for sp in module.register(sub):  # each command's parsers that run something
             sp.add_argument("--debug", action="store_true",
                             help="show the full traceback of an error (or SPECJAX_DEBUG=1)")

@@ -172,6 +172,30 @@ def export_onpolicy(state: dict, kind, cfg, out: str | Path, *, model: str, targ
                                layers=kind.layers(target_cfg)[:-1])
 
 
+# ----------------------------------------------------------------------------- published
+
+def published_dir(export_dir: str | Path) -> Path:
+    """Where ``--export-format eagle3`` writes the published copy of the head exported to
+    ``export_dir``: the sibling directory ``EXPORT-eagle3``."""
+    p = Path(export_dir).absolute()
+    return p.with_name(p.name + "-eagle3")
+
+
+def export_published(head_dir: str | Path, target_cfg) -> Path:
+    """The EAGLE-3 head exported to ``head_dir``, written again in SafeAILab/EAGLE's
+    published layout to ``published_dir(head_dir)`` (``published.save``, bfloat16: the
+    exported weights unchanged); returns that directory."""
+    import jax
+
+    from specjax.drafters import published
+
+    params, meta = head_io.load_eagle3(head_dir, target_cfg)
+    return published.save(head_io.EAGLE3, jax.tree.map(np.asarray, params),
+                          published_dir(head_dir), target_cfg, vocab_ids=meta["vocab_ids"],
+                          layers=meta["layers"])
+
+
 __all__ = ["from_args", "data_summary", "store_summary", "record", "eagle_init",
            "redrafter_init", "Start", "onpolicy_start", "onpolicy_head", "export_eagle",
-           "export_redrafter", "export_exit_heads", "export_onpolicy"]
+           "export_redrafter", "export_exit_heads", "export_onpolicy", "published_dir",
+           "export_published"]

@@ -321,6 +321,7 @@ def cmd_train_onpolicy(args) -> int:
     from specjax.train import glue, onpolicy, shards, ttt
 
     kind = ttt.EAGLE3 if args.kind == "eagle3" else ttt.EAGLE2
+    _check_export_format(args)
     cfg, pool, start, vocab_ids = _onpolicy_inputs(args, kind)
     lm = _load(args, vocab=True)
     thash = shards.target_hash(lm.model.config, lm.params)
@@ -342,7 +343,32 @@ def cmd_train_onpolicy(args) -> int:
                                    target_cfg=lm.model.config, start=start,
                                    shards=args.shards, vocab_ids=vocab_ids)
         print(f"exported the head (bfloat16) to {out}")
+        if args.export_format:
+            print(f"and in SafeAILab/EAGLE's layout to "
+                  f"{glue.export_published(out, lm.model.config)}")
     return 0
+
+
+def _check_export_format(args) -> None:
+    """``--export-format eagle3`` goes with ``--kind eagle3`` and ``--export DIR``, and its
+    directory (``DIR-eagle3``) is new, empty or an earlier conversion: refused before any
+    work."""
+    from specjax.drafters import published
+    from specjax.train import glue
+
+    if args.export_format is None:
+        return
+    if not args.export:
+        raise UsageError("--export-format eagle3 needs --export DIR (the published copy goes "
+                         "to DIR-eagle3)")
+    if args.kind != args.export_format:
+        raise UsageError(f"--export-format {args.export_format} needs --kind "
+                         f"{args.export_format}: a head of kind {args.kind!r} normalizes its "
+                         "attention input, which EAGLE-1/2's published layout cannot express")
+    try:
+        published.check_out_dir(glue.published_dir(args.export))
+    except FileExistsError as e:
+        raise UsageError(f"--export-format: {e}") from None
 
 
 def _add_onpolicy(tsub):
@@ -377,6 +403,9 @@ def _add_onpolicy(tsub):
                          "EAGLE-3 takes only its vocabulary order")
     to.add_argument("--stop-after", type=int, help="stop after this many rounds of this call")
     to.add_argument("--export", help="write the trained head (bfloat16) here")
+    to.add_argument("--export-format", choices=["eagle3"],
+                    help="also write the exported head in SafeAILab/EAGLE's published "
+                         "layout, to EXPORT-eagle3 (--kind eagle3; `specjax convert-head`)")
     to.set_defaults(fn=cmd_train_onpolicy)
     return to
 

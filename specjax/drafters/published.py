@@ -17,6 +17,11 @@ A head that carries ``embed_tokens.weight`` drafts with that embedding. Weights 
 floating point (EAGLE-3's ``d2t`` holds integers, ``t2d`` booleans), and ``config.json``'s
 values of the types transformers reads, its RoPE read as transformers reads it
 (``specjax.models.loading.hf_rope``).
+
+``save`` writes the other way: a specjax head (``eagle.apply_head``'s or
+``eagle3.apply_head``'s pytree) as a directory of that layout (``config.json`` and
+``model.safetensors``), which ``load`` reads back to the same parameters; a head the
+layout cannot express is refused in one line (``NoPublishedLayout``).
 """
 
 from __future__ import annotations
@@ -278,5 +283,240 @@ def drafter_and_params(head: PublishedHead, target, dtype, **sizes) -> tuple[Any
     return drafter, eagle3.draft_params(hp, target, head.vocab_ids)
 
 
-__all__ = ["PublishedHead", "WEIGHT_FILES", "drafter_and_params", "is_published", "load",
-           "read_config", "read_tensors", "layer_spec"]
+# ----------------------------------------------------------------------------- writing
+
+SAVED_FILES = ("config.json", "model.safetensors")  # what ``save`` writes, and nothing else
+SAVE_DTYPES = ("bfloat16", "float16", "float32")
+_LAYER_KEYS = {"qkv", "o", "mlp_norm", "gate_up", "down"}
+
+
+class NoPublishedLayout(ValueError):
+    """A head that no published EAGLE layout expresses exactly (one line saying why)."""
+
+
+def _np_dtype(name: str):
+    import ml_dtypes
+
+    if name not in SAVE_DTYPES:
+        raise ValueError(f"dtype {name!r}: the published layouts store {', '.join(SAVE_DTYPES)}")
+    return {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}[name]
+
+
+def _rope_fields(spec: blocks.LayerSpec) -> dict:
+    """``rope_theta`` and, for linear scaling, ``rope_scaling`` as SafeAILab/EAGLE's heads
+    read it (``{"type": "linear", "factor": f}``; ``hf_rope`` reads it back to the same
+    ``spec``). ``NoPublishedLayout`` for llama3 scaling, which EAGLE's head code does not
+    apply (it knows linear and dynamic only)."""
+    rs = spec.rope_scaling
+    out: dict = {"rope_theta": float(spec.rope_theta)}
+    if rs.rope_type == "linear":
+        out["rope_scaling"] = {"type": "linear", "factor": float(rs.factor)}
+    elif rs.rope_type != "default":
+        raise NoPublishedLayout(f"the head's RoPE has {rs.rope_type} scaling; SafeAILab/EAGLE's "
+                                "head layers apply linear or dynamic scaling only")
+    return out
+
+
+def _check_target_and_spec(kind: str, spec: blocks.LayerSpec, target_cfg) -> None:
+    """``NoPublishedLayout`` for a target EAGLE's code does not draft for (not a Llama-family
+    configuration) or a layer whose head size is not ``hidden_size // num_attention_heads``
+    (EAGLE's configs have no ``head_dim``)."""
+    from specjax.models.loading import family
+
+    if family(target_cfg) != "Llama":
+        raise NoPublishedLayout(f"the target is a {family(target_cfg)} model; the published "
+                                f"EAGLE layouts are Llama-style heads for Llama-family targets")
+    if spec.head_dim * spec.num_heads != spec.width:
+        raise NoPublishedLayout(
+            f"the head's attention has {spec.num_heads} heads of {spec.head_dim}, not "
+            f"hidden_size {spec.width} // {spec.num_heads}: EAGLE's {kind} configs have no "
+            "head_dim to say so")
+
+
+def _config(kind: str, spec: blocks.LayerSpec, target_cfg, dtype: str, extra: dict) -> dict:
+    """The head's ``config.json`` object, keys in the published configs' order."""
+    arch = "LlamaForCausalLMEagle3" if kind == "eagle3" else "LlamaForCausalLM"
+    cfg = {"architectures": [arch], "hidden_act": "silu", "hidden_size": spec.width,
+           "intermediate_size": spec.intermediate_size,
+           "max_position_embeddings": int(target_cfg.max_position_embeddings),
+           "model_type": "llama", "num_attention_heads": spec.num_heads,
+           "num_hidden_layers": 1, "num_key_value_heads": spec.num_kv_heads,
+           "rms_norm_eps": float(spec.rms_norm_eps), **_rope_fields(spec),
+           "tie_word_embeddings": False, "torch_dtype": dtype,
+           "vocab_size": int(target_cfg.vocab_size)}
+    return {**cfg, **extra}
+
+
+def _split_layer(lp: dict, prefix: str, spec: blocks.LayerSpec) -> dict[str, np.ndarray]:
+    """``blocks``' fused layer as the published tensors: ``qkv`` split into q, k, v (and
+    ``qkv_b`` into their biases), ``gate_up`` into gate and up (``_layer``'s inverse)."""
+    nq, nk = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    f = spec.intermediate_size
+    qkv, gu = np.asarray(lp["qkv"]), np.asarray(lp["gate_up"])
+    out = {f"{prefix}self_attn.q_proj.weight": qkv[:nq],
+           f"{prefix}self_attn.k_proj.weight": qkv[nq:nq + nk],
+           f"{prefix}self_attn.v_proj.weight": qkv[nq + nk:],
+           f"{prefix}self_attn.o_proj.weight": np.asarray(lp["o"]),
+           f"{prefix}post_attention_layernorm.weight": np.asarray(lp["mlp_norm"]),
+           f"{prefix}mlp.gate_proj.weight": gu[:f], f"{prefix}mlp.up_proj.weight": gu[f:],
+           f"{prefix}mlp.down_proj.weight": np.asarray(lp["down"])}
+    if "qkv_b" in lp:
+        b = np.asarray(lp["qkv_b"])
+        out.update({f"{prefix}self_attn.q_proj.bias": b[:nq],
+                    f"{prefix}self_attn.k_proj.bias": b[nq:nq + nk],
+                    f"{prefix}self_attn.v_proj.bias": b[nq + nk:]})
+    return out
+
+
+def _check_keys(params: dict, top: set, optional: set, layer_optional: set, kind: str) -> None:
+    """``NoPublishedLayout`` naming parameters the layout has no tensor for, or lacks."""
+    layer = params.get("layer")
+    got_layer = set(layer) if isinstance(layer, dict) else set()
+    if "attn_norm" in got_layer and kind == "eagle":
+        raise NoPublishedLayout(
+            "the head's layer normalizes its attention input (attn_norm, as every head "
+            "specjax trains); EAGLE-1/2's layer 0 has no input_layernorm, so no EAGLE-1/2 "
+            "layout computes this head")
+    extra = sorted((set(params) - top - optional)
+                   | {f"layer/{k}" for k in got_layer - _LAYER_KEYS - layer_optional})
+    missing = sorted((top - set(params)) | {f"layer/{k}" for k in _LAYER_KEYS - got_layer})
+    if extra or missing:
+        what = "; ".join(([f"parameters {extra} have no tensor in it"] if extra else [])
+                         + ([f"it needs {missing}"] if missing else []))
+        raise NoPublishedLayout(f"not an {kind} head of the published layout: {what}")
+
+
+def _eagle1_tensors(params: dict, spec: blocks.LayerSpec, target_cfg, draft_vocab: int
+                    ) -> tuple[dict, dict[str, np.ndarray]]:
+    v = int(target_cfg.vocab_size)
+    if 0 < int(draft_vocab) < v:
+        raise NoPublishedLayout(
+            f"the head drafts over a reduced vocabulary of {draft_vocab} of the target's {v} "
+            "tokens, which the EAGLE-1/2 layout cannot express (it drafts over the target's "
+            "whole LM head)")
+    _check_keys(params, {"fc", "fc_b", "layer"}, {"embed"}, {"qkv_b"}, "eagle")
+    if spec.in_width != spec.width:
+        raise NoPublishedLayout(f"the head's layer reads {spec.in_width} features, not its "
+                                f"width {spec.width}: not an EAGLE-1/2 layer")
+    t = {"fc.weight": np.asarray(params["fc"]).T, "fc.bias": np.asarray(params["fc_b"]),
+         **_split_layer(params["layer"], "layers.0.", spec)}
+    if "embed" in params:
+        t["embed_tokens.weight"] = np.asarray(params["embed"])
+    extra = {"bias": True, "qkv_bias": "qkv_b" in params["layer"]}
+    return extra, t
+
+
+def _eagle3_tensors(params: dict, spec: blocks.LayerSpec, target_cfg, vocab_ids, layers
+                    ) -> tuple[dict, dict[str, np.ndarray]]:
+    from specjax.drafters.eagle3 import fused_layers
+
+    n, d_t, v = target_cfg.num_layers, int(target_cfg.hidden_size), int(target_cfg.vocab_size)
+    _check_keys(params, {"fc", "embed_norm", "hidden_norm", "layer", "norm", "lm_head"},
+                {"embed"}, set(), "eagle3")
+    if layers is not None and tuple(int(x) for x in layers) != fused_layers(n):
+        raise NoPublishedLayout(
+            f"the head fuses the hidden states entering layers {list(layers)}; SafeAILab/EAGLE "
+            f"fuses layers {list(fused_layers(n))} of a {n}-layer target and reads no other")
+    if spec.in_width != 2 * spec.width:
+        raise NoPublishedLayout(f"the head's layer reads {spec.in_width} features, not twice "
+                                f"its width {spec.width}: not an EAGLE-3 layer")
+    if spec.width != d_t and "embed" not in params:
+        raise NoPublishedLayout(f"the head is {spec.width} wide and its target {d_t}: EAGLE-3 "
+                                "needs such a head to carry its own embedding")
+    dv = int(np.shape(params["lm_head"])[0])
+    ids = np.arange(dv) if vocab_ids is None else np.asarray(vocab_ids).astype(np.int64)
+    if ids.shape != (dv,) or ids.min() < 0 or ids.max() >= v or len(np.unique(ids)) != dv:
+        raise NoPublishedLayout(f"the head's vocabulary does not map its {dv} draft ids to "
+                                f"distinct target ids in [0, {v})")
+    t2d = np.zeros((v,), np.bool_)
+    t2d[ids] = True
+    t = {"fc.weight": np.asarray(params["fc"]),
+         "midlayer.input_layernorm.weight": np.asarray(params["embed_norm"]),
+         "midlayer.hidden_norm.weight": np.asarray(params["hidden_norm"]),
+         **_split_layer(params["layer"], "midlayer.", spec),
+         "norm.weight": np.asarray(params["norm"]), "lm_head.weight": np.asarray(params["lm_head"]),
+         "d2t": (ids - np.arange(dv)).astype(np.int64), "t2d": t2d}
+    if "embed" in params:
+        t["embed_tokens.weight"] = np.asarray(params["embed"])
+    extra = {"draft_vocab_size": dv, **({"target_hidden_size": d_t} if spec.width != d_t else {})}
+    return extra, t
+
+
+def to_published(kind: str, params: dict, target_cfg, *, spec: blocks.LayerSpec | None = None,
+                 vocab_ids=None, layers=None, draft_vocab: int = 0, dtype: str = "bfloat16"
+                 ) -> tuple[dict, dict[str, np.ndarray]]:
+    """``(config.json object, {tensor name: array})`` of the published layout of the head
+    ``params`` of ``kind`` (``"eagle"``: EAGLE-1/2, ``"eagle3"``) for a target of
+    ``target_cfg``; floating tensors cast to ``dtype`` (``SAVE_DTYPES``). ``spec``: the
+    head layer's sizes (default the target's: ``LayerSpec.of`` for ``eagle``,
+    ``eagle3.layer_spec`` for ``eagle3``). ``vocab_ids`` (eagle3): the target id of each
+    draft id (default the identity); ``layers`` (eagle3): the fused layers (must be EAGLE's
+    own); ``draft_vocab`` (eagle): a reduced vocabulary the head drafts over (0: none).
+    ``NoPublishedLayout`` (one line) for a head the layout cannot express."""
+    from specjax.drafters import eagle3
+
+    np_dtype = _np_dtype(dtype)
+    if kind not in ("eagle", "eagle3"):
+        raise NoPublishedLayout(f"a {kind!r} head has no published EAGLE layout (eagle, eagle3)")
+    if spec is None:
+        spec = blocks.LayerSpec.of(target_cfg) if kind == "eagle" else eagle3.layer_spec(target_cfg)
+    _check_target_and_spec(kind, spec, target_cfg)
+    if kind == "eagle":
+        extra, t = _eagle1_tensors(params, spec, target_cfg, draft_vocab)
+    else:
+        extra, t = _eagle3_tensors(params, spec, target_cfg, vocab_ids, layers)
+    t = {k: np.ascontiguousarray(a.astype(np_dtype) if k not in ("d2t", "t2d") else a)
+         for k, a in sorted(t.items())}
+    return _config(kind, spec, target_cfg, dtype, extra), t
+
+
+def check_out_dir(out: Path) -> None:
+    """``FileExistsError`` unless ``out`` is absent, an empty directory, or a previous
+    ``save`` (exactly ``SAVED_FILES``), which is then overwritten."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a directory")
+    names = sorted(f.name for f in out.iterdir())
+    if names and names != sorted(SAVED_FILES):
+        raise FileExistsError(f"{out} is not empty and not a previous conversion "
+                              f"(it holds {', '.join(names[:4])}{', ...' if len(names) > 4 else ''})")
+
+
+def save(kind: str, params: dict, out_dir: str | Path, target_cfg, *, spec=None,
+         vocab_ids=None, layers=None, draft_vocab: int = 0, dtype: str = "bfloat16") -> Path:
+    """Writes the head ``params`` of ``kind`` in its published layout (``to_published``) to
+    ``out_dir`` (absent, empty, or a previous ``save``: ``FileExistsError`` otherwise):
+    ``config.json`` (2-space JSON) and ``model.safetensors`` (metadata ``format: pt``);
+    returns the absolute directory. Deterministic: the same head writes the same bytes.
+    The files are checked with ``load`` against ``target_cfg`` before they replace
+    ``out_dir``'s, so a directory ``save`` returns is one ``load`` reads back to ``params``
+    (cast to ``dtype``)."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    out = Path(out_dir).absolute()
+    check_out_dir(out)
+    cfg, tensors = to_published(kind, params, target_cfg, spec=spec, vocab_ids=vocab_ids,
+                                layers=layers, draft_vocab=draft_vocab, dtype=dtype)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        load(tmp, target_cfg)  # what was written reads back, for this target
+        out.mkdir(parents=True, exist_ok=True)
+        for name in SAVED_FILES:
+            os.replace(tmp / name, out / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+__all__ = ["PublishedHead", "WEIGHT_FILES", "NoPublishedLayout", "drafter_and_params",
+           "is_published", "load", "read_config", "read_tensors", "layer_spec", "save",
+           "to_published", "check_out_dir", "SAVED_FILES", "SAVE_DTYPES"]

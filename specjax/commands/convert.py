@@ -1,0 +1,93 @@
+"""``specjax convert-head``: a head specjax exported, written in the layout SafeAILab/EAGLE
+publishes (``specjax.drafters.published.save`` does the work; this module reads the
+arguments, the head and its target's configuration)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specjax.commands.common import UsageError
+
+KINDS = ("eagle", "eagle3")  # --to: the published layout, named as the head kind it holds
+
+
+def _head_kind(head_dir: str) -> str:
+    """The kind in ``head_dir``'s ``head.json``; ``UsageError`` for a path that is not an
+    exported head's directory."""
+    p = Path(head_dir)
+    if not p.exists():
+        raise UsageError(f"HEAD_DIR {head_dir} does not exist")
+    if not p.is_dir():
+        raise UsageError(f"HEAD_DIR {head_dir} is a file; give the directory of an exported head")
+    if not (p / "head.json").is_file():
+        what = ("a published head already" if (p / "config.json").is_file()
+                else "not a head specjax exported")
+        raise UsageError(f"HEAD_DIR {head_dir} has no head.json: {what}")
+    try:
+        meta = json.loads((p / "head.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UsageError(f"HEAD_DIR {head_dir}: cannot read head.json ({e})") from None
+    return meta.get("kind") if isinstance(meta, dict) else None
+
+
+def target_config(model: str):
+    """The configuration of the target ``model`` (a registered name, a GGUF file or an HF
+    directory), read without its weights."""
+    from specjax.models import loading, registry
+
+    path = registry.resolve(model)
+    return loading.hf_dir_config(path) if path.is_dir() else loading.gguf_file_config(path)
+
+
+def cmd_convert(args) -> int:
+    import jax
+    import numpy as np
+
+    from specjax import export
+    from specjax.drafters import published
+
+    kind = _head_kind(args.head_dir)
+    if kind != args.to:
+        hint = f": use --to {kind}" if kind in KINDS else ", which has no published layout"
+        raise UsageError(f"{args.head_dir} holds an exported {kind!r} head, not "
+                         f"{args.to!r}{hint}")
+    try:
+        published.check_out_dir(Path(args.out_dir).absolute())
+    except FileExistsError as e:
+        raise UsageError(f"OUT_DIR {e}") from None
+    params, meta = export.load_head(args.head_dir, kind)
+    model = args.model or meta.get("model")
+    if not model:
+        raise UsageError(f"{args.head_dir}'s head.json names no target: pass --model")
+    cfg = target_config(model)
+    out = published.save(kind, jax.tree.map(np.asarray, params), args.out_dir, cfg, vocab_ids=meta.get("vocab_ids"),
+                         layers=meta.get("layers"), draft_vocab=meta.get("draft_vocab") or 0,
+                         dtype=args.dtype)
+    layout = "EAGLE-3" if kind == "eagle3" else "EAGLE-1/2"
+    print(f"wrote {out}: the {layout} layout (config.json, model.safetensors, {args.dtype})")
+    return 0
+
+
+def register(sub) -> list:
+    """Adds ``convert-head`` to ``sub``; returns its parser."""
+    from specjax.drafters.published import SAVE_DTYPES
+
+    c = sub.add_parser(
+        "convert-head", help="write an exported EAGLE head in SafeAILab/EAGLE's layout",
+        description="Writes the head in HEAD_DIR (exported by specjax) to OUT_DIR as "
+                    "SafeAILab/EAGLE publishes heads: config.json and model.safetensors "
+                    "(with d2t/t2d for EAGLE-3). OUT_DIR must be absent, empty or an "
+                    "earlier conversion. A head the layout cannot express is refused.")
+    c.add_argument("head_dir", metavar="HEAD_DIR", help="an exported eagle or eagle3 head")
+    c.add_argument("out_dir", metavar="OUT_DIR", help="the published head's directory")
+    c.add_argument("--to", required=True, choices=KINDS,
+                   help="eagle: the EAGLE-1/2 layout (an eagle head); eagle3: EAGLE-3's "
+                        "(an eagle3 head, loaded by SafeAILab/EAGLE and SpecForge)")
+    c.add_argument("--model", default=None,
+                   help="the head's target (registered name, .gguf file or HF directory), "
+                        "read for its configuration only; default: head.json's model")
+    c.add_argument("--dtype", default="bfloat16", choices=SAVE_DTYPES,
+                   help="the weights' dtype in model.safetensors (published heads: bfloat16)")
+    c.set_defaults(fn=cmd_convert)
+    return [c]

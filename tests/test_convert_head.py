@@ -1,0 +1,327 @@
+"""Heads specjax exported, written in SafeAILab/EAGLE's published layouts
+(``published.save`` and ``specjax convert-head``): the files' forward, run by the
+independent PyTorch reference of ``tests/published.py``, equals specjax's forward of the
+original head; converting what ``published.load`` reads back writes the same bytes; a
+converted head decodes as ``ar``; heads the layouts cannot express are refused in one
+line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import toys
+from published import d2t_target_ids, torch_eagle1_logits, torch_eagle3_logits
+from specjax import cli, head_io, methods
+from specjax.core.decoding import generate
+from specjax.drafters import blocks, eagle, eagle3, published
+from specjax.drafters.published import NoPublishedLayout
+from specjax.models.base import RopeScaling
+
+TARGET = toys.LLAMA_6  # V 64, hidden 32, 4 heads of 8, 2 K/V heads, 6 layers
+V, H, DV, B, T = TARGET.vocab_size, TARGET.hidden_size, 24, 2, 7
+
+
+def _jitter(tree, key, scale=0.1):
+    """Every leaf moved off its init value (norms away from 1, biases away from 0), so a
+    tensor written under the wrong name changes the forward."""
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(treedef, [x + scale * jax.random.normal(k, x.shape)
+                                        for x, k in zip(leaves, keys)])
+
+
+def eagle1_head(cfg=TARGET, seed=0) -> dict:
+    """A random EAGLE-1/2 head of the published shape: ``eagle.init_head``'s tree without
+    the layer's ``attn_norm`` (EAGLE-1/2's layer 0 has no input norm)."""
+    hp = eagle.init_head(cfg, jax.random.key(seed))
+    del hp["layer"]["attn_norm"]
+    return jax.tree.map(np.asarray, _jitter(hp, jax.random.key(seed + 1)))
+
+
+def eagle3_head(cfg=TARGET, seed=0, dv=DV) -> tuple[dict, np.ndarray]:
+    """A random EAGLE-3 head and its draft vocabulary (distinct target ids, not sorted, so
+    ``d2t``'s offsets are not all equal)."""
+    hp = _jitter(eagle3.init_head(cfg, jax.random.key(seed), dv), jax.random.key(seed + 1))
+    ids = np.random.default_rng(seed).permutation(cfg.vocab_size)[:dv]
+    return jax.tree.map(np.asarray, hp), ids
+
+
+def _read(d):
+    """The converted directory as the reference reads it: torch state dict and config."""
+    return load_file(str(d / "model.safetensors")), json.loads((d / "config.json").read_text())
+
+
+def _inputs(seed: int, width: int):
+    g = torch.Generator().manual_seed(seed)
+    embed, head = torch.randn(V, H, generator=g) * 0.5, torch.randn(V, H, generator=g) * 0.5
+    return embed, head, torch.randint(0, V, (B, T), generator=g), torch.randn(B, T, width,
+                                                                             generator=g)
+
+
+def _run(fn, spec, hp, emb, x):
+    """A head's ``apply_head`` over a causal sequence from an empty cache, float32."""
+    k, v = blocks.empty_kv(spec, B, T, jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    hp = jax.tree.map(jnp.asarray, hp)
+    out, _, _ = fn(spec, hp, jnp.asarray(emb), jnp.asarray(x), pos, k, v,
+                   jnp.zeros((B,), jnp.int32), blocks.causal(B, T))
+    return out
+
+
+# --- 1. the converted files' reference forward equals specjax's forward of the head --------
+
+# linear RoPE scaling with another base, written as EAGLE's heads read it ({"type": "linear"})
+LINEAR = dataclasses.replace(TARGET, rope_theta=500000.0, rope_scaling=RopeScaling("linear", 4.0))
+
+
+@pytest.mark.parametrize("target", [TARGET, LINEAR], ids=["default-rope", "linear-rope"])
+def test_converted_eagle1_head_equals_the_pytorch_reference(tmp_path, target):
+    hp = eagle1_head(target)
+    published.save("eagle", hp, tmp_path, target, dtype="float32")
+    sd, cfg = _read(tmp_path)
+    assert cfg["torch_dtype"] == "float32" and "layers.0.input_layernorm.weight" not in sd
+    if target is LINEAR:
+        assert cfg["rope_scaling"] == {"type": "linear", "factor": 4.0}
+    embed, lm_head, tokens, feats = _inputs(1, H)
+    spec = blocks.LayerSpec.of(target)
+    out = _run(eagle.apply_head, spec, hp, embed[tokens].numpy(), feats.numpy())
+    ours = np.asarray(out @ jnp.asarray(lm_head.numpy()).T)
+    ref = torch_eagle1_logits(sd, cfg, embed, lm_head, tokens, feats).numpy()
+    assert np.abs(ours - ref).max() < 1e-4, np.abs(ours - ref).max()
+    bad = torch_eagle1_logits(sd, cfg, embed, lm_head, tokens, feats, wrong="swap_concat")
+    assert np.abs(ours - bad.numpy()).max() > 1e-2  # the comparison can tell
+
+
+def test_converted_eagle3_head_equals_the_pytorch_reference(tmp_path):
+    hp, ids = eagle3_head()
+    published.save("eagle3", hp, tmp_path, TARGET, vocab_ids=ids,
+                   layers=eagle3.fused_layers(TARGET.num_layers), dtype="float32")
+    sd, cfg = _read(tmp_path)
+    assert cfg["draft_vocab_size"] == DV and sd["d2t"].dtype == torch.int64
+    assert sd["t2d"].dtype == torch.bool and int(sd["t2d"].sum()) == DV
+    np.testing.assert_array_equal(d2t_target_ids(sd["d2t"], torch.arange(DV)).numpy(), ids)
+    embed, _, tokens, fused = _inputs(2, 3 * H)
+    spec = eagle3.layer_spec(TARGET)
+    out = _run(eagle3.apply_head, spec, hp, embed[tokens].numpy(), fused.numpy())
+    ours = np.asarray(eagle3.draft_logits(spec, jax.tree.map(jnp.asarray, hp), out))
+    ref, ref_x = torch_eagle3_logits(sd, cfg, embed, tokens, fused)
+    assert np.abs(ours - ref.numpy()).max() < 1e-4, np.abs(ours - ref.numpy()).max()
+    # a later draft step: the head's own output in place of the fused states (fc skipped)
+    out2 = _run(eagle3.apply_head, spec, hp, embed[tokens].numpy(), ref_x.numpy())
+    ours2 = np.asarray(eagle3.draft_logits(spec, jax.tree.map(jnp.asarray, hp), out2))
+    assert np.abs(ours2 - torch_eagle3_logits(sd, cfg, embed, tokens, ref_x)[0].numpy()).max() < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_bfloat16_files_hold_the_head_rounded_to_bfloat16(tmp_path, kind):
+    """The default dtype (bfloat16, as SafeAILab/EAGLE publishes) stores each weight rounded
+    once to bfloat16: ``load`` reads back exactly the float32 head cast to bfloat16."""
+    hp, ids = (eagle1_head(), None) if kind == "eagle" else eagle3_head()
+    published.save(kind, hp, tmp_path, TARGET, vocab_ids=ids)
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    head = published.load(tmp_path, TARGET)
+    rounded = jax.tree.map(lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32), hp)
+    jax.tree.map(np.testing.assert_array_equal, head.params, rounded)
+    if kind == "eagle3":
+        np.testing.assert_array_equal(head.vocab_ids, ids)
+
+
+# --- 2. convert -> load -> convert writes the same bytes ------------------------------------
+
+@pytest.mark.parametrize("kind,dtype", [("eagle", "bfloat16"), ("eagle3", "bfloat16"),
+                                        ("eagle3", "float32")])
+def test_convert_load_convert_is_byte_stable(tmp_path, kind, dtype):
+    hp, ids = (eagle1_head(), None) if kind == "eagle" else eagle3_head()
+    a, b = tmp_path / "a", tmp_path / "b"
+    published.save(kind, hp, a, TARGET, vocab_ids=ids, dtype=dtype)
+    head = published.load(a, TARGET)
+    published.save(head.kind, head.params, b, TARGET, spec=head.spec, vocab_ids=head.vocab_ids,
+                   layers=head.layers, dtype=dtype)
+    for name in published.SAVED_FILES:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    published.save(kind, hp, a, TARGET, vocab_ids=ids, dtype=dtype)  # over a conversion
+    assert sorted(p.name for p in a.iterdir()) == sorted(published.SAVED_FILES)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+
+
+# --- 3. a converted head decodes as ar through --draft-checkpoint ---------------------------
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """A random 6-layer Llama saved as an HF directory (what ``--model DIR`` reads)."""
+    root = tmp_path_factory.mktemp("convert")
+    return toys.loaded_llama(root / "toy", layers=6), root / "toy"
+
+
+@pytest.mark.parametrize("spec", ["eagle2:3,3,8", "eagle3:3,3,8"])
+def test_a_converted_head_decodes_as_ar(toy, tmp_path, spec):
+    lm, _ = toy
+    cfg = lm.model.config
+    if spec.startswith("eagle3"):
+        hp, ids = eagle3_head(cfg, seed=3, dv=48)
+        published.save("eagle3", hp, tmp_path, cfg, vocab_ids=ids)
+    else:
+        published.save("eagle", eagle1_head(cfg, seed=3), tmp_path, cfg)
+    built = methods.build(spec, lm, methods.Options(draft_checkpoint=str(tmp_path)))
+    prompts, budgets = [[5, 9, 17, 3, 44], [7] * 11], [20, 13]
+    ar = generate(lm.model, lm.params, prompts, max_new_tokens=budgets).to_lists()
+    out = built(prompts, max_new_tokens=budgets)
+    assert out.to_lists() == ar
+    assert out.drafted.sum() > 0
+
+
+# --- refusals: a head no published layout expresses -----------------------------------------
+
+def test_heads_without_a_published_layout_are_refused(tmp_path):
+    hp = eagle1_head()
+    with_norm = {**hp, "layer": {**hp["layer"], "attn_norm": np.ones((H,), np.float32)}}
+    cases = [
+        (lambda: published.save("eagle", with_norm, tmp_path / "a", TARGET),
+         "no input_layernorm"),
+        (lambda: published.save("eagle", hp, tmp_path / "b", TARGET, draft_vocab=8),
+         "reduced vocabulary of 8"),
+        (lambda: published.save("eagle3", eagle3_head()[0], tmp_path / "c", TARGET,
+                                layers=(1, 2, 3)), "fuses layers [2, 3, 3]"),
+        (lambda: published.save("eagle3", {**eagle3_head()[0], "extra": np.ones(3)},
+                                tmp_path / "d", TARGET), "['extra'] have no tensor"),
+        (lambda: published.save("eagle", hp, tmp_path / "e", toys.GEMMA), "Gemma"),
+        (lambda: published.save("redrafter", hp, tmp_path / "f", TARGET), "'redrafter'"),
+        (lambda: published.save("eagle", eagle1_head(toys.LLAMA3_ROPE), tmp_path / "g",
+                                toys.LLAMA3_ROPE), "llama3 scaling"),
+    ]
+    for call, msg in cases:
+        with pytest.raises(NoPublishedLayout) as e:
+            call()
+        assert msg in str(e.value) and len(str(e.value).splitlines()) == 1, str(e.value)
+    assert not any(tmp_path.iterdir())  # nothing written for a refused head
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not a previous conversion"):
+        published.save("eagle", hp, tmp_path / "x", TARGET)
+
+
+# --- 4. the command -------------------------------------------------------------------------
+
+def _cli(argv, capsys):
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.err.strip()
+
+
+def test_cli_converts_exported_heads(toy, tmp_path, capsys):
+    lm, model_dir = toy
+    cfg = lm.model.config
+    hp3, ids = eagle3_head(cfg, seed=5, dv=40)
+    head_io.save_eagle3(hp3, tmp_path / "h3", vocab_ids=ids,
+                        layers=eagle3.fused_layers(cfg.num_layers))
+    head_io.save_eagle(eagle1_head(cfg, seed=5), tmp_path / "h1")
+    for kind, src in (("eagle3", "h3"), ("eagle", "h1")):
+        out = tmp_path / f"out-{kind}"
+        for _ in range(2):  # the second run writes over the first conversion
+            code, err = _cli(["convert-head", str(tmp_path / src), str(out), "--to", kind,
+                              "--model", str(model_dir)], capsys)
+            assert code == 0, err
+        head = published.load(out, cfg)
+        params, _ = export_params(tmp_path / src, kind)
+        jax.tree.map(np.testing.assert_array_equal, head.params, params)  # bf16 both ways
+        if kind == "eagle3":
+            np.testing.assert_array_equal(head.vocab_ids, ids)
+
+
+def export_params(path, kind):
+    """The exported head's parameters as float32 numpy."""
+    from specjax import export
+
+    params, meta = export.load_head(path, kind)
+    return jax.tree.map(lambda x: np.asarray(x, np.float32), params), meta
+
+
+def test_cli_refusals_are_one_line(toy, tmp_path, capsys):
+    lm, model_dir = toy
+    cfg = lm.model.config
+    hp3, ids = eagle3_head(cfg, seed=5, dv=40)
+    head_io.save_eagle3(hp3, tmp_path / "h3", vocab_ids=ids,
+                        layers=eagle3.fused_layers(cfg.num_layers))
+    head_io.save_eagle(eagle1_head(cfg), tmp_path / "h1", vocab_ids=np.arange(8),
+                       draft_vocab=8)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    m = ["--model", str(model_dir)]
+    probes = [
+        (["convert-head", str(tmp_path / "h3"), str(tmp_path / "o1"), "--to", "eagle", *m], 2,
+         "holds an exported 'eagle3' head, not 'eagle': use --to eagle3"),
+        (["convert-head", str(tmp_path / "missing"), str(tmp_path / "o2"), "--to", "eagle3",
+          *m], 2, "missing does not exist"),
+        (["convert-head", str(tmp_path / "h3"), str(tmp_path / "full"), "--to", "eagle3", *m],
+         2, "is not empty and not a previous conversion"),
+        (["convert-head", str(tmp_path / "h1"), str(tmp_path / "o3"), "--to", "eagle", *m], 1,
+         "reduced vocabulary of 8"),
+        (["convert-head", str(tmp_path / "h3"), str(tmp_path / "o4"), "--to", "eagle4", *m], 2,
+         "invalid choice: 'eagle4'"),
+    ]
+    for argv, want, msg in probes:
+        code, err = _cli(argv, capsys)
+        assert code == want and len(err.splitlines()) == 1 and msg in err, (argv, code, err)
+    assert (tmp_path / "full" / "notes.txt").read_text() == "mine"
+    assert not any((tmp_path / o).exists() for o in ("o1", "o2", "o3", "o4"))
+
+
+def test_the_shipped_smollm2_head_is_refused_for_its_input_norm(tmp_path, capsys):
+    """The shipped SmolLM2 head normalizes its attention input (``attn_norm``), which
+    EAGLE-1/2's layer 0 does not: no EAGLE-1/2 file computes it, so it is refused (read
+    against the registry's SmolLM2 configuration, no weights loaded)."""
+    shipped = eagle.shipped_head("smollm2-135m")
+    if shipped is None:
+        pytest.skip("the shipped SmolLM2 head is not installed")
+    code, err = _cli(["convert-head", str(shipped), str(tmp_path / "o"), "--to", "eagle"],
+                     capsys)
+    assert code == 1 and len(err.splitlines()) == 1 and "attn_norm" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+# --- train onpolicy --export-format eagle3 --------------------------------------------------
+
+def test_an_exported_eagle3_head_is_also_written_in_the_published_layout(tmp_path):
+    """What ``train onpolicy --export DIR --export-format eagle3`` does after its export:
+    ``DIR-eagle3`` holds the same head (bfloat16 both) in the published layout."""
+    from specjax.train import glue
+
+    hp, ids = eagle3_head()
+    head_io.save_eagle3(hp, tmp_path / "h", vocab_ids=ids,
+                        layers=eagle3.fused_layers(TARGET.num_layers))
+    out = glue.export_published(tmp_path / "h", TARGET)
+    assert out == tmp_path / "h-eagle3" == glue.published_dir(tmp_path / "h")
+    head = published.load(out, TARGET)
+    params, _ = export_params(tmp_path / "h", "eagle3")
+    jax.tree.map(np.testing.assert_array_equal, head.params, params)
+    np.testing.assert_array_equal(head.vocab_ids, ids)
+
+
+def test_train_onpolicy_export_format_is_checked_before_any_work(tmp_path, capsys):
+    base = ["train", "onpolicy", "--prompts", str(tmp_path / "p"), "--shards",
+            str(tmp_path / "s"), "--run", str(tmp_path / "r")]
+    (tmp_path / "e-eagle3").mkdir()
+    (tmp_path / "e-eagle3" / "notes.txt").write_text("mine")
+    probes = [
+        ([*base, "--kind", "eagle3", "--export-format", "eagle3"], "needs --export DIR"),
+        ([*base, "--export", str(tmp_path / "e"), "--export-format", "eagle3"],
+         "needs --kind eagle3"),
+        ([*base, "--kind", "eagle3", "--export", str(tmp_path / "e"), "--export-format",
+          "eagle3"], "not a previous conversion"),
+        ([*base, "--kind", "eagle", "--export-format", "eagle"], "invalid choice: 'eagle'"),
+    ]
+    for argv, msg in probes:
+        code, err = _cli(argv, capsys)
+        assert code == 2 and len(err.splitlines()) == 1 and msg in err, (argv, code, err)
