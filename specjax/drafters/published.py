@@ -386,7 +386,7 @@ def _check_keys(params: dict, top: set, optional: set, layer_optional: set, kind
         raise NoPublishedLayout(f"not an {kind} head of the published layout: {what}")
 
 
-def _eagle1_tensors(params: dict, spec: blocks.LayerSpec, target_cfg, draft_vocab: int
+def _eagle1_tensors(hp: dict, spec: blocks.LayerSpec, target_cfg, draft_vocab: int
                     ) -> tuple[dict, dict[str, np.ndarray]]:
     v = int(target_cfg.vocab_size)
     if 0 < int(draft_vocab) < v:
@@ -394,24 +394,24 @@ def _eagle1_tensors(params: dict, spec: blocks.LayerSpec, target_cfg, draft_voca
             f"the head drafts over a reduced vocabulary of {draft_vocab} of the target's {v} "
             "tokens, which the EAGLE-1/2 layout cannot express (it drafts over the target's "
             "whole LM head)")
-    _check_keys(params, {"fc", "fc_b", "layer"}, {"embed"}, {"qkv_b"}, "eagle")
+    _check_keys(hp, {"fc", "fc_b", "layer"}, {"embed"}, {"qkv_b"}, "eagle")
     if spec.in_width != spec.width:
         raise NoPublishedLayout(f"the head's layer reads {spec.in_width} features, not its "
                                 f"width {spec.width}: not an EAGLE-1/2 layer")
-    t = {"fc.weight": np.asarray(params["fc"]).T, "fc.bias": np.asarray(params["fc_b"]),
-         **_split_layer(params["layer"], "layers.0.", spec)}
-    if "embed" in params:
-        t["embed_tokens.weight"] = np.asarray(params["embed"])
-    extra = {"bias": True, "qkv_bias": "qkv_b" in params["layer"]}
+    t = {"fc.weight": np.asarray(hp["fc"]).T, "fc.bias": np.asarray(hp["fc_b"]),
+         **_split_layer(hp["layer"], "layers.0.", spec)}
+    if "embed" in hp:
+        t["embed_tokens.weight"] = np.asarray(hp["embed"])
+    extra = {"bias": True, "qkv_bias": "qkv_b" in hp["layer"]}
     return extra, t
 
 
-def _eagle3_tensors(params: dict, spec: blocks.LayerSpec, target_cfg, vocab_ids, layers
+def _eagle3_tensors(hp: dict, spec: blocks.LayerSpec, target_cfg, vocab_ids, layers
                     ) -> tuple[dict, dict[str, np.ndarray]]:
     from specjax.drafters.eagle3 import fused_layers
 
     n, d_t, v = target_cfg.num_layers, int(target_cfg.hidden_size), int(target_cfg.vocab_size)
-    _check_keys(params, {"fc", "embed_norm", "hidden_norm", "layer", "norm", "lm_head"},
+    _check_keys(hp, {"fc", "embed_norm", "hidden_norm", "layer", "norm", "lm_head"},
                 {"embed"}, set(), "eagle3")
     if layers is not None and tuple(int(x) for x in layers) != fused_layers(n):
         raise NoPublishedLayout(
@@ -420,24 +420,24 @@ def _eagle3_tensors(params: dict, spec: blocks.LayerSpec, target_cfg, vocab_ids,
     if spec.in_width != 2 * spec.width:
         raise NoPublishedLayout(f"the head's layer reads {spec.in_width} features, not twice "
                                 f"its width {spec.width}: not an EAGLE-3 layer")
-    if spec.width != d_t and "embed" not in params:
+    if spec.width != d_t and "embed" not in hp:
         raise NoPublishedLayout(f"the head is {spec.width} wide and its target {d_t}: EAGLE-3 "
                                 "needs such a head to carry its own embedding")
-    dv = int(np.shape(params["lm_head"])[0])
+    dv = int(np.shape(hp["lm_head"])[0])
     ids = np.arange(dv) if vocab_ids is None else np.asarray(vocab_ids).astype(np.int64)
     if ids.shape != (dv,) or ids.min() < 0 or ids.max() >= v or len(np.unique(ids)) != dv:
         raise NoPublishedLayout(f"the head's vocabulary does not map its {dv} draft ids to "
                                 f"distinct target ids in [0, {v})")
     t2d = np.zeros((v,), np.bool_)
     t2d[ids] = True
-    t = {"fc.weight": np.asarray(params["fc"]),
-         "midlayer.input_layernorm.weight": np.asarray(params["embed_norm"]),
-         "midlayer.hidden_norm.weight": np.asarray(params["hidden_norm"]),
-         **_split_layer(params["layer"], "midlayer.", spec),
-         "norm.weight": np.asarray(params["norm"]), "lm_head.weight": np.asarray(params["lm_head"]),
+    t = {"fc.weight": np.asarray(hp["fc"]),
+         "midlayer.input_layernorm.weight": np.asarray(hp["embed_norm"]),
+         "midlayer.hidden_norm.weight": np.asarray(hp["hidden_norm"]),
+         **_split_layer(hp["layer"], "midlayer.", spec),
+         "norm.weight": np.asarray(hp["norm"]), "lm_head.weight": np.asarray(hp["lm_head"]),
          "d2t": (ids - np.arange(dv)).astype(np.int64), "t2d": t2d}
-    if "embed" in params:
-        t["embed_tokens.weight"] = np.asarray(params["embed"])
+    if "embed" in hp:
+        t["embed_tokens.weight"] = np.asarray(hp["embed"])
     extra = {"draft_vocab_size": dv, **({"target_hidden_size": d_t} if spec.width != d_t else {})}
     return extra, t
 
