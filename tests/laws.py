@@ -16,8 +16,8 @@ from toys import V
 PROMPT = [1, 5, 2, 7, 5]
 
 
-def exact_pair(model, params, sampler):
-    """P(y0, y1) of the target after PROMPT, by enumeration."""
+def exact_pair(model, params, sampler, prompt=PROMPT):
+    """P(y0, y1) of the target after ``prompt``, by enumeration."""
     def dist(seqs):
         toks = jnp.asarray(seqs)
         cache = model.init_cache(len(seqs), 64)
@@ -25,8 +25,8 @@ def exact_pair(model, params, sampler):
         logits, _, _ = model.forward(params, toks, pos, cache)
         return np.asarray(sampling.probs(logits[:, -1], sampler), np.float64)
 
-    p0 = dist([PROMPT])[0]
-    p1 = dist([PROMPT + [y] for y in range(V)])
+    p0 = dist([list(prompt)])[0]
+    p1 = dist([list(prompt) + [y] for y in range(V)])
     return p0[:, None] * p1
 
 

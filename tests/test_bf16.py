@@ -12,15 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import toys
 import specjax
 from specjax.drafters import eagle, redrafter
 from specjax.hsd import Exit, Hierarchy, NGram
-from specjax.models import Llama, LlamaConfig
+from specjax.models import Llama
 from specjax.models.llama import init_params
 
-V = 64
-TOY = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_layers=3,
-                  num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+V = toys.V
+TOY = toys.LLAMA
 PROMPTS = [[1, 5, 2, 7, 5, 9], [3, 3, 1, 4], [7, 2, 7, 2, 7, 9, 11, 2], [5, 6]]
 NEW = 24
 

@@ -9,10 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import specjax
 from specjax.drafters import blocks, eagle
 from specjax.models import gemma, llama, t5
-from specjax.models.llama import LlamaConfig
 import toys
 
 TOY, V = toys.LLAMA, toys.V
@@ -46,11 +44,7 @@ def _split(cfg, lp):
 
 LAYER_CFGS = {
     "llama": TOY,
-    "llama3-rope": LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48,
-                               num_layers=2, num_heads=4, num_kv_heads=1, head_dim=8,
-                               rope_theta=500000.0,
-                               rope_scaling=specjax.models.RopeScaling("llama3", 8.0, 1.0, 4.0,
-                                                                       64)),
+    "llama3-rope": toys.LLAMA3_ROPE,
 }
 
 

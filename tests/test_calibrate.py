@@ -6,18 +6,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import toys
 import specjax
 from specjax.hsd import calibrate, hierarchy
 from specjax.hsd.spec import HierarchySpec
 from specjax import hsd
 from specjax.core import sampling
 from specjax.drafters.exit_heads import exit_head, init_heads
-from specjax.models import Llama, LlamaConfig
+from specjax.models import Llama
 from specjax.models.llama import init_params
 
-V = 12
-TOY = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=4,
-                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+V = toys.V
+TOY = toys.LLAMA_DEEP
 LAYERS = (1, 2)
 NG = specjax.NGramDrafter(depth=4, min_ngram=1)
 

@@ -27,11 +27,12 @@ import pytest
 import torch
 
 from published import edit_state_dict, write_eagle3_head
+import toys
 from specjax import cli
 from specjax.drafters import published
 from specjax.export import CheckpointError
 from specjax.models import WeightLoadError, load_gguf, load_hf_dir, loading
-from specjax.models.llama import LlamaConfig, rope_inv_freq
+from specjax.models.llama import rope_inv_freq
 
 V, H = 64, 32
 LLAMA = dict(model_type="llama", vocab_size=V, hidden_size=H, intermediate_size=64,
@@ -46,8 +47,7 @@ T5 = dict(model_type="t5", vocab_size=V, d_model=H, d_ff=64, num_layers=2, num_h
           d_kv=8, decoder_start_token_id=0)
 BASES = {"llama": LLAMA, "gemma3": GEMMA3, "gemma2": GEMMA2, "t5": T5}
 #: the target a head is checked against (6 layers, as EAGLE-3 fuses three of them)
-TARGET = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_layers=6,
-                     num_heads=4, num_kv_heads=2, head_dim=8)
+TARGET = toys.LLAMA_6
 HEAD = dict(hidden=H, heads=4, kv_heads=2, intermediate=64, vocab=V, draft_vocab=24)
 
 

@@ -14,13 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import toys
 from specjax.core import encdec
 from specjax.models import T5, Gemma, Llama, Model, ModelConfig, RopeScaling
 from specjax.models import gemma, llama, t5
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_L = llama.LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2,
-                           num_heads=4, num_kv_heads=2, head_dim=8)
+TINY_L = toys.LLAMA
 TINY_G = gemma.GemmaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2,
                            num_heads=4, num_kv_heads=2, head_dim=8,
                            layer_types=("sliding", "full"), sliding_window=4)

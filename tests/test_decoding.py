@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+import toys
 import specjax
 from specjax.core import decoder, sampling
-from specjax.models.llama import Llama, LlamaConfig, init_params
+from specjax.models.llama import Llama, init_params
 
 PROMPTS = [
     ("The capital of France is", False),
@@ -18,8 +19,7 @@ PROMPTS = [
     ("Give me three tips for staying focused while studying.", True),
 ]
 
-TOY = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+TOY = toys.LLAMA_2
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +92,9 @@ def test_prompt_too_long_fails_before_running(toy):
     with pytest.raises(ValueError, match=r"row 1: prompt of 120 tokens \+ 20 new tokens = 140 "
                                          r"does not fit the cache of 128"):
         specjax.generate(model, params, [[1] * 10, [1] * 120], max_new_tokens=20, cache_size=128)
-    with pytest.raises(ValueError, match="exceeds the model's context of 512"):
-        specjax.generate(model, params, [[1] * 500], max_new_tokens=20)
+    ctx = TOY.max_position_embeddings
+    with pytest.raises(ValueError, match=f"exceeds the model's context of {ctx}"):
+        specjax.generate(model, params, [[1] * (ctx - 12)], max_new_tokens=20)
     assert len(decoder._RUN._exes) == n_exes, "nothing may compile before the check"
 
 
@@ -101,7 +102,7 @@ def test_bad_arguments_fail_clearly(toy):
     model, params = toy
     with pytest.raises(ValueError, match="explicit PRNG key"):
         specjax.generate(model, params, [[1, 2]], max_new_tokens=4, sampler=specjax.Sample())
-    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 64\)"):
+    with pytest.raises(ValueError, match=rf"token ids must lie in \[0, {TOY.vocab_size}\)"):
         specjax.generate(model, params, [[1, 99]], max_new_tokens=4)
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         specjax.generate(model, params, [[1, 2]], max_new_tokens=0)

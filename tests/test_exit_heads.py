@@ -12,17 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import toys
 import specjax
 from specjax.drafters import eagle, exit_heads
 from specjax.drafters import EarlyExitDrafter
-from specjax.models.llama import Llama, LlamaConfig, init_params
+from specjax.models.llama import Llama, init_params
 from specjax.train import checkpoint, distill
 from specjax.train import exit_heads as train_exits
 from toys import ToyLM, assert_within_a_bf16_step
 
-V = 32
-TOY = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=4,
-                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+TOY = toys.LLAMA_DEEP
+V = TOY.vocab_size
 CFG = train_exits.ExitConfig(layers=(1, 2), rank=8, steps=40, batch_tokens=256, max_len=64,
                              lr=3e-2, warmup=4, save_every=10, kl_vocab=24, seed=2)
 

@@ -18,14 +18,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+import toys
 from specjax import export, methods
 from specjax.drafters import eagle, exit_heads, redrafter
-from specjax.models.llama import LlamaConfig
 from specjax.train import checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
-TOY = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=3,
-                  num_heads=4, num_kv_heads=2, head_dim=4, max_position_embeddings=64)
+TOY = toys.LLAMA
 
 
 def _head(seed: int = 0) -> dict:

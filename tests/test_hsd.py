@@ -1,5 +1,6 @@
-"""HSD: greedy equals ar on a toy model (the real model's check is in
-tests/test_real_smollm2.py), sampled output matches the target, bad input."""
+"""HSD: the horizontal heuristic's greedy output and counts, sampled output of three and
+four levels matches the target, bad input. Greedy equals ar for the registry's hierarchies
+at batch 1 and 4: tests/test_conformance.py; on the real model: tests/test_real_smollm2.py."""
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,7 @@ def toy():
     return toys.llama(seed=1)
 
 
-@pytest.mark.parametrize("name", list(HIERARCHIES))
+@pytest.mark.parametrize("name", ["exit-exit-target+h3"])
 def test_greedy_hsd_equals_ar_on_toy(toy, name):
     model, tp = toy
     h = hsd.Hierarchy(*HIERARCHIES[name])

@@ -6,13 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import toys
 from specjax.core import tree
 from specjax.models import llama
-from specjax.models.llama import Llama, LlamaConfig, init_params
+from specjax.models.llama import Llama, init_params
 
 WIDTHS = (1, 2, 3, 8, 17)
-TOY = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0)
+TOY = toys.LLAMA
 
 
 def test_fast_width_pads_only_where_it_pays():

@@ -16,8 +16,7 @@ import toys
 from specjax.drafters import eagle, exit_heads
 from specjax.models import Gemma, LanguageModel, Llama, gemma, llama
 
-TINY_L = llama.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
-                           num_heads=4, num_kv_heads=2, head_dim=8)
+TINY_L = toys.LLAMA
 TINY_G = toys.GEMMA  # a sliding and a full layer
 FAMILIES = {"llama": (Llama(TINY_L), llama.init_params), "gemma": (Gemma(TINY_G), gemma.init_params)}
 TOKENS = jnp.asarray([[1, 5, 9, 2, 7, 3], [4, 4, 8, 1, 0, 6]], jnp.int32)

@@ -5,6 +5,8 @@ states, lossless at temperature 0 and 1, and every misfit refused in one line.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 
 import jax
@@ -21,11 +23,10 @@ from specjax.core import sampling
 from specjax.core.decoding import generate, prefill
 from specjax.drafters import Context, blocks, eagle, eagle3, published
 from specjax.export import CheckpointError
-from specjax.models.llama import Llama, LlamaConfig
+from specjax.models.llama import Llama
 
 H, NQ, NKV, F, V, DV = 32, 4, 2, 64, 64, 24
-TARGET = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=F, num_layers=6,
-                     num_heads=NQ, num_kv_heads=NKV, head_dim=H // NQ)
+TARGET = toys.LLAMA_6
 SIZES = dict(hidden=H, heads=NQ, kv_heads=NKV, intermediate=F, vocab=V)
 B, T = 2, 7
 
@@ -277,7 +278,7 @@ def test_eagle1_misfits_are_refused(tmp_path, case, match):
 
 def test_eagle3_misfits_are_refused(tmp_path):
     write_eagle3_head(tmp_path, **SIZES, draft_vocab=DV)
-    shallow = LlamaConfig(**{**TARGET.__dict__, "num_layers": 2})
+    shallow = dataclasses.replace(TARGET, num_layers=2)
     with pytest.raises(CheckpointError, match="a 2-layer target does not have"):
         published.load(tmp_path, shallow)
     cfg = json.loads((tmp_path / "config.json").read_text())

@@ -4,7 +4,7 @@ reference computed once for this file (the ``ar_reference`` fixture in conftest.
 
 This file gathers what used to be five copies of the same check (tests/test_speculative.py
 for the n-gram, early-exit and model drafters, tests/test_eagle.py, tests/test_redrafter.py
-and tests/test_hsd.py). Random-weight versions of each method stay in those files; the
+and tests/test_hsd.py). Random-weight versions of every registered method are tests/test_conformance.py; the
 Gemma family's real-weight check is tests/test_gemma.py::test_gemma3_270m_every_method_equals_ar.
 """
 
@@ -26,7 +26,8 @@ BUDGETS = [24, 9, 17, 30]
 SPECULATIVE = ["ngram", "early-exit", "model-tree", "eagle2", "redrafter"]
 # batch 1 also on the real weights where drafts are cheap (n-gram) or trained heads accept
 # long paths; the model-tree and early-exit drafters' batch-1 runs are toys
-# (tests/test_speculative.py::test_greedy_batch_of_one_equals_ar)
+# (tests/test_speculative.py::test_greedy_model_tree_batch_of_one_equals_ar and
+# tests/test_conformance.py::test_greedy_equals_ar)
 BATCH_OF_ONE = ("ngram", "eagle2", "redrafter")
 
 

@@ -17,7 +17,7 @@ from specjax.core import sampling
 from specjax.core.speculative import speculative_generate
 from specjax import methods
 from specjax.drafters import redrafter
-from specjax.models.llama import Llama, LlamaConfig, init_params
+from specjax.models.llama import Llama, init_params
 
 V = toys.V
 TOY = toys.LLAMA
@@ -35,14 +35,16 @@ def toy():
     return model, tparams, redrafter.draft_params(head)
 
 
-@pytest.mark.parametrize("dedup", [True, False])
-@pytest.mark.parametrize("reduced", [False, True])
-def test_greedy_redrafter_equals_ar_on_toy(toy, dedup, reduced):
-    model, tparams, dp = toy
-    if reduced:
-        head = redrafter.init_head(TOY.hidden_size, len(REDUCED), jax.random.key(5))
-        dp = redrafter.draft_params(head, REDUCED)
-    drafter = redrafter.RedrafterDrafter(model, width=3, length=3, dedup=dedup)
+def test_greedy_reduced_vocabulary_redrafter_equals_ar_on_toy(toy):
+    """A head over a reduced draft vocabulary with non-zero residual blocks (the registry's
+    random head drafts over the whole vocabulary with zero blocks: that one, with and
+    without dedup, at batch 1 and 4, is tests/test_conformance.py's)."""
+    model, tparams, _ = toy
+    head = redrafter.init_head(TOY.hidden_size, len(REDUCED), jax.random.key(5))
+    head["blocks"] = {k: {"w": jax.random.normal(jax.random.key(20 + k), b["w"].shape) * 0.1,
+                          "b": b["b"] + 0.01} for k, b in head["blocks"].items()}
+    dp = redrafter.draft_params(head, REDUCED)
+    drafter = redrafter.RedrafterDrafter(model, width=3, length=3)
     drafter.check_params(dp)
     prompts = [PROMPT, [3, 3, 1], PROMPT * 4, [7]]
     budgets = [20, 7, 33, 12]
@@ -178,9 +180,8 @@ def test_bad_heads_and_sizes_are_refused(toy):
 
 # --- training -----------------------------------------------------------------------------
 
-TRAIN_V = 16
-TRAIN_TOY = LlamaConfig(vocab_size=TRAIN_V, hidden_size=32, intermediate_size=64, num_layers=2,
-                        num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+TRAIN_TOY = toys.LLAMA_TRAIN
+TRAIN_V = TRAIN_TOY.vocab_size
 
 
 @pytest.fixture(scope="module")

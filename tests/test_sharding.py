@@ -10,6 +10,8 @@ in both processes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import subprocess
 import sys
@@ -20,18 +22,18 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import toys
 import specjax
 from specjax import methods, sharding
 from specjax.drafters import eagle, redrafter
 from specjax.hsd import Exit, Hierarchy, NGram
-from specjax.models import Llama, LlamaConfig
+from specjax.models import Llama
 from specjax.models.llama import init_params
 
 N_DEVICES = 8
-V = 64
 NEW = 16
-TOY = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_layers=2,
-                  num_heads=8, num_kv_heads=4, head_dim=8, max_position_embeddings=512)
+TOY = toys.LLAMA_WIDE
+V = TOY.vocab_size
 PROMPTS = [[1, 5, 2, 7, 5, 9], [3, 3, 1, 4], [7, 2, 7, 2, 7, 9, 11, 2], [5, 6],
            [9, 8, 7, 6, 5, 4, 3], [2, 2, 2], [11, 13, 17, 19, 23], [4, 1, 4, 1, 4]]
 MESHES = {"data=8": (8, 1), "model=8": (1, 8), "data=2,model=4": (2, 4)}
@@ -58,9 +60,9 @@ def test_bad_meshes_are_refused_clearly(toy):
         sharding.make_mesh(data=2 * n)
     one = sharding.make_mesh(1, 1)
     with pytest.raises(ValueError, match="does not divide"):  # 3 heads over model=1 is fine
-        sharding.check_model(LlamaConfig(vocab_size=V, hidden_size=24, intermediate_size=48,
-                                         num_layers=1, num_heads=3, num_kv_heads=3,
-                                         head_dim=8, max_position_embeddings=64),
+        sharding.check_model(dataclasses.replace(TOY, hidden_size=24, intermediate_size=48,
+                                                             num_layers=1, num_heads=3,
+                                                             num_kv_heads=3),
                              _fake_mesh(model=2))
     sharding.check_model(TOY, one)
     with pytest.raises(ValueError, match="does not divide the batch of 3 rows"):

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 from jax import lax
 
+import toys
 import specjax
 from specjax.drafters import eagle
 from specjax.hsd import HSD, Exit, Hierarchy, NGram
-from specjax.models import Llama, LlamaConfig
+from specjax.models import Llama
 from specjax.models.llama import init_params
 
-V = 48
-TOY = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=3,
-                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+V = toys.V
+TOY = toys.LLAMA
 PROMPTS = [[1, 5, 2, 7, 5, 9], [3, 3, 1, 4], [7, 2, 7, 2, 7, 9, 11, 2]]
 NEW = 20
 

@@ -22,7 +22,7 @@ from specjax.drafters.eagle import EagleDrafter, init_head
 from specjax.hsd import Hierarchy, hsd_generate
 from specjax.hsd.loop import Exit, NGram
 from specjax.models import T5, T5_SMALL, T5_V1_1_SMALL, loading
-from specjax.models.llama import Llama, LlamaConfig, init_params as llama_init
+from specjax.models.llama import Llama, init_params as llama_init
 from specjax.models.t5 import T5Config, init_params, relative_bucket
 from specjax.models.t5_random import save_random
 
@@ -266,8 +266,7 @@ def test_sampled_t5_speculation_follows_the_target(rule, lossless):
 
 def test_bad_input_fails_clearly(toy, tmp_path):
     model, params, _ = toy
-    llama_cfg = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=48, num_layers=2,
-                            num_heads=4, num_kv_heads=2, head_dim=8)
+    llama_cfg = toys.LLAMA
     other = ModelDrafter(Llama(llama_cfg), depth=2)
     with pytest.raises(ValueError, match="encoder-decoder model with 64 tokens.*decoder-only"):
         specjax.speculative_generate(model, params, other, llama_init(llama_cfg,

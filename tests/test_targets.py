@@ -28,11 +28,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import toys
 import specjax
 from specjax import sharding
 from specjax.models import RopeScaling, WeightLoadError, load, load_hf_dir, loading, registry
 from specjax.models.kv_cache import causal_mask
-from specjax.models.llama import (Llama, LlamaConfig, init_params, layer_shapes, stack_layers)
+from specjax.models.llama import (Llama, init_params, layer_shapes, stack_layers)
 
 V = 128
 COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -228,9 +229,7 @@ def test_split_and_scanned_layouts_compute_the_same_logits(target, reference):
 def test_sharding_specs_split_biases_by_heads():
     """q/k/v biases split with their heads over ``model`` (per layer and stacked); head
     norms and ``o_b`` are replicated."""
-    cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=32, attention_bias=True,
-                      o_bias=True, qk_norm=True)
+    cfg = toys.LLAMA_EXTRAS
     params = sharding.split_layout(cfg, init_params(cfg, jax.random.key(0)))
     fake = types.SimpleNamespace(shape={"data": 1, "model": 2})
     per_layer = sharding.param_specs(cfg, params, fake)["layers"][0]
@@ -370,9 +369,7 @@ def test_sliding_window_off_or_wide_enough_is_accepted():
 
 
 def test_random_params_carry_the_configured_extras():
-    cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=32, attention_bias=True,
-                      o_bias=True, qk_norm=True)
+    cfg = toys.LLAMA_EXTRAS
     shapes = layer_shapes(cfg)
     assert (shapes["qkv_b"], shapes["o_b"], shapes["q_norm"], shapes["k_norm"]) == (
         (256,), (64,), (32,), (32,))

@@ -12,14 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.models.llama import Llama, LlamaConfig, init_params
+import toys
+from specjax.models.llama import Llama, init_params
 from specjax.train import distill, text_corpus
 from specjax.train import eagle as train_eagle
 from toys import assert_within_a_bf16_step
 
-V = 40
-TOY = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=1024)
+TOY = toys.LLAMA_TEXT
+V = TOY.vocab_size
 
 
 class _Tok:

@@ -11,15 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import toys
 from specjax.drafters import eagle
 from toys import ToyLM, assert_within_a_bf16_step
-from specjax.models.llama import Llama, LlamaConfig, init_params
+from specjax.models.llama import Llama, init_params
 from specjax.train import checkpoint, distill
 from specjax.train import eagle as train_eagle
 
-V = 16
-TOY = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+TOY = toys.LLAMA_TRAIN
+V = TOY.vocab_size
 
 
 @pytest.fixture(scope="module")

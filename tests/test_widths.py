@@ -12,15 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import toys
 import specjax
 from specjax.core import sampling, widths
 from specjax.core.verify import Draft
 from specjax.drafters import NGramDrafter, eagle, redrafter
-from specjax.models.llama import Llama, LlamaConfig, init_params
+from specjax.models.llama import Llama, init_params
 
-V = 12
-TOY = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+V = toys.V
+TOY = toys.LLAMA_2
 # repeats (the n-gram drafter matches) and fresh tokens (it does not): narrow rounds too
 PROMPTS = [[1, 5, 2, 7, 5, 2, 7, 5], [3, 3, 1], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [7]]
 BUDGETS = [24, 9, 30, 14]

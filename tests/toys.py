@@ -2,8 +2,9 @@
 one T5, each with deterministic random parameters (built once per process and cached), and
 a ``ToyLM`` standing in for ``specjax.models.LoadedModel`` where a test needs an ``lm``.
 
-Tests whose assertions depend on particular sizes (window edges, vocabularies a training run
-or a chi-square test is tuned to, head counts a mesh splits) keep a local config.
+Every Llama config a test builds is ``LLAMA`` or a named variant of it below (made with
+``dataclasses.replace``, each saying what needs the difference); a test that checks a
+refusal may still change one field of these inline.
 """
 
 from __future__ import annotations
@@ -14,13 +15,41 @@ import functools
 import jax
 
 from specjax.models import gemma, t5
-from specjax.models.llama import Llama, LlamaConfig
+from specjax.models.llama import Llama, LlamaConfig, RopeScaling
 from specjax.models.llama import init_params as llama_init
 
 V = 12
 # 3 layers, so an early exit at layer 1 or 2 and a 3-level hierarchy fit below the target
 LLAMA = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=3,
                     num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+# variants of LLAMA, each for what needs the difference:
+# 4 layers and 32 tokens: exit heads trained at layers 1-3 below the top (a 24-token KL
+# vocabulary), and calibration over exits at 1 and 2 with a third level between them
+LLAMA_DEEP = dataclasses.replace(LLAMA, vocab_size=32, num_layers=4,
+                                 max_position_embeddings=512)
+# 8 query and 4 KV heads (hidden 64), 2 layers, 64 tokens: meshes of up to 8 devices split
+# the heads (tests/test_sharding), two layers keeping its 8-device compiles cheap
+LLAMA_WIDE = dataclasses.replace(LLAMA, vocab_size=64, hidden_size=64, intermediate_size=128,
+                                 num_layers=2, num_heads=8, num_kv_heads=4,
+                                 max_position_embeddings=512)
+# 2 layers: compile-heavy tests that need no exit above layer 1 (tests/test_widths compiles
+# every verification width of several drafters; tests/test_decoding)
+LLAMA_2 = dataclasses.replace(LLAMA, num_layers=2)
+# 16 tokens, 512 positions: the training runs (EAGLE, ReDrafter) whose step counts and loss
+# thresholds are tuned to it
+LLAMA_TRAIN = dataclasses.replace(LLAMA_2, vocab_size=16, max_position_embeddings=512)
+# 6 layers, 64 tokens: EAGLE-3 fuses the hidden states entering layers 2, L // 2 and L - 3
+# (tests/test_published_heads, tests/test_checkpoint_inputs: heads written in these sizes)
+LLAMA_6 = dataclasses.replace(LLAMA, vocab_size=64, num_layers=6, max_position_embeddings=8192)
+# Llama 3.1's rope scaling and a single KV head (tests/test_blocks' layer parity)
+LLAMA3_ROPE = dataclasses.replace(LLAMA, num_kv_heads=1, rope_theta=500000.0,
+                                  rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 64))
+# q/k/v and o biases and q/k head norms, heads of 32 (tests/test_targets' layouts)
+LLAMA_EXTRAS = dataclasses.replace(LLAMA, vocab_size=128, hidden_size=64, intermediate_size=128,
+                                   num_layers=2, head_dim=32, attention_bias=True, o_bias=True,
+                                   qk_norm=True)
+# 40 tokens, 1024 positions: character-level text (tests/test_text_corpus: 1 + ord % 38)
+LLAMA_TEXT = dataclasses.replace(LLAMA_TRAIN, vocab_size=40, max_position_embeddings=1024)
 GEMMA = gemma.GemmaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
                           num_heads=4, num_kv_heads=2, head_dim=8,
                           layer_types=("sliding", "full"), sliding_window=4)

@@ -1,0 +1,133 @@
+"""Drafter conformance: every registered method that decodes (``methods.registered()``),
+built through the registry from a tiny spec, with random heads where it reads heads
+(``Method.random``, as the device check builds them), on the toy Llama target of
+tests/toys.py:
+
+(a) greedy output equals ``ar`` (plain greedy decoding) token for token, at batch 1 and at
+    a ragged batch of 4 (different prompt lengths and budgets), with drafts accepted;
+(b) at temperature 1 the first two sampled tokens follow the target's exact joint law (a
+    chi-square test, tests/laws.py), and the same decoder with the lossy ``Typical``
+    acceptance rule is rejected by that test: the check has the power to see a wrong rule.
+
+This replaces the per-drafter "greedy equals ar on a toy" copies that lived in
+tests/test_speculative.py, tests/test_eagle.py, tests/test_redrafter.py, tests/test_hsd.py,
+tests/test_methods.py and tests/test_scan.py (its unrolled-layer half). Real weights:
+tests/test_real_smollm2.py and tests/test_gemma.py; drafter mechanics (the tree, beams,
+head recurrences, window edges) stay in each drafter's file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+import specjax
+import toys
+from laws import exact_pair, pvalue
+from specjax import methods
+from specjax.core import sampling
+from specjax.core.speculative import Speculative
+from specjax.core.verify import Typical
+
+# Tiny specs per registered kind, sized for the 3-layer, 12-token toy. A method registered
+# later without an entry here fails test_every_registered_method_has_a_tiny_spec.
+TINY = {
+    "ar": ("ar",),
+    "sd": ("sd-ngram:4", "sd-early-exit:1"),
+    "eagle2": ("eagle2:3,2,5", "eagle2:3,2,5:vocab=6"),  # vocab=6: a reduced draft vocabulary
+    "eagle3": ("eagle3:3,2,5",),
+    "redrafter": ("redrafter:3,3", "redrafter:3,3:nodedup"),
+    "hsd": ("hsd:1:3,target", "hsd:ngram:3,1:2,target", "hsd:ngram:2,1:2,2:2,target+h2"),
+}
+SPECS = [s for cls in methods.registered() if cls.decodes for s in TINY.get(cls.kind, ())]
+OPTIONS = methods.Options(model_name="toy", layers=(1, 2))  # plain exits, no shipped heads
+# ragged: prompt lengths 5, 3, 20, 1; budgets 20, 7, 33, 12
+PROMPTS = [[1, 5, 2, 7, 5], [3, 3, 1], [1, 5, 2, 7, 5] * 4, [7]]
+BUDGETS = [20, 7, 33, 12]
+SAMPLE_PROMPT = [1, 5, 2, 7, 5, 2, 7, 5]  # repeats, so the n-gram drafters draft at once
+
+
+@pytest.fixture(scope="module")
+def lm():
+    model, params = toys.llama(seed=1)
+    return toys.ToyLM(model, params, eos_ids=())
+
+
+@pytest.fixture(scope="module")
+def ar(lm):
+    """``{batch: greedy ar output}`` for batch 1 (the first prompt) and 4."""
+    return {b: specjax.generate(lm.model, lm.params, PROMPTS[:b],
+                                max_new_tokens=BUDGETS[:b] if b > 1 else BUDGETS[0]).to_lists()
+            for b in (1, 4)}
+
+
+@pytest.fixture(scope="module")
+def built(lm):
+    """``built(spec)``: the registry's random-head build of ``spec``, made once per module."""
+    return functools.lru_cache(maxsize=None)(
+        lambda spec: methods.parse(spec).random(lm, OPTIONS, jax.random.key(3)))
+
+
+def test_every_registered_method_has_a_tiny_spec():
+    kinds = {cls.kind for cls in methods.registered() if cls.decodes}
+    assert kinds <= set(TINY), f"registered methods without a tiny spec: {kinds - set(TINY)}"
+    assert {methods.parse(s).kind for s in SPECS} == kinds
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("spec", SPECS)
+def test_greedy_equals_ar(lm, ar, built, spec, batch):
+    b = built(spec)
+    assert b.name == spec and isinstance(b.decoder, specjax.Decoder)
+    out = b(PROMPTS[:batch], max_new_tokens=BUDGETS[:batch] if batch > 1 else BUDGETS[0])
+    assert out.to_lists() == ar[batch], f"{spec} at batch {batch} differs from ar"
+    if spec != "ar" and batch == 4:
+        assert np.all(np.asarray(out.accepted)[1:] > 0), f"{spec}: nothing accepted: vacuous"
+        assert int(np.max(out.target_forwards)) < max(BUDGETS), f"{spec}: no speculation"
+
+
+def _pair_pvalue(model, tparams, decoder, params, calls: int = 4, batch: int = 2048):
+    """The chi-square p-value of the first two tokens ``decoder`` samples at temperature 1
+    after SAMPLE_PROMPT against the target's exact pair law, and the tokens each draft
+    level had accepted, summed over the calls."""
+    sampler = sampling.Sample(1.0)
+    counts, acc = np.zeros((toys.V, toys.V)), []
+    for i in range(calls):
+        out = specjax.decode(decoder, params, [SAMPLE_PROMPT] * batch, max_new_tokens=2,
+                             sampler=sampler, key=jax.random.key(i))
+        y = np.asarray(out.tokens)[:, :2]
+        np.add.at(counts, (y[:, 0], y[:, 1]), 1)
+        acc.append(np.asarray(out.accepted, np.float64)[1:])
+    law = exact_pair(model, tparams, sampler, SAMPLE_PROMPT)
+    return pvalue(counts, law), np.sum(acc, 0)
+
+
+# every method that drafts (ar's own sampling law: tests/test_decoding.py's chi-square)
+@pytest.mark.parametrize("spec", [s for s in SPECS if s != "ar"])
+def test_sampled_output_follows_the_target(lm, built, spec):
+    b = built(spec)
+    p, accepted = _pair_pvalue(lm.model, lm.params, b.decoder, b.params)
+    assert p > 1e-4, f"{spec} at temperature 1: (y0, y1) differs from the target (p={p:.2e})"
+    assert np.all(accepted > 0), f"{spec}: no draft was ever accepted: vacuous"
+
+
+# one spec per speculative drafter (the vocab= and nodedup variants draft alike; HSD has no
+# acceptance rule to swap: its lossy control, a level reporting the wrong q, is
+# tests/test_t5.py::test_hsd_with_draft_temperatures_follows_the_target)
+CONTROLS = [s for s in SPECS if methods.parse(s).kind not in ("ar", "hsd")
+            and not s.endswith((":vocab=6", ":nodedup"))]
+
+
+@pytest.mark.parametrize("spec", CONTROLS)
+def test_a_lossy_rule_is_caught(lm, built, spec):
+    """The negative control: the same drafter and draft, accepted by Medusa's typical rule
+    (lossy by design), must fail the test above."""
+    dec = built(spec).decoder
+    assert isinstance(dec, Speculative)
+    lossy = dataclasses.replace(dec, rule=Typical())
+    p, _ = _pair_pvalue(lm.model, lm.params, lossy, built(spec).params)
+    assert p < 1e-6, f"{spec}: the lossy rule was not caught (p={p:.2e})"
