@@ -5,7 +5,6 @@ to the script from a source checkout."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,23 +16,13 @@ import jax.numpy as jnp
 from jax import lax
 
 import specjax.device_check as shim
+import toys
 from specjax import hlo
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _device_check():
-    """``scripts/device_check.py`` as the module ``device_check_script`` (imported once)."""
-    name = "device_check_script"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "device_check.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # before running it: its dataclasses look it up
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-device_check = _device_check()
+device_check = toys.device_check()
 
 
 def test_hlo_stats_counts_loops_branches_and_host_transfers():

@@ -12,31 +12,17 @@ import json
 import numpy as np
 import pytest
 
+import toys
+
 from specjax import bench, divergence, methods
 
 NEW, PROMPT_LEN, N_PROMPTS = 16, 12, 2
 
 
-def _device_check():
-    """``scripts/device_check.py`` as the module ``device_check_script`` (imported once)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    name = "device_check_script"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "scripts" / "device_check.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # before running it: its dataclasses look it up
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 @pytest.fixture(scope="module")
 def tiny():
     """The device check's tiny Llama (float32 weights and products), sharpened as there."""
-    dc = _device_check()
+    dc = toys.device_check()
     return dc.random_model("tiny-llama", dc._shapes(small=True)["tiny-llama"], scale=3.0)
 
 
@@ -192,7 +178,7 @@ def test_bench_reports_counts_and_exits_non_zero_on_a_real_mismatch(
 def test_device_check_records_real_mismatches(tiny, questions, monkeypatch):
     """`device_check.run_methods`: per method the divergence counts and `real_mismatches`
     (0 for methods equal to ar)."""
-    device_check = _device_check()
+    device_check = toys.device_check()
     _corrupt(monkeypatch, "sd-ngram:7", list(questions[1].ids), 5, tiny.model.config.vocab_size)
     settings = device_check.MethodSettings(max_new_tokens=NEW)
     out, ref, defer = {}, {}, []

@@ -11,6 +11,8 @@ from typing import ClassVar
 
 import pytest
 
+import toys
+
 from specjax import methods
 
 
@@ -104,7 +106,7 @@ def test_cli_help_lists_it(chain, capsys):
 def test_device_check_runs_it_equal_to_ar(chain):
     from specjax import bench
 
-    device_check = _device_check()
+    device_check = toys.device_check()
     shape = device_check._shapes(True)["tiny-llama"]
     lm = device_check.random_model("tiny-llama", shape, scale=3.0)
     settings, layers = device_check.method_settings(lm, 8), device_check.exit_layer(shape)
@@ -114,19 +116,3 @@ def test_device_check_runs_it_equal_to_ar(chain):
                              device_check.Budget(300.0), out, {}, lambda: None)
     assert "error" not in out["sd-chain:3"], out["sd-chain:3"]
     assert out["sd-chain:3"]["equal_to_ar"] and out["sd-chain:3"]["spec"] == "sd-chain:3"
-
-
-def _device_check():
-    """``scripts/device_check.py`` as the module ``device_check_script`` (imported once)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    name = "device_check_script"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "scripts" / "device_check.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # before running it: its dataclasses look it up
-        spec.loader.exec_module(module)
-    return sys.modules[name]

@@ -142,3 +142,20 @@ def assert_within_a_bf16_step(got, want, atol: float = 1e-5) -> None:
 
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                rtol=BF16_STEP, atol=atol)
+
+
+def device_check():
+    """``scripts/device_check.py`` as the module ``device_check_script``, imported once per
+    process (the device check is a script, not part of the package)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "device_check_script"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "scripts" / "device_check.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before running it: its dataclasses look it up
+        spec.loader.exec_module(module)
+    return sys.modules[name]
