@@ -68,3 +68,16 @@ def test_the_check_sees_a_wrong_import(tmp_path):
     f = tmp_path / "bad.py"
     f.write_text("def f():\n    from specjax.drafters.base import Context\n")
     assert [RANK[_part(n)] > RANK["core"] for _, n in _imports(f)] == [True]
+
+
+def test_no_test_file_imports_another():
+    """Shared test code lives in helper modules (tests/toys.py, tests/laws.py,
+    tests/published.py, tests/notebook_run.py), never in another test file."""
+    wrong = []
+    for f in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            mods = ([node.module] if isinstance(node, ast.ImportFrom) and node.module
+                    else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            wrong += [f"{f.name}:{node.lineno}: {m}" for m in mods
+                      if m.split(".")[0].startswith("test_")]
+    assert wrong == [], "\n".join(wrong)

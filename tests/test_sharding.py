@@ -287,20 +287,12 @@ else:
 
     def test_sharding_notebook_executes(smollm, monkeypatch):
         """notebooks/06_sharding.ipynb on the 8 simulated devices it is written for."""
-        import warnings
         from pathlib import Path
 
-        from test_notebooks import CHECKS, SMALL, _cells, _headless, _is_parameters, _source
+        import notebook_run
 
         path = Path(__file__).parent.parent / "notebooks" / "06_sharding.ipynb"
         monkeypatch.setattr("specjax.models.load", lambda *a, **k: smollm)
-        ns: dict = {}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "FigureCanvasAgg is non-interactive")
-            for i, cell in enumerate(c for c in _cells(path) if c["cell_type"] == "code"):
-                exec(compile(_headless(_source(cell)), f"{path.name}[{i}]", "exec"), ns)  # noqa: S102
-                if _is_parameters(cell):
-                    ns.update(SMALL[path.name])
-        for expr in CHECKS[path.name]:
-            assert eval(expr, ns), expr  # noqa: S307
+        ns = notebook_run.execute(path)
+        notebook_run.check(path, ns)
         assert dict(ns["mesh"].shape) == {"data": 2, "model": 3}  # a real mesh, not 1 x 1
