@@ -9,7 +9,10 @@ escapes (``%``, ``!``) skipped; right after the parameters cell, the values in `
 replace the notebook's own, so the test runs small while the notebook keeps its real
 settings. ``specjax.models.load`` returns the session's SmolLM2-135M (``smollm``), loaded
 once. After the last cell, ``CHECKS`` asserts each notebook's key result by name.
-The runner, ``SMALL`` and ``CHECKS`` live in tests/notebook_run.py.
+A notebook about weights this machine cannot download (``STANDINS``: 07_published_heads,
+a target and its EAGLE-3 head from the hub) runs instead on random stand-ins the test
+writes first in the same layouts; it loads no real weights, so it is not marked slow.
+The runner, ``SMALL``, ``CHECKS`` and ``STANDINS`` live in tests/notebook_run.py.
 """
 
 import re
@@ -17,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from notebook_run import (CHECKS, ELSEWHERE, NOTEBOOKS, SMALL, cells, check, execute,
-                          is_parameters, source)
+from notebook_run import (CHECKS, ELSEWHERE, NOTEBOOKS, SMALL, STANDINS, cells, check,
+                          execute, is_parameters, source)
 
 
 def test_there_are_notebooks():
@@ -48,7 +51,8 @@ def test_notebook_layout(path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.name not in ELSEWHERE],
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS
+                                  if p.name not in ELSEWHERE and p.name not in STANDINS],
                          ids=lambda p: p.name)
 def test_notebook_executes(path: Path, request, monkeypatch):
     text = "".join(source(c) for c in cells(path) if c["cell_type"] == "code")
@@ -56,3 +60,12 @@ def test_notebook_executes(path: Path, request, monkeypatch):
         smollm = request.getfixturevalue("smollm")
         monkeypatch.setattr("specjax.models.load", lambda *a, **k: smollm)
     check(path, execute(path))
+
+
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.name in STANDINS],
+                         ids=lambda p: p.name)
+def test_notebook_executes_on_standins(path: Path, tmp_path):
+    """The notebook, its downloads replaced by random stand-ins in the same layouts (written
+    under ``tmp_path`` first): ``specjax.models.load`` reads them as it would the real
+    directories."""
+    check(path, execute(path, STANDINS[path.name](tmp_path)))
