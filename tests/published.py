@@ -22,6 +22,15 @@ bias), ``midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`
 [draft_vocab] (offsets: target id = draft id + d2t[draft id]), ``t2d`` bool [vocab], and
 optionally ``embed_tokens.weight`` [vocab, h].
 
+SpecForge EAGLE-3 (``write_specforge_eagle3_head``): the layout sgl-project/SpecForge's
+``LlamaForCausalLMEagle3`` (``specforge/modeling/draft/llama3_eagle.py`` at commit
+``SPECFORGE_COMMIT``) saves with ``save_pretrained``: the EAGLE-3 tensors above plus
+``embed_tokens.weight`` always, ``fc.weight`` [h, 3*th] with ``target_hidden_size`` in the
+config, q/k/v of ``head_dim`` (the config's, else h // heads), bfloat16 ``model.safetensors``
+and a transformers-5 ``config.json`` (``dtype``, ``rope_parameters`` and a top-level
+``rope_theta``). ``specforge_eagle3_expected_shapes`` is that model's whole state dict and
+``torch_specforge_eagle3_logits`` its forward (``backbone`` then ``compute_logits``).
+
 Reference forwards run a whole causal sequence at positions 0..T-1 (no KV cache), in float32,
 with HF-style RoPE (rotate_half, inv_freq = 1/theta^(2i/hd)), GQA by repeating each KV head
 nq//nkv times (query head j uses KV head j // (nq//nkv)), scale 1/sqrt(hd), and RMSNorm
@@ -47,6 +56,13 @@ __all__ = [
     "eagle1_expected_shapes",
     "eagle3_expected_shapes",
     "edit_state_dict",
+    "SPECFORGE_COMMIT",
+    "SPECFORGE_CONFIG_KEYS",
+    "SPECFORGE_OPTIONAL_CONFIG_KEYS",
+    "specforge_eagle3_expected_shapes",
+    "specforge_serving_names",
+    "write_specforge_eagle3_head",
+    "torch_specforge_eagle3_logits",
 ]
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -323,6 +339,183 @@ def write_eagle3_head(
     return _save(path, sd, cfg, weights, dtype), cfg
 
 
+# ----------------------------------------------------------------------------- SpecForge
+
+#: The sgl-project/SpecForge commit the SpecForge layout below was read from
+#: (specforge/modeling/draft/llama3_eagle.py, specforge/modeling/auto.py,
+#: specforge/export/to_hf.py, to_sglang.py and checkpoint_io.py).
+SPECFORGE_COMMIT = "a6b6b0230009d15ec2a97a57384e6f53f0f96946"
+
+#: config.json keys SpecForge reads to build ``LlamaForCausalLMEagle3`` whose LlamaConfig
+#: default (a 4096-wide Llama-2 layer) would build another head, so an export must carry
+#: them: ``AutoDraftModelConfig.from_file`` needs exactly one registered ``architectures``
+#: entry, ``AutoConfig`` needs ``model_type`` "llama", ``__init__`` / ``LlamaAttention`` /
+#: ``LlamaMLP`` read the sizes, eps, activation and ``max_position_embeddings`` (RoPE cache).
+SPECFORGE_CONFIG_KEYS = (
+    "architectures", "model_type", "vocab_size", "draft_vocab_size", "hidden_size",
+    "intermediate_size", "num_attention_heads", "num_key_value_heads",
+    "max_position_embeddings", "rms_norm_eps", "hidden_act")
+
+#: Keys SpecForge also reads, with defaults: ``head_dim`` (hidden // heads), ``target_hidden_size``
+#: (hidden_size), ``pad_token_id`` (the embedding's padding row), RoPE from ``rope_parameters``
+#: else ``rope_theta`` (10000) and ``rope_scaling`` (default/linear/dynamic/llama3/yarn/mrope),
+#: ``pretraining_tp`` (1), ``tie_word_embeddings`` (forced false), ``fc_norm`` (false: no
+#: RMSNorm per fused chunk), ``norm_output`` (true: logits = lm_head(norm(x))) and
+#: ``eagle_config.eagle_aux_hidden_state_layer_ids`` (SGLang's convention: layer *outputs*,
+#: i.e. the states entering layer id + 1; default [1, L//2 - 1, L - 4], which is the states
+#: entering layers 2, L//2 and L - 3, EAGLE's).
+SPECFORGE_OPTIONAL_CONFIG_KEYS = (
+    "head_dim", "target_hidden_size", "pad_token_id", "rope_parameters", "rope_theta",
+    "rope_scaling", "pretraining_tp", "tie_word_embeddings", "fc_norm", "norm_output",
+    "eagle_config")
+
+
+def specforge_eagle3_expected_shapes(cfg: dict) -> dict:
+    """{name: shape} of ``LlamaForCausalLMEagle3(config).state_dict()`` at ``SPECFORGE_COMMIT``
+    for this config.json: every parameter and persistent buffer (``t2d`` bool [vocab], ``d2t``
+    int64 [draft_vocab]; the RoPE caches are non-persistent), ``embed_tokens.weight``
+    included. What SpecForge's HF export (``export/to_hf.py``) writes, and what
+    ``load_state_dict(strict=True)`` on that model requires."""
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    dv = cfg.get("draft_vocab_size") or v  # AutoDraftModelConfig.from_file's default
+    th = cfg.get("target_hidden_size", h)
+    nq = cfg["num_attention_heads"]
+    nkv = cfg.get("num_key_value_heads") or nq
+    hd = cfg.get("head_dim") or h // nq
+    p = "midlayer."
+    shapes = {
+        "embed_tokens.weight": (v, h),
+        "fc.weight": (h, 3 * th),
+        p + "input_layernorm.weight": (h,),
+        p + "hidden_norm.weight": (h,),
+        p + "self_attn.q_proj.weight": (nq * hd, 2 * h),
+        p + "self_attn.k_proj.weight": (nkv * hd, 2 * h),
+        p + "self_attn.v_proj.weight": (nkv * hd, 2 * h),
+        p + "self_attn.o_proj.weight": (h, nq * hd),
+        p + "post_attention_layernorm.weight": (h,),
+        p + "mlp.gate_proj.weight": (inter, h),
+        p + "mlp.up_proj.weight": (inter, h),
+        p + "mlp.down_proj.weight": (h, inter),
+        "norm.weight": (h,),
+        "lm_head.weight": (dv, h),
+        "t2d": (v,),
+        "d2t": (dv,),
+    }
+    if cfg.get("fc_norm", False):
+        shapes.update({f"fc_norm.{i}.weight": (th,) for i in range(3)})
+    return shapes
+
+
+def specforge_serving_names(cfg: dict) -> set:
+    """The tensor names SpecForge's SGLang export (``export/to_sglang.py``) writes for this
+    config: the state dict without any key containing "embed" (SGLang's EAGLE-3 loader takes
+    the embedding from the target). ``fc.weight``, ``norm.weight``, ``lm_head.weight``,
+    ``t2d`` and ``d2t`` are the keys it requires."""
+    return {k for k in specforge_eagle3_expected_shapes(cfg) if "embed" not in k.lower()}
+
+
+def write_specforge_eagle3_head(
+    path,
+    *,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    intermediate: int,
+    vocab: int,
+    draft_vocab: int,
+    target_hidden: int | None = None,
+    head_dim: int | None = None,
+    rope_theta: float = 10000.0,
+    fc_norm: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> tuple[dict, dict]:
+    """Writes a random EAGLE-3 head as SpecForge's HF export does (``export/to_hf.py`` at
+    ``SPECFORGE_COMMIT``: ``model.save_pretrained(out, state_dict=...)`` of a bfloat16
+    ``LlamaForCausalLMEagle3``, then ``apply_legacy_rope_scaling``) to directory ``path``;
+    returns (the tensors as stored, floating ones as float32; the config dict).
+
+    ``model.safetensors`` holds exactly ``specforge_eagle3_expected_shapes(cfg)``:
+    ``embed_tokens.weight`` always (the export refuses to ship without it), ``t2d`` bool and
+    ``d2t`` int64 (offsets, built as in ``write_eagle3_head``), ``fc_norm.{0,1,2}.weight``
+    only with ``fc_norm``. ``config.json`` is what transformers 5's ``LlamaConfig.save_pretrained``
+    (keys taken from 5.24's output; SpecForge pins 5.8.1, the version recorded)
+    writes for SpecForge's ``configs/llama3-8B-eagle3.json`` at these sizes (sorted keys,
+    ``dtype`` not ``torch_dtype``, explicit ``head_dim``, ``rope_parameters``) plus the
+    top-level ``rope_theta`` ``apply_legacy_rope_scaling`` adds; ``target_hidden_size`` only
+    when given (SpecForge's configs omit it for a head as wide as its target).
+    """
+    hd = hidden // heads if head_dim is None else head_dim
+    if heads % kv_heads:
+        raise ValueError("heads must divide by kv_heads")
+    if head_dim is None and hidden % heads:
+        raise ValueError("hidden must divide by heads, or give head_dim")
+    if not 0 < draft_vocab <= vocab:
+        raise ValueError("need 0 < draft_vocab <= vocab")
+    th = hidden if target_hidden is None else target_hidden
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 128000,
+        "draft_vocab_size": draft_vocab,
+        "dtype": _DTYPE_NAMES[dtype],
+        "eos_token_id": 128001,
+        "head_dim": hd,
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": intermediate,
+        "max_position_embeddings": 2048,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": heads,
+        "num_hidden_layers": 1,
+        "num_key_value_heads": kv_heads,
+        "pad_token_id": 0,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_parameters": {"rope_theta": float(rope_theta), "rope_type": "default"},
+        "rope_theta": float(rope_theta),
+        "tie_word_embeddings": False,
+        "transformers_version": "5.8.1",
+        "use_cache": True,
+        "vocab_size": vocab,
+    }
+    if fc_norm:
+        cfg["fc_norm"] = True
+    if target_hidden is not None:
+        cfg["target_hidden_size"] = target_hidden
+    cfg = dict(sorted(cfg.items()))
+
+    g = torch.Generator().manual_seed(seed)
+    p = "midlayer."
+    sd = {
+        "embed_tokens.weight": torch.randn(vocab, hidden, generator=g),
+        "fc.weight": _linear(g, hidden, 3 * th),
+        p + "input_layernorm.weight": _norm_weight(g, hidden),
+        p + "hidden_norm.weight": _norm_weight(g, hidden),
+        p + "self_attn.q_proj.weight": _linear(g, heads * hd, 2 * hidden),
+        p + "self_attn.k_proj.weight": _linear(g, kv_heads * hd, 2 * hidden),
+        p + "self_attn.v_proj.weight": _linear(g, kv_heads * hd, 2 * hidden),
+        p + "self_attn.o_proj.weight": _linear(g, hidden, heads * hd),
+        p + "post_attention_layernorm.weight": _norm_weight(g, hidden),
+        p + "mlp.gate_proj.weight": _linear(g, intermediate, hidden),
+        p + "mlp.up_proj.weight": _linear(g, intermediate, hidden),
+        p + "mlp.down_proj.weight": _linear(g, hidden, intermediate),
+        "norm.weight": _norm_weight(g, hidden),
+        "lm_head.weight": _linear(g, draft_vocab, hidden),
+    }
+    if fc_norm:
+        sd.update({f"fc_norm.{i}.weight": _norm_weight(g, th) for i in range(3)})
+    ids = torch.sort(torch.randperm(vocab, generator=g)[:draft_vocab]).values.to(torch.int64)
+    sd["d2t"] = ids - torch.arange(draft_vocab, dtype=torch.int64)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    sd["t2d"] = t2d
+    return _save(path, sd, cfg, "model.safetensors", dtype), cfg
+
+
 # ----------------------------------------------------------------------------- reference
 
 
@@ -374,13 +567,14 @@ def _linear_apply(x, sd, name):
     return y
 
 
-def _attention(a_in, sd, prefix, cfg, positions):
-    """Causal GQA self-attention with RoPE over a whole sequence. a_in [B,T,d] -> [B,T,h]."""
+def _attention(a_in, sd, prefix, cfg, positions, head_dim=None):
+    """Causal GQA self-attention with RoPE over a whole sequence. a_in [B,T,d] -> [B,T,h].
+    Heads of ``head_dim`` (default hidden // heads, as EAGLE's code)."""
     B, T, _ = a_in.shape
     h = cfg["hidden_size"]
     nq = cfg["num_attention_heads"]
     nkv = cfg.get("num_key_value_heads", nq)
-    hd = h // nq
+    hd = h // nq if head_dim is None else head_dim
     q = _linear_apply(a_in, sd, prefix + "q_proj").view(B, T, nq, hd).transpose(1, 2)
     k = _linear_apply(a_in, sd, prefix + "k_proj").view(B, T, nkv, hd).transpose(1, 2)
     v = _linear_apply(a_in, sd, prefix + "v_proj").view(B, T, nkv, hd).transpose(1, 2)
@@ -476,6 +670,43 @@ def torch_eagle3_logits(sd, cfg, embed, tokens, hidden, *, wrong=None, positions
     x = x + _mlp(n, sd, "midlayer.mlp.")
     logits = _rms_norm(x, sd["norm.weight"], eps) @ _f32(sd["lm_head.weight"]).T
     return logits, x
+
+
+@torch.no_grad()
+def torch_specforge_eagle3_logits(sd, cfg, tokens, hidden, *, norm_output=None):
+    """SpecForge's ``LlamaForCausalLMEagle3`` over a causal sequence at positions 0..T-1,
+    float32, as its trainer runs it (``algorithms/eagle3/model.py``: ``project_hidden_states``,
+    ``embed_input_ids``, ``backbone``, ``compute_logits``; ``SPECFORGE_COMMIT``).
+
+    tokens [B,T]; hidden [B,T,3*th] fused target states. emb = embed_tokens(tokens) (the
+    head's own table); x = fc(concat(fc_norm_i(chunk_i))) (fc_norm only when the config says
+    so); a = concat([input_layernorm(emb), hidden_norm(x)]); x = x + o(attn(a)) with heads of
+    the config's ``head_dim``; x = x + mlp(post_attention_layernorm(x)); logits =
+    lm_head(norm(x)) when ``norm_output`` (the config's, default true), else lm_head(x).
+    ``norm_output`` given here overrides the config (a wrong variant for negative checks).
+    Returns (draft logits [B,T,draft_vocab], x [B,T,h] before the final norm).
+    """
+    h = cfg["hidden_size"]
+    eps = float(cfg["rms_norm_eps"])
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    if norm_output is None:
+        norm_output = cfg.get("norm_output", True)
+    tokens = torch.as_tensor(tokens, dtype=torch.int64)
+    emb = _f32(sd["embed_tokens.weight"])[tokens]
+    x = _f32(hidden)
+    if cfg.get("fc_norm", False):
+        x = torch.cat([_rms_norm(c, sd[f"fc_norm.{i}.weight"], eps)
+                       for i, c in enumerate(x.chunk(3, dim=-1))], dim=-1)
+    x = _linear_apply(x, sd, "fc")
+    e_n = _rms_norm(emb, sd["midlayer.input_layernorm.weight"], eps)
+    x_n = _rms_norm(x, sd["midlayer.hidden_norm.weight"], eps)
+    pos = _positions(x.shape[1], None)
+    x = x + _attention(torch.cat([e_n, x_n], dim=-1), sd, "midlayer.self_attn.", cfg, pos,
+                       head_dim=hd)
+    n = _rms_norm(x, sd["midlayer.post_attention_layernorm.weight"], eps)
+    x = x + _mlp(n, sd, "midlayer.mlp.")
+    out = _rms_norm(x, sd["norm.weight"], eps) if norm_output else x
+    return out @ _f32(sd["lm_head.weight"]).T, x
 
 
 def d2t_target_ids(d2t, draft_ids):

@@ -282,10 +282,13 @@ def test_eagle3_misfits_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="a 2-layer target does not have"):
         published.load(tmp_path, shallow)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, 3, 9]}
+    cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}  # SGLang: outputs
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"layers \[1, 3, 9\], which a 6-layer target"):
+    with pytest.raises(CheckpointError, match=r"entering layers \[2, 4, 6\]\), which a 6-layer"):
         published.load(tmp_path, TARGET)
+    cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, 2, 4]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert published.load(tmp_path, TARGET).layers == (1, 3, 5)
     del cfg["eagle_config"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     edit_state_dict(tmp_path, lambda sd: sd.__setitem__("d2t", torch.full((DV,), V,

@@ -233,14 +233,16 @@ def _eagle3(p: Path, f: Path, cfg: ConfigFields, tensors: dict, target_cfg) -> P
 
     d_t, v, n = target_cfg.hidden_size, target_cfg.vocab_size, target_cfg.num_layers
     d = cfg.integer("hidden_size")  # the head's own width (target_hidden_size: the target's)
+    # SpecForge/SGLang's aux ids name layer outputs: id k is the state entering layer k + 1
     ids = cfg.obj("eagle_config").integers("eagle_aux_hidden_state_layer_ids", None)
     try:
-        layers = fused_layers(n) if ids is None else tuple(ids)
+        layers = fused_layers(n) if ids is None else tuple(i + 1 for i in ids)
     except ValueError as e:
         raise CheckpointError(f"{p}: {e}") from None
     if any(not 0 <= l < n for l in layers):
-        raise CheckpointError(f"{p} fuses the hidden states entering layers {list(layers)}, "
-                              f"which a {n}-layer target does not have")
+        raise CheckpointError(f"{p} fuses the outputs of layers {list(ids)} (the hidden "
+                              f"states entering layers {list(layers)}), which a {n}-layer "
+                              f"target does not have")
     dv = cfg.integer("draft_vocab_size", v)
     spec = layer_spec(cfg, 2 * d)
     want = {"fc.weight": (d, len(layers) * d_t), "midlayer.input_layernorm.weight": (d,),
