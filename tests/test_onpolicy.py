@@ -225,3 +225,32 @@ def test_an_exported_eagle3_head_decodes_as_ar(lm, tmp_path):
     ar = generate(lm.model, lm.params, prompts, max_new_tokens=budgets).to_lists()
     out = built(prompts, max_new_tokens=budgets)
     assert out.to_lists() == ar and out.drafted.sum() > 0
+
+
+def test_a_bad_mesh_is_refused_before_anything_loads(tmp_path, capsys):
+    """``train onpolicy --mesh``: a malformed mesh or one past the visible devices is one
+    usage line before any input is read; one the target cannot be split over is refused
+    from its configuration (``_vocab_check``), before any weight is read."""
+    import argparse
+
+    from specjax import cli, sharding
+    from specjax.commands import train as train_cmd
+    from specjax.commands.common import UsageError
+    from toys import LLAMA
+
+    base = ["train", "onpolicy", "--prompts", str(tmp_path / "p"), "--shards",
+            str(tmp_path / "s"), "--run", str(tmp_path / "r")]
+    n = jax.device_count()
+    for mesh, msg in (("rows=2", "unknown mesh axis 'rows'"),
+                      (f"data={2 * n}", f"needs {2 * n} devices, but {n} are visible")):
+        assert cli.main([*base, "--mesh", mesh]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"--mesh {mesh}: " in err and msg in err, err
+    assert not (tmp_path / "r").exists()
+
+    class Mesh3:  # the sizes alone: one device cannot hold a model=3 mesh
+        shape = {sharding.DATA: 1, sharding.MODEL: 3}
+    args = argparse.Namespace(draft_vocab=8, model="toy", mesh="model=3")
+    with pytest.raises(UsageError, match="--mesh model=3: mesh model=3 does not divide the "
+                                         "model's 4 query heads"):
+        train_cmd._vocab_check(args, Mesh3())(None, LLAMA)

@@ -152,13 +152,14 @@ _ANSWER = AotCache(_answer, ("model", "capacity", "max_out", "chunk", "layers"))
 
 
 def answer_batch(lm, prompts: Sequence[list[int]], max_new_tokens: int, chunk: int = 64,
-                 layers: tuple[int, ...] | None = None, dtype=ml_dtypes.bfloat16):
+                 layers: tuple[int, ...] | None = None, dtype=ml_dtypes.bfloat16, mesh=None):
     """Examples ``(tokens, prompt_len, feats[len, F])`` for a batch of prompts: the greedy
     answer after each prompt, and the residual streams after ``layers`` (default: the last
     layer) at every position but the last (zero there: its successor was never generated),
-    stored as ``dtype``."""
+    stored as ``dtype``. With ``mesh`` (``lm.params`` sharded over it, the prompts a
+    multiple of its ``data`` axis), the rows are split over ``data``."""
     layers = (lm.model.config.num_layers,) if layers is None else tuple(layers)
-    x = prepare(lm.model, prompts, max_new_tokens, eos_ids=lm.eos_ids, chunk=chunk)
+    x = prepare(lm.model, prompts, max_new_tokens, eos_ids=lm.eos_ids, chunk=chunk, mesh=mesh)
     (toks, num, hp, hg), _ = _ANSWER(lm.params, x.tokens, x.lengths, x.budgets, x.eos,
                                      model=lm.model, capacity=x.capacity, max_out=x.max_out,
                                      chunk=chunk, layers=layers)

@@ -170,7 +170,8 @@ def validate(evaluate, params, tparams, val: Sequence, cfg: TrainConfig, vocab_i
     return {"val_loss": tot[0] / n, "val_acc": tot[1] / n, "val_tokens": int(tot[2])}
 
 
-def make_step(target, cfg: TrainConfig, opt: optax.GradientTransformation):
+def make_step(target, cfg: TrainConfig, opt: optax.GradientTransformation, mesh=None):
+    """The jitted training step; with ``mesh``, its new state keeps ``loop.state_specs``."""
     @jax.jit
     def step(state, tparams, toks, hidden, prev_hidden, mask, vocab_ids):
         key = jax.random.fold_in(jax.random.key(cfg.seed), state["step"])
@@ -178,8 +179,9 @@ def make_step(target, cfg: TrainConfig, opt: optax.GradientTransformation):
             state["params"], tparams, toks, hidden, prev_hidden, mask, key, vocab_ids,
             target=target, cfg=cfg)
         updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates),
-                "opt_state": opt_state, "step": state["step"] + 1}, metrics
+        return loop.constrain_state(mesh, {
+            "params": optax.apply_updates(state["params"], updates),
+            "opt_state": opt_state, "step": state["step"] + 1}), metrics
 
     return step
 
@@ -188,7 +190,8 @@ def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Pa
           meta: dict | None = None, stop_after: int | None = None, progress=None,
           log=None, init: dict | None = None, mesh=None) -> dict:
     """Trains (or resumes) the head in ``run_dir`` up to ``cfg.steps``; returns the state.
-    With ``mesh``, data-parallel over its ``data`` axis (``loop.on_mesh``).
+    With ``mesh``, the target sharded over it, rows over its ``data`` axis and the
+    optimizer state sharded (``loop.on_mesh``): the one-device result up to float rounding.
 
     ``init`` (head parameters) starts a new run from an existing head instead of a random
     one (fine-tuning); a resumed run ignores it.
@@ -204,7 +207,7 @@ def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Pa
     state, mngr = loop.resume(run_dir, {"kind": "eagle", **(meta or {}),
                                         **dataclasses.asdict(cfg)}, fresh)
     tparams, state = loop.on_mesh(mesh, target, tparams, state)
-    step_fn = make_step(target, cfg, opt)
+    step_fn = make_step(target, cfg, opt, mesh)
     corpus, val = split(corpus, cfg)
     evaluate = make_eval(target, cfg) if val else None
     plan = batch_plan(corpus, cfg)

@@ -114,14 +114,16 @@ def loss_fn(heads: dict, tparams, hid, mask, vocab_ids, *, target, cfg: ExitConf
     return loss, metrics
 
 
-def make_step(target, cfg: ExitConfig, opt: optax.GradientTransformation):
+def make_step(target, cfg: ExitConfig, opt: optax.GradientTransformation, mesh=None):
+    """The jitted training step; with ``mesh``, its new state keeps ``loop.state_specs``."""
     @jax.jit
     def step(state, tparams, hid, mask, vocab_ids):
         grads, metrics = jax.grad(loss_fn, has_aux=True)(
             state["params"], tparams, hid, mask, vocab_ids, target=target, cfg=cfg)
         updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates),
-                "opt_state": opt_state, "step": state["step"] + 1}, metrics
+        return loop.constrain_state(mesh, {
+            "params": optax.apply_updates(state["params"], updates),
+            "opt_state": opt_state, "step": state["step"] + 1}), metrics
 
     return step
 
@@ -152,7 +154,7 @@ def train(target, tparams, corpus: Sequence, cfg: ExitConfig, run_dir: str | Pat
     feats = layer_features(target, tparams, corpus, cfg) if feats is None else feats
     plan = train_eagle.batch_plan([(f, 0, None) for f in feats], cfg)
     ids = vocab_ids(corpus, target.config.vocab_size, cfg)
-    step_fn = make_step(target, cfg, opt)
+    step_fn = make_step(target, cfg, opt, mesh)
     tparams, state = loop.on_mesh(mesh, target, tparams, state)
     step = lambda st, s: step_fn(st, tparams, *loop.batch_on(mesh, batch_at(feats, plan, s, cfg)),
                                  ids)

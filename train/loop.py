@@ -5,6 +5,13 @@ the latest checkpoint; ``run_steps`` trains to a step count, saving every ``save
 steps and at the end. Batches must be a function of the step alone (the callers derive them
 from the seed and the step), so a run killed after a checkpoint resumes to the same
 parameters as one that never stopped.
+
+On a mesh (``on_mesh``; every trainer's ``mesh=``) the target is sharded as for decoding,
+each batch's rows are split over ``data`` and the optimizer state is sharded ZeRO-1 style
+(``zero_spec``: each moment over the whole mesh, or over ``data``, along its first axis that
+divides); the head's parameters stay replicated. XLA's partitioner runs the same program,
+so a sharded run reaches the one-device parameters up to float rounding
+(``tests/test_sharding.py``). Checkpoints hold whole arrays and resume onto any mesh.
 """
 
 from __future__ import annotations
@@ -14,19 +21,69 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import sharding
+from specjax.sharding import DATA, MODEL
 from specjax.train import checkpoint
 
 
 def on_mesh(mesh, target, tparams, state: dict) -> tuple[Any, dict]:
-    """Data-parallel training on ``mesh``: the target's weights split as for decoding
-    (``specjax.sharding.shard_params``) and the training state replicated; XLA then sums
-    the gradients over the ``data`` axis. Unchanged without a mesh."""
+    """Training on ``mesh``: the target's weights split as for decoding
+    (``specjax.sharding.shard_params``) and the training state placed by :func:`state_specs`
+    (the optimizer state split ZeRO-1 style, the rest replicated); batches split over
+    ``data`` (:func:`batch_on`), XLA sums the gradients over it. Unchanged without a
+    mesh."""
     if mesh is None:
         return tparams, state
-    return sharding.shard_params(target.config, tparams, mesh), sharding.replicated(mesh, state)
+    return sharding.shard_params(target.config, tparams, mesh), shard_state(mesh, state)
+
+
+def zero_spec(shape: tuple[int, ...], mesh) -> P:
+    """Where one optimizer-state leaf of ``shape`` lives (ZeRO-1): its first axis that the
+    whole mesh (``data x model`` devices) divides is split over both axes; else its first
+    axis that ``data`` divides, over ``data``; else (scalars, odd sizes) it is replicated.
+    A function of the shape alone, so the same inside and outside ``jit``."""
+    d, m = sharding.axis_size(mesh, DATA), sharding.axis_size(mesh, MODEL)
+    split = tuple(a for a, n in ((DATA, d), (MODEL, m)) if n > 1)
+    choices = [(split[0] if len(split) == 1 else split, d * m)] if split else []
+    if d > 1 and m > 1:
+        choices.append((DATA, d))
+    for axes, n in choices:
+        for i, size in enumerate(shape):
+            if size % n == 0:
+                return P(*(None,) * i, axes)
+    return P()
+
+
+def state_specs(mesh, state: dict) -> dict:
+    """A ``PartitionSpec`` per leaf of a training state ``{params, opt_state, step, ...}``:
+    ``opt_state``'s leaves (Adam's moments) by :func:`zero_spec`, everything else
+    replicated (the head's parameters are read whole by every ``data`` replica; its
+    update is computed on the moments' shards and gathered)."""
+    return {k: jax.tree.map(lambda x: zero_spec(np.shape(x), mesh), v) if k == "opt_state"
+            else jax.tree.map(lambda x: P(), v) for k, v in state.items()}
+
+
+def shard_state(mesh, state: dict) -> dict:
+    """``state`` placed on ``mesh`` by :func:`state_specs`; unchanged without a mesh."""
+    if mesh is None:
+        return state
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state,
+                        state_specs(mesh, state))
+
+
+def constrain_state(mesh, state: dict) -> dict:
+    """Inside a jitted step: the new state pinned to :func:`state_specs`, so every step
+    returns the layout it was given (one compile, the moments never gathered). Unchanged
+    without a mesh."""
+    if mesh is None:
+        return state
+    return jax.tree.map(
+        lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)), state,
+        state_specs(mesh, state))
 
 
 def batch_on(mesh, batch: tuple) -> tuple:

@@ -14,6 +14,10 @@ run to run. Rounds are a function of the store and the seed, so a run killed aft
 checkpoint resumes to the parameters of one that never stopped; the store's manifest is
 written before training on a round, so a resumed run replays that round instead of
 decoding it again (the manifest is unchanged).
+
+On a mesh (``train(mesh=)``, ``specjax train onpolicy --mesh data=D,model=M``) the
+target is sharded as for decoding and decodes each round with its rows over ``data``; the
+head trains data-parallel with its optimizer state sharded (``loop.on_mesh``).
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from specjax import sharding
 from specjax._compile import AotCache
 from specjax.core.decoder import prepare
 from specjax.core.decoding import prefill
 from specjax.train import checkpoint, distill, loop, shards, ttt
 from specjax.train.eagle import _bucket  # padded lengths: multiples of 64
+from specjax.sharding import DATA
 from specjax.train.shards import ShardStore, target_hash
 
 Example = tuple  # (tokens int32 [n], prompt_len, feats float32 [n, F]; the last row is zero)
@@ -69,10 +75,23 @@ def prompt_pool(data_dir: str | Path, exclude: Sequence[str] = (), seed: int = 0
 # ----------------------------------------------------------------------------- decoding
 
 def decode_round(lm, prompts: Sequence[list[int]], max_new_tokens: int,
-                 layers: tuple[int, ...], chunk: int = 64) -> list[Example]:
+                 layers: tuple[int, ...], chunk: int = 64, mesh=None) -> list[Example]:
     """The target's greedy answers to ``prompts`` (one batch, one jitted loop), with the
-    residual streams after ``layers`` in float32 (``distill.answer_batch``)."""
-    return distill.answer_batch(lm, prompts, max_new_tokens, chunk, layers, np.float32)
+    residual streams after ``layers`` in float32 (``distill.answer_batch``). With ``mesh``
+    (``lm`` sharded over it: :func:`on_mesh`), the rows are split over its ``data`` axis,
+    the batch padded with repeats of the last prompt (whose answers are dropped)."""
+    rows = list(prompts) + [prompts[-1]] * (-len(prompts) % sharding.axis_size(mesh, DATA))
+    return distill.answer_batch(lm, rows, max_new_tokens, chunk, layers, np.float32,
+                                mesh=mesh)[:len(prompts)]
+
+
+def on_mesh(lm, mesh):
+    """``lm`` (a ``LoadedModel``) with its weights sharded over ``mesh``
+    (``sharding.shard_params``: the decoding layout); unchanged without a mesh."""
+    if mesh is None:
+        return lm
+    return dataclasses.replace(lm, params=sharding.shard_params(lm.model.config, lm.params,
+                                                                mesh), mesh=mesh)
 
 
 def _prefill_all(params, tokens, lengths, *, model, capacity: int, chunk: int,
@@ -85,18 +104,20 @@ _PREFILL = AotCache(_prefill_all, ("model", "capacity", "chunk", "layers"))
 
 
 def prefill_features(lm, examples: Sequence[tuple[np.ndarray, int]], layers: tuple[int, ...],
-                     chunk: int = 64, group: int = 8) -> list[Example]:
+                     chunk: int = 64, group: int = 8, mesh=None) -> list[Example]:
     """Features of stored sequences, from one prefill of each (in groups of ``group``
     sequences of similar length, the last group padded with repeats, so padding costs
     little and few shapes compile): what ``decode_round`` returned for them, up to float
-    rounding."""
+    rounding. With ``mesh`` (``lm`` sharded over it), each group's rows are split over
+    ``data`` (``group`` rounded up to a multiple of it)."""
+    group += -group % sharding.axis_size(mesh, DATA)
     seqs = [np.asarray(t, np.int32) for t, _ in examples]
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     feats: dict[int, np.ndarray] = {}
     for j in range(0, len(order), group):
         idx = order[j:j + group]
         rows = idx + [idx[-1]] * (group - len(idx))
-        x = prepare(lm.model, [seqs[i] for i in rows], 1, chunk=chunk)
+        x = prepare(lm.model, [seqs[i] for i in rows], 1, chunk=chunk, mesh=mesh)
         h, _ = _PREFILL(lm.params, x.tokens, x.lengths, model=lm.model, capacity=x.capacity,
                         chunk=chunk, layers=tuple(layers))
         h = np.asarray(h)
@@ -188,7 +209,8 @@ def optimizer(cfg: OnPolicyConfig) -> optax.GradientTransformation:
                        optax.adamw(sched, weight_decay=cfg.weight_decay))
 
 
-def make_step(kind: ttt.Kind, target, cfg: OnPolicyConfig, opt):
+def make_step(kind: ttt.Kind, target, cfg: OnPolicyConfig, opt, mesh=None):
+    """The jitted training step; with ``mesh``, its new state keeps ``loop.state_specs``."""
     @jax.jit
     def step(state, tparams, toks, feats, mask, vocab_ids):
         key = jax.random.fold_in(jax.random.key(cfg.seed), state["step"])
@@ -196,8 +218,9 @@ def make_step(kind: ttt.Kind, target, cfg: OnPolicyConfig, opt):
             state["params"], tparams, toks, feats, mask, key, vocab_ids, kind=kind,
             target=target, cfg=cfg.loss)
         updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
-        return {**state, "params": optax.apply_updates(state["params"], updates),
-                "opt_state": opt_state, "step": state["step"] + 1}, metrics
+        return loop.constrain_state(mesh, {
+            **state, "params": optax.apply_updates(state["params"], updates),
+            "opt_state": opt_state, "step": state["step"] + 1}), metrics
 
     return step
 
@@ -218,12 +241,14 @@ def make_eval(kind: ttt.Kind, target, k: int = 3):
 
 
 def validate(evaluate, params, tparams, val: Sequence[Example], vocab_ids,
-             batch_tokens: int) -> dict:
+             batch_tokens: int, mesh=None) -> dict:
     """Held-out top-1 per draft step (the head unrolled on its own outputs, the teacher's
-    tokens fed) on the target's answers: ``val_top1`` [step 1, step 2, ...]."""
+    tokens fed) on the target's answers: ``val_top1`` [step 1, step 2, ...]. With ``mesh``,
+    rows over ``data`` (``loop.batch_on``)."""
     hits, counts = 0.0, 0.0
     for idx in minibatches(val, batch_tokens, 0):
-        h, c = evaluate(params, tparams, *batch_arrays(val, idx, answers_only=True), vocab_ids)
+        batch = loop.batch_on(mesh, batch_arrays(val, idx, answers_only=True))
+        h, c = evaluate(params, tparams, *batch, vocab_ids)
         hits, counts = hits + np.asarray(h), counts + np.asarray(c)
     return {"val_top1": [round(float(x), 4) for x in hits / np.maximum(counts, 1)],
             "val_tokens": int(counts[0])}
@@ -270,9 +295,10 @@ def _encode(lm, pool, cfg: OnPolicyConfig) -> tuple[list[str], list[list[int]]]:
     return ids, toks
 
 
-def _round_data(lm, store: ShardStore, which, pool, cfg: OnPolicyConfig, layers):
+def _round_data(lm, store: ShardStore, which, pool, cfg: OnPolicyConfig, layers, mesh=None):
     """``(examples, replayed, seconds)`` of a round (a shard number) or of ``"val"``: read
-    from the store and prefilled, or decoded and appended to it."""
+    from the store and prefilled, or decoded and appended to it (on ``mesh``: ``lm``
+    sharded over it)."""
     t0 = time.perf_counter()
     ids, toks = _encode(lm, pool, cfg)
     order = sorted(range(len(toks)), key=lambda i: len(toks[i]))  # similar lengths together
@@ -283,9 +309,9 @@ def _round_data(lm, store: ShardStore, which, pool, cfg: OnPolicyConfig, layers)
         if entry["prompt_ids"] != ids:
             raise ValueError(f"shard {which} of {store.root} answers other prompts than this run "
                              "chooses: the prompt data changed")
-        ex = prefill_features(lm, store.read(which), layers)
+        ex = prefill_features(lm, store.read(which), layers, mesh=mesh)
     else:
-        ex = decode_round(lm, toks, cfg.max_new_tokens, layers)
+        ex = decode_round(lm, toks, cfg.max_new_tokens, layers, mesh=mesh)
         store.append(ids, [(t, pl) for t, pl, _ in ex],
                      name=which if isinstance(which, str) else None)
     return ex, known, time.perf_counter() - t0
@@ -305,14 +331,20 @@ def init_params(kind: ttt.Kind, target_cfg, cfg: OnPolicyConfig, init=None) -> d
 
 def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: ShardStore,
           pool: Sequence[tuple[str, str]], vocab_ids: np.ndarray, *, init=None,
-          stop_after: int | None = None, log=None, progress=None) -> dict:
+          stop_after: int | None = None, log=None, progress=None, mesh=None) -> dict:
     """Trains (or resumes) the head in ``run_dir`` up to ``cfg.rounds`` rounds (or
     ``stop_after`` more) over ``pool`` (``prompt_pool``: its first ``val_prompts`` are held
     out), replaying the rounds ``store`` holds and decoding the rest into it. ``vocab_ids``:
     the draft vocabulary (EAGLE-3's head rows; EAGLE-2's cross-entropy rows). Returns the
     state. Each round's checkpoint is complete on disk before ``log`` records the round,
     and on any error the checkpoint manager finishes its writes and closes
-    (``checkpoint.closing``), so the last logged round is the one a rerun resumes from."""
+    (``checkpoint.closing``), so the last logged round is the one a rerun resumes from.
+
+    With ``mesh`` (``specjax.sharding.make_mesh``): the target sharded over it decodes the
+    rounds (rows over ``data``) and gives the features, each minibatch's rows are split over
+    ``data`` and the optimizer state is sharded (``loop.on_mesh``); the parameters equal
+    the one-device run's up to float rounding (``tests/test_sharding.py``)."""
+    lm = on_mesh(lm, mesh)
     target, tparams = lm.model, lm.params
     layers = kind.layers(target.config)
     opt = optimizer(cfg)
@@ -322,13 +354,14 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
     meta = {"kind": kind.name, "store": store.manifest["target"], "vocab": len(vocab_ids),
             **{k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("rounds", "val_every")}}
     state, mngr = loop.resume(run_dir, meta, fresh)
-    step = make_step(kind, target, cfg, opt)
+    state = loop.shard_state(mesh, state)
+    step = make_step(kind, target, cfg, opt, mesh)
     evaluate = make_eval(kind, target)
     vids = jnp.asarray(vocab_ids, jnp.int32)
     with checkpoint.closing(mngr):
-        val, _, _ = _round_data(lm, store, "val", pool[:cfg.val_prompts], cfg, layers)
+        val, _, _ = _round_data(lm, store, "val", pool[:cfg.val_prompts], cfg, layers, mesh)
         score = lambda st: validate(evaluate, st["params"], tparams, val, vids,
-                                    cfg.batch_tokens)
+                                    cfg.batch_tokens, mesh)
         todo = cfg.rounds_from(int(state["round"]), stop_after)
         if isinstance(log, loop.RunLog):
             log.rewind(todo.start, key="round")
@@ -336,9 +369,10 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
             log({"round": 0, "step": 0, "tokens_seen": 0, **score(state)})
         for r in todo:
             lo = cfg.val_prompts + r * cfg.batch
-            ex, replayed, secs = _round_data(lm, store, r, pool[lo:lo + cfg.batch], cfg, layers)
+            ex, replayed, secs = _round_data(lm, store, r, pool[lo:lo + cfg.batch], cfg, layers,
+                                             mesh)
             t0 = time.perf_counter()
-            state, metrics = _train_round(step, state, tparams, ex, vids, cfg, r)
+            state, metrics = _train_round(step, state, tparams, ex, vids, cfg, r, mesh)
             row = _round_row(state, metrics, ex, replayed, secs, time.perf_counter() - t0)
             if (r + 1) % cfg.val_every == 0 or r + 1 == todo.stop:
                 row.update(score(state))
@@ -353,16 +387,17 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
 
 
 def _train_round(step, state: dict, tparams, ex: Sequence[Example], vids, cfg: OnPolicyConfig,
-                 r: int) -> tuple[dict, dict]:
-    """``(state, last metrics)`` after ``cfg.passes`` passes over round ``r``'s examples;
-    the state's ``round`` is then ``r + 1``."""
+                 r: int, mesh=None) -> tuple[dict, dict]:
+    """``(state, last metrics)`` after ``cfg.passes`` passes over round ``r``'s examples
+    (each minibatch's rows over ``mesh``'s ``data`` axis); the state's ``round`` is then
+    ``r + 1``."""
     metrics = {}
     for p in range(cfg.passes):
         for idx in minibatches(ex, cfg.batch_tokens, hash((cfg.seed, r, p)) % 2**32):
             toks, feats, mask = batch_arrays(ex, idx)
-            state, metrics = step(state, tparams, toks, feats, mask, vids)
+            state, metrics = step(state, tparams, *loop.batch_on(mesh, (toks, feats, mask)), vids)
             state["tokens"] = state["tokens"] + int(mask.sum())
-    state["round"] = jnp.asarray(r + 1, jnp.int32)
+    state["round"] = sharding.replicated(mesh, jnp.asarray(r + 1, jnp.int32))
     return state, metrics
 
 
@@ -397,6 +432,6 @@ def store_corpus(lm, root: str | Path, batch: int = 16, progress=None) -> list[E
 
 
 __all__ = ["OnPolicyConfig", "batch_arrays", "check_store", "decode_round", "make_eval",
-           "make_step", "minibatches", "optimizer", "init_params", "store_header",
+           "make_step", "minibatches", "on_mesh", "optimizer", "init_params", "store_header",
            "store_settings", "store_target", "train", "prefill_features", "prompt_pool",
            "validate", "ShardStore", "store_corpus", "target_hash"]

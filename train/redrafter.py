@@ -171,8 +171,9 @@ def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Pa
     def step_fn(st, tp, toks, hidden, mask):
         grads, m = jax.grad(lf, has_aux=True)(st["params"], tp, toks, hidden, mask)
         updates, opt_state = opt.update(grads, st["opt_state"], st["params"])
-        return {"params": optax.apply_updates(st["params"], updates), "opt_state": opt_state,
-                "step": st["step"] + 1}, m
+        return loop.constrain_state(mesh, {
+            "params": optax.apply_updates(st["params"], updates), "opt_state": opt_state,
+            "step": st["step"] + 1}), m
 
     @jax.jit
     def evaluate_tp(p, tp, toks, hidden, mask):

@@ -61,21 +61,30 @@ def _check_prompts(path: str) -> None:
                          "t0/*.jsonl)")
 
 
-def _vocab_check(args):
-    """``load(check=...)``: ``--draft-vocab`` fits the target's vocabulary, read from its
-    configuration before any weight is."""
+def _vocab_check(args, mesh=None):
+    """``load(check=...)``: ``--draft-vocab`` fits the target's vocabulary and ``--mesh``
+    can split the target (``sharding.check_model``), read from its configuration before any
+    weight is."""
     def check(tokenizer, cfg):
         if args.draft_vocab > cfg.vocab_size:
             raise UsageError(f"--draft-vocab {args.draft_vocab} exceeds the {cfg.vocab_size} "
                              f"ids of {args.model}'s vocabulary")
+        if mesh is not None:
+            from specjax import sharding
+
+            try:
+                sharding.check_model(cfg, mesh)
+            except ValueError as e:
+                raise UsageError(f"--mesh {args.mesh}: {e}") from None
     return check
 
 
-def _load(args, vocab: bool = False):
-    """``--model`` (``vocab``: with ``_vocab_check``), once every input is checked."""
+def _load(args, vocab: bool = False, mesh=None):
+    """``--model`` (``vocab``: with ``_vocab_check``, which also checks ``mesh`` against its
+    configuration), once every input is checked. Loaded unsharded: the trainers shard it."""
     from specjax.models import load
 
-    return load(args.model, check=_vocab_check(args)) if vocab else load(args.model)
+    return load(args.model, check=_vocab_check(args, mesh)) if vocab else load(args.model)
 
 
 def RunLog(run_dir: str):
@@ -190,7 +199,8 @@ def cmd_train(args) -> int:
     from specjax.train import eagle as train_eagle
 
     corpus = distill.load_shards(_input_dir(args.data, "--data"))
-    lm = _load(args, vocab=True)
+    mesh = common.mesh(args, rows=None)
+    lm = _load(args, vocab=True, mesh=mesh)
     cfg = glue.from_args(train_eagle.TrainConfig, args)
     log = RunLog(args.run)
     n_tok = sum(len(t) - (0 if cfg.all_positions else pl) for t, pl, _ in corpus)
@@ -198,7 +208,7 @@ def cmd_train(args) -> int:
     init = glue.eagle_init(args.init, lm.model.config) if args.init else None
     with tqdm(total=cfg.steps, desc="train eagle", unit="step") as bar:
         state = train_eagle.train(lm.model, lm.params, corpus, cfg, args.run, progress=bar, log=log,
-                                  mesh=common.mesh(args, rows=None),
+                                  mesh=mesh,
                                   meta={"model": args.model, "data": Path(args.data).name,
                                         "init": args.init and Path(args.init).name},
                                   init=init)
@@ -222,7 +232,8 @@ def cmd_train_redrafter(args) -> int:
     if args.shards:  # every shard present and unaltered before the target loads
         shards.check_store(_input_dir(args.shards, "--shards"), required=True)
     corpus = None if args.shards else distill.load_shards(_input_dir(args.data, "--data"))
-    lm = _load(args, vocab=True)
+    mesh = common.mesh(args, rows=None)
+    lm = _load(args, vocab=True, mesh=mesh)
     if args.shards:  # self-distilled token shards: features from one prefill of each batch
         from specjax.train import onpolicy
 
@@ -239,8 +250,7 @@ def cmd_train_redrafter(args) -> int:
     init = glue.redrafter_init(args.init) if args.init else None
     with tqdm(total=cfg.steps, desc="train redrafter", unit="step") as bar:
         state, ids = train_rd.train(lm.model, lm.params, corpus, cfg, args.run, progress=bar,
-                                    log=RunLog(args.run), init=init,
-                                    mesh=common.mesh(args, rows=None),
+                                    log=RunLog(args.run), init=init, mesh=mesh,
                                     meta={"model": args.model,
                                           "data": Path(args.data or args.shards).name,
                                           "init": args.init and Path(args.init).name})
@@ -284,12 +294,13 @@ def _onpolicy_vocab(args, cfg, order):
 
 
 def _onpolicy_inputs(args, kind):
-    """``(config, prompt pool, glue.Start, draft vocabulary)``: every flag and input of
-    ``train onpolicy`` checked, the store's shards to replay among them, before the target
-    loads (``UsageError`` for a flag, ``ShardError`` for the store)."""
+    """``(config, prompt pool, glue.Start, draft vocabulary, mesh)``: every flag and input
+    of ``train onpolicy`` checked, the store's shards to replay among them, before the
+    target loads (``UsageError`` for a flag, ``ShardError`` for the store)."""
     from specjax.train import glue, onpolicy, ttt
 
     _check_ranges(args, "onpolicy")
+    mesh = common.mesh(args, rows=None)  # any batch: decode rounds and minibatches are padded
     common.writable(args.run, "--run", directory=True)
     common.writable(args.shards, "--shards", directory=True)
     _check_export(args.export)
@@ -305,7 +316,7 @@ def _onpolicy_inputs(args, kind):
     start = _onpolicy_start(args, kind)
     vocab_ids = _onpolicy_vocab(args, cfg, start.order)
     onpolicy.check_store(args.shards, args.run, cfg, _exclude_name(args), args.stop_after)
-    return cfg, pool, start, vocab_ids
+    return cfg, pool, start, vocab_ids, mesh
 
 
 def _exclude_name(args) -> str:
@@ -322,8 +333,9 @@ def cmd_train_onpolicy(args) -> int:
 
     kind = ttt.EAGLE3 if args.kind == "eagle3" else ttt.EAGLE2
     _check_export_format(args)
-    cfg, pool, start, vocab_ids = _onpolicy_inputs(args, kind)
-    lm = _load(args, vocab=True)
+    cfg, pool, start, vocab_ids, mesh = _onpolicy_inputs(args, kind)
+    lm = _load(args, vocab=True, mesh=mesh)  # unsharded: the store's hash is the weights'
+
     thash = shards.target_hash(lm.model.config, lm.params)
     store = shards.ShardStore(args.shards, onpolicy.store_header(
         lm, cfg, _exclude_name(args), thash), lm.model.config.vocab_size)
@@ -337,7 +349,7 @@ def cmd_train_onpolicy(args) -> int:
     with tqdm(total=cfg.rounds, desc=f"on-policy {kind.name}", unit="round") as bar:
         state = onpolicy.train(lm, kind, cfg, args.run, store, pool, vocab_ids, init=head,
                                progress=bar, log=RunLog(args.run),
-                               stop_after=args.stop_after)
+                               stop_after=args.stop_after, mesh=mesh)
     if args.export:
         out = glue.export_onpolicy(state, kind, cfg, args.export, model=args.model,
                                    target_cfg=lm.model.config, start=start,
@@ -513,7 +525,9 @@ def register(sub) -> list:
     tx.add_argument("--export", help="write the trained heads (bfloat16) here")
     tx.set_defaults(fn=cmd_train_exits)
     to = _add_onpolicy(tsub)
-    for t in (te, tr, tx):
-        t.add_argument("--mesh", help="data-parallel training on a device mesh, e.g. data=8 "
-                       "(rows split over data, gradients summed by XLA)")
+    for t in (te, tr, tx, to):
+        t.add_argument("--mesh", help="train on a device mesh, e.g. data=8 or data=2,model=4: "
+                       "the target split over model as for decoding, batch rows over data "
+                       "(gradients summed by XLA), the optimizer state sharded ZeRO-1 style; "
+                       "the one-device result up to float rounding")
     return [ds, fe, te, tr, tx, to]
