@@ -95,20 +95,38 @@ def save_eagle(params: Any, out_dir: str | Path, record: Record | None = None, *
                vocab_ids=None, draft_vocab: int = 0, dtype=jnp.bfloat16) -> Path:
     """Writes an EAGLE-1/2 head (``eagle.init_head``'s tree) to ``out_dir``; returns the
     absolute directory. ``head.json``: ``draft_vocab`` (how many of ``vocab_ids`` a
-    decoder drafts over by default; 0: the whole vocabulary) and ``vocab_ids`` (token ids,
-    most frequent first; None: none ranked). ``load_eagle`` reads it back bit for bit
-    (in ``dtype``)."""
-    return _save(params, out_dir, EAGLE, record, {"draft_vocab": int(draft_vocab)},
-                 {"vocab_ids": _ids(vocab_ids)}, dtype)
+    decoder drafts over by default; 0: the whole vocabulary), ``attn_norm: false`` for a
+    head whose layer has no attention-input norm (written only then, so a normed head's
+    ``head.json`` is as before) and ``vocab_ids`` (token ids, most frequent first; None:
+    none ranked). ``load_eagle`` reads it back bit for bit (in ``dtype``)."""
+    sizes = {"draft_vocab": int(draft_vocab)}
+    if "attn_norm" not in params["layer"]:
+        sizes["attn_norm"] = False
+    return _save(params, out_dir, EAGLE, record, sizes, {"vocab_ids": _ids(vocab_ids)}, dtype)
+
+
+def eagle_attn_norm(meta: dict) -> bool:
+    """Whether the EAGLE-1/2 head ``head.json``'s ``meta`` describes normalizes its
+    layer's attention input (``layer["attn_norm"]``): ``meta["attn_norm"]``, True where
+    absent (every head saved before heads without it could be trained). ``TypeError``
+    for a value that is not a JSON boolean."""
+    v = meta.get("attn_norm", True)
+    if not isinstance(v, bool):
+        raise TypeError(f"attn_norm is {v!r}, not true or false")
+    return v
 
 
 def load_eagle(path: str | Path, target_cfg, *, mesh=None, specs=None) -> tuple[dict, dict]:
-    """``(params, meta)`` of the EAGLE-1/2 head in ``path`` for a target of ``target_cfg``,
-    placed as ``export.load_head`` documents; ``CheckpointError`` (one line) when ``path``
-    is not an exported ``eagle`` head or was made for another target's sizes."""
+    """``(params, meta)`` of the EAGLE-1/2 head in ``path`` for a target of ``target_cfg``
+    (with or without the layer's ``attn_norm``, as ``head.json`` says:
+    ``eagle_attn_norm``), placed as ``export.load_head`` documents; ``CheckpointError``
+    (one line) when ``path`` is not an exported ``eagle`` head or was made for another
+    target's sizes."""
     from specjax.drafters import eagle
 
-    like = eagle.init_head(target_cfg, jax.random.key(0))
+    meta = export.read_meta(path, EAGLE)
+    like = _template(path, EAGLE, lambda: eagle.init_head(
+        target_cfg, jax.random.key(0), attn_norm=eagle_attn_norm(meta)))
     return export.load_head(path, EAGLE, like=like, mesh=mesh, specs=specs)
 
 
@@ -213,5 +231,6 @@ def load_exit_heads(path: str | Path, target, dtype=jnp.float32) -> tuple[dict, 
 
 
 __all__ = ["Record", "EAGLE", "EAGLE3", "REDRAFTER", "EXIT_HEADS", "save_eagle", "load_eagle",
+           "eagle_attn_norm",
            "save_eagle3", "load_eagle3", "save_redrafter", "load_redrafter", "redrafter_vocab",
            "save_exit_heads", "load_exit_heads"]

@@ -162,6 +162,17 @@ def toy(tmp_path_factory):
     return toys.loaded_llama(root / "toy", layers=6), root / "toy"
 
 
+def assert_decodes_as_ar(lm, spec: str, head_dir) -> None:
+    """``spec`` with ``--draft-checkpoint head_dir`` decodes two prompts exactly as ``ar``,
+    drafting some tokens."""
+    built = methods.build(spec, lm, methods.Options(draft_checkpoint=str(head_dir)))
+    prompts, budgets = [[5, 9, 17, 3, 44], [7] * 11], [20, 13]
+    ar = generate(lm.model, lm.params, prompts, max_new_tokens=budgets).to_lists()
+    out = built(prompts, max_new_tokens=budgets)
+    assert out.to_lists() == ar
+    assert out.drafted.sum() > 0
+
+
 @pytest.mark.parametrize("spec", ["eagle2:3,3,8", "eagle3:3,3,8"])
 def test_a_converted_head_decodes_as_ar(toy, tmp_path, spec):
     lm, _ = toy
@@ -171,12 +182,7 @@ def test_a_converted_head_decodes_as_ar(toy, tmp_path, spec):
         published.save("eagle3", hp, tmp_path, cfg, vocab_ids=ids)
     else:
         published.save("eagle", eagle1_head(cfg, seed=3), tmp_path, cfg)
-    built = methods.build(spec, lm, methods.Options(draft_checkpoint=str(tmp_path)))
-    prompts, budgets = [[5, 9, 17, 3, 44], [7] * 11], [20, 13]
-    ar = generate(lm.model, lm.params, prompts, max_new_tokens=budgets).to_lists()
-    out = built(prompts, max_new_tokens=budgets)
-    assert out.to_lists() == ar
-    assert out.drafted.sum() > 0
+    assert_decodes_as_ar(lm, spec, tmp_path)
 
 
 # --- refusals: a head no published layout expresses -----------------------------------------
@@ -302,7 +308,7 @@ def test_an_exported_eagle3_head_is_also_written_in_the_published_layout(tmp_pat
     head_io.save_eagle3(hp, tmp_path / "h", vocab_ids=ids,
                         layers=eagle3.fused_layers(TARGET.num_layers))
     out = glue.export_published(tmp_path / "h", TARGET)
-    assert out == tmp_path / "h-eagle3" == glue.published_dir(tmp_path / "h")
+    assert out == tmp_path / "h-eagle3" == glue.published_dir(tmp_path / "h", "eagle3")
     head = published.load(out, TARGET)
     params, _ = export_params(tmp_path / "h", "eagle3")
     jax.tree.map(np.testing.assert_array_equal, head.params, params)
@@ -320,8 +326,118 @@ def test_train_onpolicy_export_format_is_checked_before_any_work(tmp_path, capsy
          "needs --kind eagle3"),
         ([*base, "--kind", "eagle3", "--export", str(tmp_path / "e"), "--export-format",
           "eagle3"], "not a previous conversion"),
-        ([*base, "--kind", "eagle", "--export-format", "eagle"], "invalid choice: 'eagle'"),
+        ([*base, "--kind", "eagle", "--export-format", "eagle2"], "invalid choice: 'eagle2'"),
     ]
     for argv, msg in probes:
         code, err = _cli(argv, capsys)
         assert code == 2 and len(err.splitlines()) == 1 and msg in err, (argv, code, err)
+
+
+# --- train eagle / onpolicy --no-attn-norm --export-format eagle ----------------------------
+
+@pytest.fixture(scope="module")
+def trained_eagle1(toy, tmp_path_factory):
+    """``specjax train eagle --no-attn-norm --export DIR --export-format eagle``, 4 steps on
+    the toy's own answers to 4 prompts: ``(DIR, DIR-eagle)``."""
+    from specjax.train import distill
+
+    lm, _ = toy
+    root = tmp_path_factory.mktemp("train-eagle1")
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(3, 128, size=n)) for n in (5, 9, 14, 20)]
+    corpus = distill.answer_batch(lm, prompts, max_new_tokens=12)
+    argv = ["train", "eagle", "--data", str(root), "--run", str(root / "run"), "--steps", "4",
+            "--batch-tokens", "256", "--max-len", "64", "--save-every", "4", "--lr", "1e-2",
+            "--warmup", "1", "--no-attn-norm", "--export", str(root / "head"),
+            "--export-format", "eagle"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("specjax.models.load", lambda *a, **k: lm)
+        mp.setattr(distill, "load_shards", lambda d: corpus)
+        assert cli.main(argv) == 0
+    return root / "head", root / "head-eagle"
+
+
+def test_a_head_trained_without_attn_norm_exports_in_the_eagle1_layout(toy, trained_eagle1,
+                                                                        tmp_path, capsys):
+    """The head ``train eagle --no-attn-norm`` trained (head.json says so) is written as
+    EAGLE-1/2 files whose PyTorch reference forward, on their float32 conversion, equals
+    specjax's forward of the exported head; with an input norm the reference differs."""
+    lm, model_dir = toy
+    cfg = lm.model.config
+    head_dir, pub = trained_eagle1
+    meta = json.loads((head_dir / "head.json").read_text())
+    assert meta["attn_norm"] is False and meta["train"]["attn_norm"] is False
+    assert meta["steps_done"] == 4
+    hp, _ = head_io.load_eagle(head_dir, cfg)
+    hp = jax.tree.map(lambda x: np.asarray(x, np.float32), hp)
+    assert "attn_norm" not in hp["layer"]
+    fresh = eagle.init_head(cfg, jax.random.key(0), attn_norm=False)
+    assert np.abs(hp["fc"] - np.asarray(fresh["fc"])).max() > 1e-3  # it trained
+    sd16, cfg16 = _read(pub)
+    assert cfg16["torch_dtype"] == "bfloat16" and "layers.0.input_layernorm.weight" not in sd16
+    f32 = tmp_path / "f32"  # the float32 export: convert-head of the same head
+    code, err = _cli(["convert-head", str(head_dir), str(f32), "--to", "eagle", "--dtype",
+                      "float32", "--model", str(model_dir)], capsys)
+    assert code == 0, err
+    sd, pcfg = _read(f32)
+    assert sorted(sd) == sorted(sd16)
+    for k in sd:  # the bfloat16 export holds the float32 one's values
+        assert torch.equal(sd[k], sd16[k].float()), k
+    g = torch.Generator().manual_seed(7)
+    v, h = cfg.vocab_size, cfg.hidden_size
+    embed, lm_head = torch.randn(v, h, generator=g) * 0.5, torch.randn(v, h, generator=g) * 0.5
+    tokens, feats = torch.randint(0, v, (B, T), generator=g), torch.randn(B, T, h, generator=g)
+    out = _run(eagle.apply_head, blocks.LayerSpec.of(cfg), hp, embed[tokens].numpy(),
+               feats.numpy())
+    ours = np.asarray(out @ jnp.asarray(lm_head.numpy()).T)
+    ref = torch_eagle1_logits(sd, pcfg, embed, lm_head, tokens, feats).numpy()
+    assert np.abs(ours - ref).max() < 1e-4, np.abs(ours - ref).max()
+    normed = torch_eagle1_logits(sd, pcfg, embed, lm_head, tokens, feats, wrong="input_norm")
+    assert np.abs(ours - normed.numpy()).max() > 1e-2  # the comparison sees an input norm
+
+
+@pytest.mark.parametrize("which", ["published", "specjax"])
+def test_a_head_trained_without_attn_norm_decodes_as_ar(toy, trained_eagle1, which):
+    """Both the published copy (``DIR-eagle``) and the specjax export (``head.json`` says
+    it has no ``attn_norm``) load through ``--draft-checkpoint`` and decode as ``ar``."""
+    lm, _ = toy
+    head_dir, pub = trained_eagle1
+    assert_decodes_as_ar(lm, "eagle2:3,3,8", pub if which == "published" else head_dir)
+
+
+def test_export_format_eagle_and_no_attn_norm_are_checked_before_any_work(
+        toy, trained_eagle1, tmp_path, capsys):
+    """``--export-format eagle`` and ``--no-attn-norm`` refused in one usage line (exit 2)
+    before anything is read or written: the published layout needs a head without
+    ``attn_norm``, of kind ``eagle``, over the whole vocabulary; a warm start must have
+    the layout the run trains."""
+    _, model_dir = toy
+    head_dir, _ = trained_eagle1
+    normed = head_io.save_eagle(eagle.init_head(toy[0].model.config, jax.random.key(1)),
+                                tmp_path / "normed")
+    e = str(tmp_path / "e")
+    te = ["train", "eagle", "--data", str(tmp_path / "d"), "--run", str(tmp_path / "r")]
+    to = ["train", "onpolicy", "--prompts", str(tmp_path / "p"), "--shards",
+          str(tmp_path / "s"), "--run", str(tmp_path / "r")]
+    probes = [
+        ([*te, "--export", e, "--export-format", "eagle"], "needs --no-attn-norm"),
+        ([*te, "--no-attn-norm", "--export-format", "eagle"], "needs --export DIR"),
+        ([*te, "--no-attn-norm", "--export", e, "--export-format", "eagle", "--draft-vocab",
+          "8"], "needs --draft-vocab 0, got 8"),
+        ([*te, "--export", e, "--export-format", "eagle3"], "invalid choice: 'eagle3'"),
+        ([*te, "--no-attn-norm", "--init", str(normed)], "normalizes its attention input"),
+        ([*te, "--init", str(head_dir)], "pass --no-attn-norm"),
+        ([*to, "--kind", "eagle", "--export", e, "--export-format", "eagle"],
+         "needs --no-attn-norm"),
+        ([*to, "--kind", "eagle3", "--no-attn-norm", "--export", e, "--export-format",
+          "eagle"], "--export-format eagle needs --kind eagle"),
+        ([*to, "--kind", "eagle3", "--no-attn-norm"], "--no-attn-norm needs --kind eagle"),
+        ([*to, "--kind", "eagle", "--no-attn-norm", "--init", str(normed)],
+         "normalizes its attention input"),
+    ]
+    if eagle.shipped_head("smollm2-135m") is not None:  # the default --init shipped
+        probes.append(([*to, "--no-attn-norm"], "--init shipped: the shipped head"))
+    for argv, msg in probes:
+        code, err = _cli(argv, capsys)
+        assert code == 2 and len(err.splitlines()) == 1 and msg in err, (argv, code, err)
+    assert not any((tmp_path / n).exists() for n in ("e", "e-eagle", "r", "s"))

@@ -254,12 +254,13 @@ def test_training_configs_come_from_their_flags_as_before():
     for a in (_args(["train", "eagle", *base]),
               _args(["train", "eagle", *base, "--steps", "7", "--lr", "0.2", "--w-ce", "0.5",
                      "--all-positions", "--save-every", "3", "--ce-vocab", "0", "--warmup",
-                     "2"])):
+                     "2", "--no-attn-norm"])):
         assert glue.from_args(train_eagle.TrainConfig, a) == train_eagle.TrainConfig(
             steps=a.steps, batch_tokens=a.batch_tokens, max_len=a.max_len, lr=a.lr,
             seed=a.seed, save_every=a.save_every, ce_vocab=a.ce_vocab,
             val_examples=a.val_examples, warmup=a.warmup, w_reg=a.w_reg, w_ce=a.w_ce,
-            noise=a.noise, all_positions=a.all_positions)
+            noise=a.noise, all_positions=a.all_positions, attn_norm=a.attn_norm)
+    assert a.attn_norm is False
     for a in (_args(["train", "redrafter", *base]),
               _args(["train", "redrafter", *base, "--loss", "ce", "--answers-only",
                      "--blocks", "1", "--unroll", "2", "--draft-vocab", "0"])):
@@ -277,13 +278,89 @@ def test_training_configs_come_from_their_flags_as_before():
                                    batch_tokens=a.batch_tokens, max_len=a.max_len, lr=a.lr,
                                    seed=a.seed, save_every=a.save_every, kl_vocab=a.kl_vocab)
     on = ["train", "onpolicy", "--prompts", "p", "--shards", "s", "--run", "r"]
-    for a in (_args(on), _args([*on, "--ttt", "3", "--noise", "0.2", "--batch", "4"])):
+    for a in (_args(on), _args([*on, "--ttt", "3", "--noise", "0.2", "--batch", "4",
+                                "--no-attn-norm"])):
         got = glue.from_args(onpolicy.OnPolicyConfig, a,
                              loss=glue.from_args(ttt.LossConfig, a, k=a.ttt))
         assert got == onpolicy.OnPolicyConfig(
             rounds=a.rounds, batch=a.batch, max_new_tokens=a.max_new_tokens,
             passes=a.passes, batch_tokens=a.batch_tokens, lr=a.lr, warmup=a.warmup,
             draft_vocab=a.draft_vocab, val_prompts=a.val_prompts, val_every=a.val_every,
-            seed=a.seed, loss=ttt.LossConfig(k=a.ttt, noise=a.noise))
+            seed=a.seed, loss=ttt.LossConfig(k=a.ttt, noise=a.noise),
+            attn_norm=a.attn_norm)
+    assert a.attn_norm is False
     with pytest.raises(TypeError, match="has no field nope"):
         glue.from_args(train_eagle.TrainConfig, a, nope=1)
+
+
+# --- EAGLE-1/2 heads without the layer's attention-input norm (--no-attn-norm) --------------
+
+def test_an_eagle_head_without_attn_norm_round_trips_as_its_head_json_says(tmp_path):
+    """``save_eagle`` of a head without ``layer/attn_norm`` writes ``attn_norm: false``;
+    ``load_eagle`` reads it back bit for bit because head.json says so: the same files
+    with head.json claiming the norm, or a non-boolean, are refused in one line."""
+    hp = eagle.init_head(LLAMA, jax.random.key(4), attn_norm=False)
+    assert "attn_norm" not in hp["layer"] and "mlp_norm" in hp["layer"]
+    out = head_io.save_eagle(hp, tmp_path / "h", REC, dtype=jnp.float32)
+    meta = export.read_meta(out, "eagle")
+    assert meta["attn_norm"] is False and head_io.eagle_attn_norm(meta) is False
+    back, _ = head_io.load_eagle(out, LLAMA)
+    assert _bits(back) == _bits(hp)
+    assert glue.eagle_attn_norm(out) is False
+    assert glue.eagle_attn_norm(head_io.save_eagle(_heads()["eagle"], tmp_path / "n")) is True
+    assert glue.eagle_attn_norm(tmp_path / "missing") is None
+    for value, msg in ((True, "shapes differ"), ("no", "does not describe")):
+        (out / export.HEAD_JSON).write_text(json.dumps({**meta, "attn_norm": value}))
+        with pytest.raises(export.CheckpointError, match=msg) as e:
+            head_io.load_eagle(out, LLAMA)
+        assert len(str(e.value).splitlines()) == 1
+
+
+def test_trainers_build_and_guard_the_layout_they_are_asked_for(tmp_path):
+    """``attn_norm=False`` gives EAGLE-2 trainers a head without the norm; a warm start of
+    the other layout, EAGLE-3 without the norm, and resuming a run of the other layout
+    are refused (``ValueError`` / ``CheckpointError``) instead of mis-shaping the tree."""
+    cfg = onpolicy.OnPolicyConfig(draft_vocab=6, attn_norm=False)
+    fresh = onpolicy.init_params(ttt.EAGLE2, LLAMA, cfg)
+    assert "attn_norm" not in fresh["layer"]
+    assert "attn_norm" in onpolicy.init_params(ttt.EAGLE2, LLAMA, dataclasses.replace(
+        cfg, attn_norm=True))["layer"]
+    with pytest.raises(ValueError, match="normalizes its attention input"):
+        onpolicy.init_params(ttt.EAGLE2, LLAMA, cfg, init=_heads()["eagle"])
+    with pytest.raises(ValueError, match="EAGLE-2 option"):
+        onpolicy.init_params(ttt.EAGLE3, LLAMA, cfg)
+    run_fields = train_eagle.run_fields
+    assert "attn_norm" not in run_fields(train_eagle.TrainConfig())  # old runs resume
+    assert run_fields(train_eagle.TrainConfig(attn_norm=False))["attn_norm"] is False
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"attn_norm": False}))
+    train_eagle.check_run_layout(run, False)
+    with pytest.raises(export.CheckpointError, match="without attn_norm; pass --no-attn-norm"):
+        train_eagle.check_run_layout(run, True)
+    (run / "run.json").write_text(json.dumps({"steps": 3}))  # written before the option
+    train_eagle.check_run_layout(run, True)
+    with pytest.raises(export.CheckpointError, match="with attn_norm; drop --no-attn-norm"):
+        train_eagle.check_run_layout(run, False)
+
+
+def test_export_format_eagle_writes_the_published_eagle1_layout(tmp_path):
+    """What ``--export-format eagle`` does after the export (``glue.export_published``):
+    ``DIR-eagle`` holds the exported head, read back by ``published.load`` to the same
+    parameters; a head with ``attn_norm`` has no such layout and writes nothing."""
+    from specjax.drafters import published
+
+    hp = jax.tree.map(lambda x: x + 0.01, eagle.init_head(LLAMA, jax.random.key(5),
+                                                           attn_norm=False))
+    head_dir = head_io.save_eagle(hp, tmp_path / "h", REC)
+    out = glue.export_published(head_dir, LLAMA)
+    assert out == tmp_path / "h-eagle" == glue.published_dir(head_dir, "eagle")
+    got = published.load(out, LLAMA)
+    assert got.kind == "eagle" and "attn_norm" not in got.params["layer"]
+    want, _ = head_io.load_eagle(head_dir, LLAMA)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b, np.float32)),
+                 got.params, want)
+    normed = head_io.save_eagle(_heads()["eagle"], tmp_path / "n")
+    with pytest.raises(published.NoPublishedLayout, match="no input_layernorm"):
+        glue.export_published(normed, LLAMA)
+    assert not (tmp_path / "n-eagle").exists()

@@ -17,6 +17,7 @@ checkpoint resumes to the same parameters as one that never stopped.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Sequence
 
@@ -48,6 +49,44 @@ class TrainConfig:
     save_every: int = 200
     val_examples: int = 0  # held out (a seeded choice), scored at every checkpoint
     all_positions: bool = False  # loss on prompt positions too (a fixed text corpus)
+    # False: no attention-input norm in the layer (layer 0 of a published EAGLE-1/2 head),
+    # so the head has SafeAILab/EAGLE's layout (``--export-format eagle``)
+    attn_norm: bool = True
+
+
+def run_fields(cfg) -> dict:
+    """``cfg`` (a config with an ``attn_norm`` field) as ``run.json`` records it: every
+    field, ``attn_norm`` only when False, so a run directory written before the field
+    existed still resumes (a run of the other layout is refused: ``check_run_layout``)."""
+    d = dataclasses.asdict(cfg)
+    if d.get("attn_norm", True):
+        d.pop("attn_norm", None)
+    return d
+
+
+def check_run_layout(run_dir: str | Path, attn_norm: bool) -> None:
+    """``CheckpointError`` (one line) when ``run_dir`` holds a run (``run.json``) of an
+    EAGLE-1/2 head with the layer's ``attn_norm`` where ``attn_norm`` says without, or the
+    reverse (absent from ``run.json``: with it): its checkpoints hold the other tree."""
+    from specjax.export import CheckpointError
+
+    f = Path(run_dir) / "run.json"
+    saved = json.loads(f.read_text()).get("attn_norm", True) if f.is_file() else attn_norm
+    if saved != attn_norm:
+        raise CheckpointError(f"{run_dir} holds a run of a head {'with' if saved else 'without'}"
+                              f" attn_norm; {'drop' if saved else 'pass'} --no-attn-norm "
+                              "to resume it, or use another directory")
+
+
+def check_layout(params: dict, attn_norm: bool, what: str = "the initial head") -> None:
+    """``ValueError`` (one line) unless the EAGLE-1/2 head ``params`` has the layer's
+    ``attn_norm`` exactly when ``attn_norm`` says: a warm start never silently drops or
+    invents the attention-input norm."""
+    has = "attn_norm" in params["layer"]
+    if has != attn_norm:
+        raise ValueError(f"{what} {'normalizes' if has else 'does not normalize'} its "
+                         "attention input (attn_norm), but this run trains a head "
+                         f"{'with' if attn_norm else 'without'} it")
 
 
 def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -194,18 +233,21 @@ def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Pa
     optimizer state sharded (``loop.on_mesh``): the one-device result up to float rounding.
 
     ``init`` (head parameters) starts a new run from an existing head instead of a random
-    one (fine-tuning); a resumed run ignores it.
+    one (fine-tuning); a resumed run ignores it. ``cfg.attn_norm`` says whether the head
+    has the layer's attention-input norm; ``init`` must agree (``check_layout``).
 
     ``stop_after`` stops after that many steps of this call (for tests of resume); the
     latest checkpoint is always written before returning.
     """
     opt = optimizer(cfg)
-    params = eagle.init_head(target.config, jax.random.key(cfg.seed))
+    params = eagle.init_head(target.config, jax.random.key(cfg.seed), attn_norm=cfg.attn_norm)
     if init is not None:
+        check_layout(init, cfg.attn_norm)
         params = jax.tree.map(lambda a, b: jnp.asarray(b, a.dtype), params, init)
     fresh = {"params": params, "opt_state": opt.init(params), "step": jnp.asarray(0, jnp.int32)}
-    state, mngr = loop.resume(run_dir, {"kind": "eagle", **(meta or {}),
-                                        **dataclasses.asdict(cfg)}, fresh)
+    check_run_layout(run_dir, cfg.attn_norm)
+    state, mngr = loop.resume(run_dir, {"kind": "eagle", **(meta or {}), **run_fields(cfg)},
+                              fresh)
     tparams, state = loop.on_mesh(mesh, target, tparams, state)
     step_fn = make_step(target, cfg, opt, mesh)
     corpus, val = split(corpus, cfg)

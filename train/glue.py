@@ -174,28 +174,46 @@ def export_onpolicy(state: dict, kind, cfg, out: str | Path, *, model: str, targ
 
 # ----------------------------------------------------------------------------- published
 
-def published_dir(export_dir: str | Path) -> Path:
-    """Where ``--export-format eagle3`` writes the published copy of the head exported to
-    ``export_dir``: the sibling directory ``EXPORT-eagle3``."""
+def published_dir(export_dir: str | Path, kind: str) -> Path:
+    """Where ``--export-format KIND`` writes the published copy of the head exported to
+    ``export_dir``: the sibling directory ``EXPORT-KIND`` (``EXPORT-eagle``,
+    ``EXPORT-eagle3``)."""
     p = Path(export_dir).absolute()
-    return p.with_name(p.name + "-eagle3")
+    return p.with_name(f"{p.name}-{kind}")
 
 
 def export_published(head_dir: str | Path, target_cfg) -> Path:
-    """The EAGLE-3 head exported to ``head_dir``, written again in SafeAILab/EAGLE's
-    published layout to ``published_dir(head_dir)`` (``published.save``, bfloat16: the
-    exported weights unchanged); returns that directory."""
+    """The EAGLE-1/2 or EAGLE-3 head exported to ``head_dir`` (its ``head.json`` says
+    which), written again in SafeAILab/EAGLE's published layout to
+    ``published_dir(head_dir, kind)`` (``published.save``, bfloat16: the exported weights
+    unchanged); returns that directory. ``NoPublishedLayout`` for a head the layout
+    cannot express (an EAGLE-1/2 head with ``attn_norm`` or a reduced ``draft_vocab``)."""
     import jax
 
     from specjax.drafters import published
 
-    params, meta = head_io.load_eagle3(head_dir, target_cfg)
-    return published.save(head_io.EAGLE3, jax.tree.map(np.asarray, params),
-                          published_dir(head_dir), target_cfg, vocab_ids=meta["vocab_ids"],
-                          layers=meta["layers"])
+    kind = export.read_kind(head_dir)
+    if kind == head_io.EAGLE:
+        params, meta = head_io.load_eagle(head_dir, target_cfg)
+        sizes = {"draft_vocab": meta.get("draft_vocab") or 0}
+    else:
+        params, meta = head_io.load_eagle3(head_dir, target_cfg)
+        sizes = {"vocab_ids": meta["vocab_ids"], "layers": meta["layers"]}
+    return published.save(kind, jax.tree.map(np.asarray, params),
+                          published_dir(head_dir, kind), target_cfg, **sizes)
+
+
+def eagle_attn_norm(path: str | Path) -> bool | None:
+    """Whether the exported EAGLE-1/2 head in ``path`` normalizes its layer's attention
+    input (``head_io.eagle_attn_norm``), read from ``head.json`` alone; None when ``path``
+    holds no readable ``eagle`` head (the loader reports that)."""
+    try:
+        return head_io.eagle_attn_norm(export.read_meta(path, head_io.EAGLE))
+    except (export.CheckpointError, TypeError):
+        return None
 
 
 __all__ = ["from_args", "data_summary", "store_summary", "record", "eagle_init",
            "redrafter_init", "Start", "onpolicy_start", "onpolicy_head", "export_eagle",
            "export_redrafter", "export_exit_heads", "export_onpolicy", "published_dir",
-           "export_published"]
+           "export_published", "eagle_attn_norm"]

@@ -39,6 +39,7 @@ from specjax.core.decoder import prepare
 from specjax.core.decoding import prefill
 from specjax.train import checkpoint, distill, loop, shards, ttt
 from specjax.train.eagle import _bucket  # padded lengths: multiples of 64
+from specjax.train.eagle import check_run_layout, run_fields
 from specjax.sharding import DATA
 from specjax.train.shards import ShardStore, target_hash
 
@@ -151,6 +152,9 @@ class OnPolicyConfig:
     val_every: int = 4
     seed: int = 0
     loss: ttt.LossConfig = ttt.LossConfig()
+    # EAGLE-2 only. False: no attention-input norm in the head's layer (layer 0 of a
+    # published EAGLE-1/2 head), so it has SafeAILab/EAGLE's layout
+    attn_norm: bool = True
 
     def __post_init__(self):
         low = [f"{k}={getattr(self, k)}" for k in ("rounds", "batch", "max_new_tokens",
@@ -318,14 +322,23 @@ def _round_data(lm, store: ShardStore, which, pool, cfg: OnPolicyConfig, layers,
 
 
 def init_params(kind: ttt.Kind, target_cfg, cfg: OnPolicyConfig, init=None) -> dict:
-    """A fresh head of ``kind`` (float32), or ``init``'s parameters cast to float32."""
+    """A fresh head of ``kind`` (float32; EAGLE-2: with the layer's ``attn_norm`` as
+    ``cfg.attn_norm`` says), or ``init``'s parameters cast to float32. ``ValueError`` for
+    ``attn_norm=False`` with EAGLE-3, or an ``init`` of the other EAGLE-2 layout
+    (``train.eagle.check_layout``)."""
     from specjax.drafters import eagle, eagle3
+    from specjax.train.eagle import check_layout
 
     key = jax.random.key(cfg.seed)
-    fresh = (eagle.init_head(target_cfg, key) if kind.name == "eagle"
+    if kind.name != "eagle" and not cfg.attn_norm:
+        raise ValueError("attn_norm=False is an EAGLE-2 option: an EAGLE-3 head's layer "
+                         "normalizes its inputs with embed_norm and hidden_norm")
+    fresh = (eagle.init_head(target_cfg, key, attn_norm=cfg.attn_norm) if kind.name == "eagle"
              else eagle3.init_head(target_cfg, key, cfg.draft_vocab))
     if init is None:
         return fresh
+    if kind.name == "eagle":
+        check_layout(init, cfg.attn_norm)
     return jax.tree.map(lambda a, b: jnp.asarray(b, a.dtype), fresh, init)
 
 
@@ -352,7 +365,8 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
     fresh = {"params": params, "opt_state": opt.init(params), "step": jnp.asarray(0, jnp.int32),
              "round": jnp.asarray(0, jnp.int32), "tokens": jnp.asarray(0, jnp.int32)}
     meta = {"kind": kind.name, "store": store.manifest["target"], "vocab": len(vocab_ids),
-            **{k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("rounds", "val_every")}}
+            **{k: v for k, v in run_fields(cfg).items() if k not in ("rounds", "val_every")}}
+    check_run_layout(run_dir, cfg.attn_norm)
     state, mngr = loop.resume(run_dir, meta, fresh)
     state = loop.shard_state(mesh, state)
     step = make_step(kind, target, cfg, opt, mesh)

@@ -193,6 +193,8 @@ def cmd_train_exits(args) -> int:
 def cmd_train(args) -> int:
     _check_ranges(args, "eagle")
     _check_outputs(args)
+    _check_export_format(args)
+    _check_init_layout(args.init, args.attn_norm, "leave out --init")
     from tqdm import tqdm
 
     from specjax.train import distill, glue
@@ -217,6 +219,7 @@ def cmd_train(args) -> int:
                                 vocab_size=lm.model.config.vocab_size,
                                 draft_vocab=args.draft_vocab, data_dir=args.data)
         print(f"exported the head (bfloat16) to {out}")
+        _export_published(args, out, lm.model.config)
     return 0
 
 
@@ -333,6 +336,7 @@ def cmd_train_onpolicy(args) -> int:
 
     kind = ttt.EAGLE3 if args.kind == "eagle3" else ttt.EAGLE2
     _check_export_format(args)
+    _check_onpolicy_layout(args)
     cfg, pool, start, vocab_ids, mesh = _onpolicy_inputs(args, kind)
     lm = _load(args, vocab=True, mesh=mesh)  # unsharded: the store's hash is the weights'
 
@@ -355,32 +359,99 @@ def cmd_train_onpolicy(args) -> int:
                                    target_cfg=lm.model.config, start=start,
                                    shards=args.shards, vocab_ids=vocab_ids)
         print(f"exported the head (bfloat16) to {out}")
-        if args.export_format:
-            print(f"and in SafeAILab/EAGLE's layout to "
-                  f"{glue.export_published(out, lm.model.config)}")
+        _export_published(args, out, lm.model.config)
     return 0
 
 
+def _export_published(args, out, target_cfg) -> None:
+    """With ``--export-format``, the head just exported to ``out`` written again in
+    SafeAILab/EAGLE's layout, to ``out-KIND`` (``glue.export_published``)."""
+    if args.export_format:
+        from specjax.train import glue
+
+        print(f"and in SafeAILab/EAGLE's layout to {glue.export_published(out, target_cfg)}")
+
+
+_LAYOUTS = {"eagle": "EAGLE-1/2", "eagle3": "EAGLE-3"}
+
+
 def _check_export_format(args) -> None:
-    """``--export-format eagle3`` goes with ``--kind eagle3`` and ``--export DIR``, and its
-    directory (``DIR-eagle3``) is new, empty or an earlier conversion: refused before any
-    work."""
+    """``--export-format KIND`` goes with a head of that kind (``--kind``; ``train eagle``
+    trains ``eagle`` heads) and ``--export DIR``; ``eagle`` also with ``--no-attn-norm``
+    (EAGLE-1/2's layer 0 has no input norm) and, for ``train eagle``, ``--draft-vocab 0``
+    (the layout drafts over the whole vocabulary). Its directory (``DIR-KIND``) is new,
+    empty or an earlier conversion. Each refused in one line before any work."""
     from specjax.drafters import published
     from specjax.train import glue
 
-    if args.export_format is None:
+    fmt, kind = args.export_format, getattr(args, "kind", "eagle")
+    if fmt is None:
         return
     if not args.export:
-        raise UsageError("--export-format eagle3 needs --export DIR (the published copy goes "
-                         "to DIR-eagle3)")
-    if args.kind != args.export_format:
-        raise UsageError(f"--export-format {args.export_format} needs --kind "
-                         f"{args.export_format}: a head of kind {args.kind!r} normalizes its "
-                         "attention input, which EAGLE-1/2's published layout cannot express")
+        raise UsageError(f"--export-format {fmt} needs --export DIR (the published copy goes "
+                         f"to DIR-{fmt})")
+    if kind != fmt:
+        raise UsageError(f"--export-format {fmt} needs --kind {fmt}: the {_LAYOUTS[fmt]} "
+                         f"layout cannot express a head of kind {kind!r}")
+    if fmt == "eagle" and args.attn_norm:
+        raise UsageError("--export-format eagle needs --no-attn-norm: EAGLE-1/2's layer 0 "
+                         "has no input_layernorm, so only a head trained without attn_norm "
+                         "has that layout")
+    if fmt == "eagle" and args.head == "eagle" and args.draft_vocab:
+        raise UsageError(f"--export-format eagle needs --draft-vocab 0, got "
+                         f"{args.draft_vocab}: the EAGLE-1/2 layout drafts over the target's "
+                         "whole vocabulary")
     try:
-        published.check_out_dir(glue.published_dir(args.export))
+        published.check_out_dir(glue.published_dir(args.export, fmt))
     except FileExistsError as e:
         raise UsageError(f"--export-format: {e}") from None
+
+
+def _check_init_layout(path, attn_norm: bool, random: str, what: str | None = None) -> None:
+    """The EAGLE-1/2 head a run starts from (``path``; None: a random head) has the
+    layer's ``attn_norm`` exactly when the run trains one (``--no-attn-norm`` absent):
+    refused in one line naming it (``what``, default ``--init PATH``) and how to start
+    from a random head instead (``random``), from ``head.json`` alone, before the target
+    loads. A path that holds no readable ``eagle`` head is left
+    to the loader to report."""
+    from specjax.train import glue
+
+    has = None if path is None else glue.eagle_attn_norm(path)
+    if has is None or has == attn_norm:
+        return
+    what = what or f"--init {path}: its head"
+    if has:
+        raise UsageError(f"{what} normalizes its attention input (attn_norm), which "
+                         "--no-attn-norm leaves out: start from a head trained with "
+                         f"--no-attn-norm, or a random one ({random})")
+    raise UsageError(f"{what} has no attn_norm (trained with --no-attn-norm): pass "
+                     "--no-attn-norm to fine-tune it")
+
+
+def _check_onpolicy_layout(args) -> None:
+    """``--no-attn-norm`` goes with ``--kind eagle``, and the EAGLE-2 head ``--init``
+    names (``shipped``: the model's shipped head, which has ``attn_norm``) agrees with it
+    (``_check_init_layout``): refused in one line before any work."""
+    if args.kind != "eagle":
+        if not args.attn_norm:
+            raise UsageError(f"--no-attn-norm needs --kind eagle: an {args.kind} head's layer "
+                             "normalizes its inputs with embed_norm and hidden_norm")
+        return
+    if args.init == "none":
+        return
+    if args.init == "shipped":
+        from specjax.drafters import eagle
+
+        path = eagle.shipped_head(args.model)
+        _check_init_layout(path, args.attn_norm, "--init none",
+                           f"--init shipped: the shipped head ({path})")
+        return
+    _check_init_layout(args.init, args.attn_norm, "--init none")
+
+
+_NO_ATTN_NORM = ("train the EAGLE-2 head without its layer's attention-input norm, as "
+                 "published EAGLE-1/2 heads' layer 0: the head SafeAILab/EAGLE's layout "
+                 "holds, exportable with --export-format eagle")
 
 
 def _add_onpolicy(tsub):
@@ -415,9 +486,12 @@ def _add_onpolicy(tsub):
                          "EAGLE-3 takes only its vocabulary order")
     to.add_argument("--stop-after", type=int, help="stop after this many rounds of this call")
     to.add_argument("--export", help="write the trained head (bfloat16) here")
-    to.add_argument("--export-format", choices=["eagle3"],
+    to.add_argument("--no-attn-norm", dest="attn_norm", action="store_false",
+                    help=_NO_ATTN_NORM + " (--kind eagle; with --init none or such a head)")
+    to.add_argument("--export-format", choices=["eagle", "eagle3"],
                     help="also write the exported head in SafeAILab/EAGLE's published "
-                         "layout, to EXPORT-eagle3 (--kind eagle3; `specjax convert-head`)")
+                         "layout, to EXPORT-eagle or EXPORT-eagle3 (the --kind of the same "
+                         "name; eagle needs --no-attn-norm; `specjax convert-head`)")
     to.set_defaults(fn=cmd_train_onpolicy)
     return to
 
@@ -476,6 +550,12 @@ def register(sub) -> list:
     te.add_argument("--draft-vocab", type=int, default=0,
                     help="default draft vocabulary size of the exported head (0: full)")
     te.add_argument("--export", help="write the trained head (bfloat16) here")
+    te.add_argument("--no-attn-norm", dest="attn_norm", action="store_false",
+                    help=_NO_ATTN_NORM + " (--init: such a head)")
+    te.add_argument("--export-format", choices=["eagle"],
+                    help="also write the exported head in SafeAILab/EAGLE's published "
+                         "EAGLE-1/2 layout, to EXPORT-eagle (needs --no-attn-norm and "
+                         "--draft-vocab 0; `specjax convert-head`)")
     te.set_defaults(fn=cmd_train)
     tr = tsub.add_parser("redrafter", help="the ReDrafter head, on a corpus from "
                                            "`specjax features` or `specjax distill`")

@@ -49,10 +49,13 @@ class EagleHead(nnx.Module):
     Its state is the plain pytree ``{"fc", "fc_b", "layer": {...}}`` that exports,
     checkpoints and the functional ``head_forward`` use; ``nnx.merge(head_graphdef(cfg),
     params)`` rebuilds the module from it inside ``jit``. The layer's output projections
-    start small, so a fresh head starts near ``fc``.
+    start small, so a fresh head starts near ``fc``. ``attn_norm=False`` leaves out the
+    layer's attention-input norm, as published EAGLE-1/2 heads' layer 0 has none: such a
+    head is what SafeAILab/EAGLE's layout holds (``published.save("eagle", ...)``); every
+    other parameter is drawn as with the norm.
     """
 
-    def __init__(self, target_cfg, key: Array, dtype=jnp.float32):
+    def __init__(self, target_cfg, key: Array, dtype=jnp.float32, attn_norm: bool = True):
         d = target_cfg.hidden_size
         self.config = target_cfg
         self.spec = blocks.LayerSpec.of(target_cfg)
@@ -62,6 +65,8 @@ class EagleHead(nnx.Module):
         layer = {n: jax.random.normal(k, s) * 0.02 for (n, s), k in zip(shapes.items(), keys)}
         layer["attn_norm"], layer["mlp_norm"] = jnp.ones((d,)), jnp.ones((d,))
         layer["o"], layer["down"] = layer["o"] * 0.1, layer["down"] * 0.1
+        if not attn_norm:
+            del layer["attn_norm"]
         fc = jnp.concatenate([jax.random.normal(k_fc, (d, d)) * 0.02, jnp.eye(d)], axis=0)
         self.fc = nnx.Param(fc.astype(dtype))
         self.fc_b = nnx.Param(jnp.zeros((d,), dtype))
@@ -96,14 +101,18 @@ def apply_head(spec: blocks.LayerSpec, hp, emb: Float[Array, "B T D"],
 
 
 @functools.lru_cache(maxsize=None)
-def head_graphdef(target_cfg):
-    """The ``EagleHead`` graph for a target configuration (shapes come from the params)."""
-    return nnx.split(nnx.eval_shape(lambda: EagleHead(target_cfg, jax.random.key(0))))[0]
+def head_graphdef(target_cfg, attn_norm: bool = True):
+    """The ``EagleHead`` graph for a target configuration (shapes come from the params),
+    with or without the layer's ``attn_norm``."""
+    return nnx.split(nnx.eval_shape(
+        lambda: EagleHead(target_cfg, jax.random.key(0), attn_norm=attn_norm)))[0]
 
 
-def init_head(target_cfg, key: Array, dtype=jnp.float32) -> dict:
-    """A fresh ``EagleHead``'s parameters as a plain pytree."""
-    return nnx.to_pure_dict(nnx.state(EagleHead(target_cfg, key, dtype)))
+def init_head(target_cfg, key: Array, dtype=jnp.float32, attn_norm: bool = True) -> dict:
+    """A fresh ``EagleHead``'s parameters as a plain pytree; ``attn_norm=False``: without
+    the layer's attention-input norm (``layer["attn_norm"]``), the published EAGLE-1/2
+    layout, the other parameters equal to the normed head's for the same ``key``."""
+    return nnx.to_pure_dict(nnx.state(EagleHead(target_cfg, key, dtype, attn_norm)))
 
 
 def output_embedding(target, tparams) -> Float[Array, "V D"]:
