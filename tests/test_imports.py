@@ -81,3 +81,14 @@ def test_no_test_file_imports_another():
             wrong += [f"{f.name}:{node.lineno}: {m}" for m in mods
                       if m.split(".")[0].startswith("test_")]
     assert wrong == [], "\n".join(wrong)
+
+
+def test_every_slow_test_named_in_conftest_exists():
+    """tests/conftest.py's SLOW_TESTS names tests by file and function: a renamed test
+    would silently join the fast tier."""
+    import conftest
+
+    defined = {f"{f.name}::{n.name}" for f in (ROOT / "tests").glob("test_*.py")
+               for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.FunctionDef)}
+    missing = sorted(conftest._SLOW_NAMES - defined)
+    assert missing == [], missing
