@@ -254,3 +254,70 @@ def test_a_bad_mesh_is_refused_before_anything_loads(tmp_path, capsys):
     with pytest.raises(UsageError, match="--mesh model=3: mesh model=3 does not divide the "
                                          "model's 4 query heads"):
         train_cmd._vocab_check(args, Mesh3())(None, LLAMA)
+
+
+def test_epoch_batches_shuffle_across_rounds_and_depend_on_seed_and_epoch_alone():
+    """An epoch's minibatches hold every example once, mix rounds within a minibatch, and
+    come in an order drawn from the seed and the epoch number alone."""
+    # three rounds of eight examples of one length: only the shuffle decides who goes together
+    ex = [(np.arange(20), 5, None)] * 24
+    rnd = [i // 8 for i in range(24)]
+    e0 = onpolicy.epoch_batches(ex, 128, 0, 0)
+    assert sorted(i for b in e0 for i in b) == list(range(24))
+    assert all(len(b) == 2 for b in e0)  # minibatched as rounds are: 2 x 64 padded tokens
+    assert any(len({rnd[i] for i in b}) > 1 for b in e0)
+    assert onpolicy.epoch_batches(ex, 128, 0, 0) == e0  # a resumed run draws the same
+    assert onpolicy.epoch_batches(ex, 128, 0, 1) != e0
+    assert onpolicy.epoch_batches(ex, 128, 1, 0) != e0
+
+
+def test_epochs_train_on_every_round_and_resume_exactly(lm, tmp_path, monkeypatch):
+    """``epochs`` after the rounds: each epoch trains on every round's examples, mixed; a
+    finished run given epochs trains them, a run stopped or killed during them resumes to
+    the parameters of one that never stopped (and its log to the same epochs), and a run
+    whose epochs began refuses more rounds before it decodes any."""
+    from specjax.export import CheckpointError
+    from specjax.train.loop import RunLog
+
+    vids = np.arange(48, dtype=np.int32)
+    cfg = dataclasses.replace(CFG, rounds=2, val_every=1, epochs=2)
+    seen = []
+    real = onpolicy.epoch_batches
+
+    def spy(ex, *a):
+        plan = real(ex, *a)
+        seen.append([[tuple(ex[i][0]) for i in idx] for idx in plan])
+        return plan
+
+    monkeypatch.setattr(onpolicy, "epoch_batches", spy)
+    run = lambda name, c=cfg, **kw: onpolicy.train(  # noqa: E731
+        lm, ttt.EAGLE3, c, tmp_path / name, _store(lm, tmp_path / f"s_{name}"), POOL, vids,
+        **kw)
+    logs = []
+    whole = _params(run("whole", log=logs.append))
+    assert [r.get("epoch") for r in logs] == [None, None, None, 1, 2]
+    assert all(len(r["val_top1"]) == 3 for r in logs)
+    store = _store(lm, tmp_path / "s_whole")
+    rounds = [{tuple(t) for t, _ in store.read(r)} for r in range(2)]
+    assert len(seen) == 2 and seen[0] != seen[1]
+    for epoch in seen:  # every example of both rounds once, rounds interleaved
+        flat = [t for b in epoch for t in b]
+        assert sorted(flat) == sorted(rounds[0] | rounds[1])
+        order = [int(t in rounds[1]) for t in flat]
+        assert order != sorted(order) and order != sorted(order, reverse=True)
+
+    log = RunLog(tmp_path / "grown")
+    run("grown", dataclasses.replace(cfg, epochs=0), log=log)  # a finished run, no epochs
+    run("grown", stop_after=1, log=log)  # given epochs: stopped after the first
+    assert [json.loads(r).get("epoch") for r in log.path.read_text().splitlines()][-1] == 1
+    jax.tree.map(np.testing.assert_array_equal, _params(run("grown", log=log)), whole)
+    # killed after epoch 2's training, before its checkpoint: the epoch trains again
+    shutil.rmtree(tmp_path / "grown" / "ckpt" / "4")
+    jax.tree.map(np.testing.assert_array_equal, _params(run("grown", log=log)), whole)
+    rows = [json.loads(r) for r in log.path.read_text().splitlines()]
+    assert [(r["round"], r.get("epoch")) for r in rows] == [(0, None), (1, None), (2, None),
+                                                             (2, 1), (2, 2)]
+    manifest = (tmp_path / "s_grown" / "manifest.json").read_text()
+    with pytest.raises(CheckpointError, match="trained 2 rounds then 2 epochs .* --rounds 3"):
+        run("grown", dataclasses.replace(cfg, rounds=3))
+    assert (tmp_path / "s_grown" / "manifest.json").read_text() == manifest

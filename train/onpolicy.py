@@ -15,6 +15,14 @@ checkpoint resumes to the parameters of one that never stopped; the store's mani
 written before training on a round, so a resumed run replays that round instead of
 decoding it again (the manifest is unchanged).
 
+After its rounds a run can train ``epochs`` epochs over every example of those rounds
+together (``OnPolicyConfig.epochs``, ``--epochs``): each epoch one pass over all of them,
+shuffled across rounds by a permutation of the seed and the epoch number
+(:func:`epoch_batches`), minibatched as a round's passes are. Its checkpoints are numbered
+on from the rounds' (the rounds trained, then one per epoch), so a run killed during the
+epochs resumes to the parameters of one that never stopped, and a finished run given more
+epochs trains them; one whose epochs began takes no more rounds.
+
 On a mesh (``train(mesh=)``, ``specjax train onpolicy --mesh data=D,model=M``) the
 target is sharded as for decoding and decodes each round with its rows over ``data``; the
 head trains data-parallel with its optimizer state sharded (``loop.on_mesh``).
@@ -135,7 +143,9 @@ class OnPolicyConfig:
     """A run: ``rounds`` decode batches of ``batch`` prompts (``max_new_tokens`` each,
     prompts longer than ``max_prompt_tokens`` skipped), ``passes`` optimizer passes over each
     round's sequences in minibatches of about ``batch_tokens`` tokens; ``val_prompts``
-    held-out prompts (the first of the pool) scored every ``val_every`` rounds."""
+    held-out prompts (the first of the pool) scored every ``val_every`` rounds. Then
+    ``epochs`` epochs over every round's sequences together (:func:`epoch_batches`),
+    scored after each."""
 
     rounds: int = 8
     batch: int = 32
@@ -155,6 +165,7 @@ class OnPolicyConfig:
     # EAGLE-2 only. False: no attention-input norm in the head's layer (layer 0 of a
     # published EAGLE-1/2 head), so it has SafeAILab/EAGLE's layout
     attn_norm: bool = True
+    epochs: int = 0
 
     def __post_init__(self):
         low = [f"{k}={getattr(self, k)}" for k in ("rounds", "batch", "max_new_tokens",
@@ -163,12 +174,20 @@ class OnPolicyConfig:
                if getattr(self, k) < 1]
         if low:
             raise ValueError(f"OnPolicyConfig: {', '.join(low)}; each must be >= 1")
+        if self.epochs < 0:
+            raise ValueError(f"OnPolicyConfig: epochs={self.epochs}; it must be >= 0")
 
     def rounds_from(self, start: int, stop_after: int | None = None) -> range:
         """The rounds a run whose latest checkpoint is round ``start`` trains: up to
         ``rounds``, and at most ``stop_after`` of them."""
         end = self.rounds if stop_after is None else min(self.rounds, start + stop_after)
         return range(start, end)
+
+    def epochs_from(self, start: int, stop_after: int | None = None) -> range:
+        """The epochs a run that has trained ``start`` of them trains: up to ``epochs``, and
+        at most ``stop_after`` of them."""
+        end = self.epochs if stop_after is None else min(self.epochs, start + stop_after)
+        return range(start, max(start, end))
 
 
 def minibatches(examples: Sequence[Example], batch_tokens: int, key: int) -> list[list[int]]:
@@ -184,6 +203,20 @@ def minibatches(examples: Sequence[Example], batch_tokens: int, key: int) -> lis
         cur.append(i)
     plan.append(cur)
     return [plan[j] for j in np.random.default_rng(key).permutation(len(plan))]
+
+
+def epoch_batches(examples: Sequence[Example], batch_tokens: int, seed: int, epoch: int
+                  ) -> list[list[int]]:
+    """Indices into ``examples`` (every round's, in round order) per minibatch of epoch
+    ``epoch``: the examples in an order drawn from ``seed`` and ``epoch`` alone, then cut
+    and ordered by :func:`minibatches` (as a round's passes are), so rounds mix within a
+    minibatch and across the epoch, and a resumed run draws the same batches. Every example
+    is in exactly one minibatch."""
+    rng = np.random.default_rng([0x45504F43, seed % 2**63, epoch])  # "EPOC": not a round's key
+    perm = rng.permutation(len(examples))
+    shuffled = [examples[i] for i in perm]
+    plan = minibatches(shuffled, batch_tokens, int(rng.integers(2**32)))
+    return [[int(perm[i]) for i in idx] for idx in plan]
 
 
 def batch_arrays(examples: Sequence[Example], idx: Sequence[int], answers_only: bool = False):
@@ -284,8 +317,10 @@ def check_store(root: str | Path, run_dir: str | Path, cfg: OnPolicyConfig, excl
                 stop_after: int | None = None) -> None:
     """Before the target loads (``shards.check_store``): the store under ``root`` was
     written with this run's settings, and its held-out shard and every round a run in
-    ``run_dir`` will replay (from its latest checkpoint on) are present and unaltered."""
-    todo = cfg.rounds_from(checkpoint.latest_step(run_dir), stop_after)
+    ``run_dir`` will replay (from its latest checkpoint on; with ``cfg.epochs``, every
+    round: the epochs read them all) are present and unaltered."""
+    todo = (range(cfg.rounds) if cfg.epochs else
+            cfg.rounds_from(checkpoint.latest_step(run_dir), stop_after))
     shards.check_store(root, ["val", *todo], store_settings(cfg, exclude))
 
 
@@ -353,6 +388,12 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
     and on any error the checkpoint manager finishes its writes and closes
     (``checkpoint.closing``), so the last logged round is the one a rerun resumes from.
 
+    Then ``cfg.epochs`` epochs over every round's examples (read from ``store``:
+    ``_train_epochs``), each checkpointed (step ``rounds + epoch``) and scored; ``stop_after``
+    counts rounds and epochs of this call together. ``CheckpointError`` (before any round
+    or epoch) for a run whose epochs began given other ``rounds``, or epochs with fewer
+    ``rounds`` than the run trained (``_check_epochs``).
+
     With ``mesh`` (``specjax.sharding.make_mesh``): the target sharded over it decodes the
     rounds (rows over ``data``) and gives the features, each minibatch's rows are split over
     ``data`` and the optimizer state is sharded (``loop.on_mesh``); the parameters equal
@@ -365,7 +406,8 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
     fresh = {"params": params, "opt_state": opt.init(params), "step": jnp.asarray(0, jnp.int32),
              "round": jnp.asarray(0, jnp.int32), "tokens": jnp.asarray(0, jnp.int32)}
     meta = {"kind": kind.name, "store": store.manifest["target"], "vocab": len(vocab_ids),
-            **{k: v for k, v in run_fields(cfg).items() if k not in ("rounds", "val_every")}}
+            **{k: v for k, v in run_fields(cfg).items()
+               if k not in ("rounds", "val_every", "epochs")}}  # these three may grow
     check_run_layout(run_dir, cfg.attn_norm)
     state, mngr = loop.resume(run_dir, meta, fresh)
     state = loop.shard_state(mesh, state)
@@ -373,18 +415,20 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
     evaluate = make_eval(kind, target)
     vids = jnp.asarray(vocab_ids, jnp.int32)
     with checkpoint.closing(mngr):
+        done = (mngr.latest_step() or 0) - int(state["round"])  # epochs trained
+        _check_epochs(run_dir, cfg, int(state["round"]), done)
         val, _, _ = _round_data(lm, store, "val", pool[:cfg.val_prompts], cfg, layers, mesh)
         score = lambda st: validate(evaluate, st["params"], tparams, val, vids,
                                     cfg.batch_tokens, mesh)
         todo = cfg.rounds_from(int(state["round"]), stop_after)
         if isinstance(log, loop.RunLog):
             log.rewind(todo.start, key="round")
+            log.rewind(done, key="epoch")
         if todo.start == 0 and log is not None:  # where the head starts from
             log({"round": 0, "step": 0, "tokens_seen": 0, **score(state)})
         for r in todo:
-            lo = cfg.val_prompts + r * cfg.batch
-            ex, replayed, secs = _round_data(lm, store, r, pool[lo:lo + cfg.batch], cfg, layers,
-                                             mesh)
+            ex, replayed, secs = _round_data(lm, store, r, _round_prompts(pool, cfg, r), cfg,
+                                             layers, mesh)
             t0 = time.perf_counter()
             state, metrics = _train_round(step, state, tparams, ex, vids, cfg, r, mesh)
             row = _round_row(state, metrics, ex, replayed, secs, time.perf_counter() - t0)
@@ -397,20 +441,86 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix({k: row[k] for k in ("tokens_seen", "data_tok_per_s")})
+        left = None if stop_after is None else stop_after - len(todo)
+        epochs = cfg.epochs_from(done, left) if int(state["round"]) == cfg.rounds else range(0)
+        if epochs:
+            state = _train_epochs(lm, store, pool, cfg, layers, state, epochs, step, tparams,
+                                  vids, score, mngr, log, progress, mesh)
     return state
+
+
+def _round_prompts(pool: Sequence[tuple[str, str]], cfg: OnPolicyConfig, r: int) -> list:
+    """The prompts round ``r`` answers: the ``r``-th batch after the held-out ones."""
+    lo = cfg.val_prompts + r * cfg.batch
+    return list(pool[lo:lo + cfg.batch])
+
+
+def _check_epochs(run_dir, cfg: OnPolicyConfig, rounds: int, epochs: int) -> None:
+    """``CheckpointError`` (one line) for what epochs make ambiguous: a run that trained
+    ``rounds`` rounds then ``epochs`` epochs given other ``cfg.rounds`` (more rounds would
+    come after epochs that did not see them), or ``cfg.epochs`` with fewer ``cfg.rounds``
+    than the run trained (which rounds would the epochs cover?)."""
+    from specjax.export import CheckpointError
+
+    if epochs and cfg.rounds != rounds:
+        raise CheckpointError(f"{run_dir} trained {rounds} rounds then {epochs} epochs over "
+                              f"them; it takes more epochs (--epochs) but not --rounds "
+                              f"{cfg.rounds}: pass --rounds {rounds}, or use another directory")
+    if cfg.epochs and cfg.rounds < rounds:
+        raise CheckpointError(f"{run_dir} trained {rounds} rounds: epochs over --rounds "
+                              f"{cfg.rounds} of them are ambiguous; pass --rounds {rounds}")
+
+
+def _train_epochs(lm, store: ShardStore, pool, cfg: OnPolicyConfig, layers, state: dict,
+                  epochs: range, step, tparams, vids, score, mngr, log, progress,
+                  mesh=None) -> dict:
+    """The state after ``epochs`` (numbers from 0) over every round's examples, their
+    features from one prefill of the stored tokens (``_round_data``: never the decoded
+    ones, so a resumed run trains on the same features): each epoch scored (``score``),
+    checkpointed as step ``cfg.rounds + epoch + 1`` (complete on disk before ``log``
+    records it) and counted on ``progress``."""
+    ex = [x for r in range(cfg.rounds)
+          for x in _round_data(lm, store, r, _round_prompts(pool, cfg, r), cfg, layers, mesh)[0]]
+    for e in epochs:
+        t0 = time.perf_counter()
+        state, metrics = _train_pass(step, state, tparams, ex,
+                                     epoch_batches(ex, cfg.batch_tokens, cfg.seed, e), vids, mesh)
+        row = {"round": int(state["round"]), "epoch": e + 1, "step": int(state["step"]),
+               "tokens_seen": int(state["tokens"]),
+               **{k: round(float(v), 4) for k, v in metrics.items()},
+               "examples": len(ex), "train_seconds": round(time.perf_counter() - t0, 1),
+               **score(state)}
+        mngr.save(cfg.rounds + e + 1, args=checkpoint.ocp.args.StandardSave(state), force=True)
+        mngr.wait_until_finished()
+        if log is not None:
+            log(row)
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix({k: row[k] for k in ("epoch", "tokens_seen")})
+    return state
+
+
+def _train_pass(step, state: dict, tparams, ex: Sequence[Example], plan: list[list[int]],
+                vids, mesh=None) -> tuple[dict, dict]:
+    """``(state, last metrics)`` after one optimizer step per minibatch of ``plan``
+    (indices into ``ex``), in order, each minibatch's rows over ``mesh``'s ``data`` axis;
+    the state's ``tokens`` counts the trained positions."""
+    metrics = {}
+    for idx in plan:
+        toks, feats, mask = batch_arrays(ex, idx)
+        state, metrics = step(state, tparams, *loop.batch_on(mesh, (toks, feats, mask)), vids)
+        state["tokens"] = state["tokens"] + int(mask.sum())
+    return state, metrics
 
 
 def _train_round(step, state: dict, tparams, ex: Sequence[Example], vids, cfg: OnPolicyConfig,
                  r: int, mesh=None) -> tuple[dict, dict]:
     """``(state, last metrics)`` after ``cfg.passes`` passes over round ``r``'s examples
-    (each minibatch's rows over ``mesh``'s ``data`` axis); the state's ``round`` is then
-    ``r + 1``."""
+    (``_train_pass``); the state's ``round`` is then ``r + 1``."""
     metrics = {}
     for p in range(cfg.passes):
-        for idx in minibatches(ex, cfg.batch_tokens, hash((cfg.seed, r, p)) % 2**32):
-            toks, feats, mask = batch_arrays(ex, idx)
-            state, metrics = step(state, tparams, *loop.batch_on(mesh, (toks, feats, mask)), vids)
-            state["tokens"] = state["tokens"] + int(mask.sum())
+        plan = minibatches(ex, cfg.batch_tokens, hash((cfg.seed, r, p)) % 2**32)
+        state, metrics = _train_pass(step, state, tparams, ex, plan, vids, mesh)
     state["round"] = sharding.replicated(mesh, jnp.asarray(r + 1, jnp.int32))
     return state, metrics
 
@@ -445,7 +555,8 @@ def store_corpus(lm, root: str | Path, batch: int = 16, progress=None) -> list[E
     return out
 
 
-__all__ = ["OnPolicyConfig", "batch_arrays", "check_store", "decode_round", "make_eval",
+__all__ = ["OnPolicyConfig", "batch_arrays", "check_store", "decode_round", "epoch_batches",
+           "make_eval",
            "make_step", "minibatches", "on_mesh", "optimizer", "init_params", "store_header",
            "store_settings", "store_target", "train", "prefill_features", "prompt_pool",
            "validate", "ShardStore", "store_corpus", "target_hash"]

@@ -15,7 +15,7 @@ _AT_LEAST = {
     "redrafter": {"unroll": 1, "blocks": 0, "draft_vocab": 0, "warmup": 0, "val_examples": 0},
     "exit-heads": {"kl_vocab": 0},
     "onpolicy": {"rounds": 1, "passes": 1, "ttt": 1, "draft_vocab": 1, "val_prompts": 1,
-                 "val_every": 1, "warmup": 0, "stop_after": 1},
+                 "val_every": 1, "warmup": 0, "stop_after": 1, "epochs": 0},
 }
 
 
@@ -350,7 +350,8 @@ def cmd_train_onpolicy(args) -> int:
         np.save(vfile, vocab_ids)
     print(f"{len(pool)} prompts; the store holds {len(store)} rounds ({store.tokens()} tokens) "
           f"of target {thash}; {cfg}", flush=True)
-    with tqdm(total=cfg.rounds, desc=f"on-policy {kind.name}", unit="round") as bar:
+    with tqdm(total=cfg.rounds + cfg.epochs, desc=f"on-policy {kind.name}",
+              unit="round" if not cfg.epochs else "round|epoch") as bar:
         state = onpolicy.train(lm, kind, cfg, args.run, store, pool, vocab_ids, init=head,
                                progress=bar, log=RunLog(args.run),
                                stop_after=args.stop_after, mesh=mesh)
@@ -469,6 +470,10 @@ def _add_onpolicy(tsub):
     to.add_argument("--batch", type=int, default=32, help="prompts decoded together")
     to.add_argument("--max-new-tokens", type=int, default=128)
     to.add_argument("--passes", type=int, default=1, help="optimizer passes over each round")
+    to.add_argument("--epochs", type=int, default=0,
+                    help="after the rounds, epochs over every round's answers together, "
+                         "shuffled across rounds; a finished run given more trains them "
+                         "(one whose epochs began takes no more --rounds)")
     to.add_argument("--batch-tokens", type=int, default=4096)
     to.add_argument("--lr", type=float, default=3e-4)
     to.add_argument("--warmup", type=int, default=20)
@@ -484,7 +489,8 @@ def _add_onpolicy(tsub):
     to.add_argument("--init", default="shipped",
                     help="shipped (the model's shipped head), none, or an exported head; "
                          "EAGLE-3 takes only its vocabulary order")
-    to.add_argument("--stop-after", type=int, help="stop after this many rounds of this call")
+    to.add_argument("--stop-after", type=int,
+                    help="stop after this many rounds (then epochs) of this call")
     to.add_argument("--export", help="write the trained head (bfloat16) here")
     to.add_argument("--no-attn-norm", dest="attn_norm", action="store_false",
                     help=_NO_ATTN_NORM + " (--kind eagle; with --init none or such a head)")
