@@ -119,6 +119,7 @@ SLOW_TESTS = {
     "training": (
         "test_onpolicy.py::test_a_killed_run_resumes_to_the_same_parameters_and_store",
         "test_onpolicy.py::test_an_exported_eagle3_head_decodes_as_ar",
+        "test_onpolicy.py::test_epochs_train_on_every_round_and_resume_exactly",
         "test_modules.py::test_optax_trains_the_head_through_the_module",
         "test_train.py::test_distilled_features_are_the_targets_hidden_states",
         "test_exit_heads.py::test_layer_features_are_the_targets_hidden_states",
