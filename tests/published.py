@@ -138,16 +138,12 @@ def eagle1_expected_shapes(cfg: dict) -> dict:
     return shapes
 
 
-def eagle3_expected_shapes(cfg: dict, own_embedding: bool = False) -> dict:
-    """{tensor name: shape} that an EAGLE-3 head with this config.json must contain."""
-    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    dv = cfg["draft_vocab_size"]
-    th = cfg.get("target_hidden_size", h)
-    nq = cfg["num_attention_heads"]
-    nkv = cfg.get("num_key_value_heads", nq)
-    hd = h // nq
+def _eagle3_shapes(h, th, inter, nq, nkv, hd, v, dv) -> dict:
+    """{name: shape} of the tensors every EAGLE-3 head has (SafeAILab's and SpecForge's):
+    ``fc`` over three target states of width ``th``, the ``midlayer`` of width ``h`` with
+    ``nq``/``nkv`` heads of ``hd``, ``norm``, ``lm_head`` over ``dv`` draft ids, ``d2t``, ``t2d``."""
     p = "midlayer."
-    shapes = {
+    return {
         "fc.weight": (h, 3 * th),
         p + "input_layernorm.weight": (h,),
         p + "hidden_norm.weight": (h,),
@@ -164,6 +160,17 @@ def eagle3_expected_shapes(cfg: dict, own_embedding: bool = False) -> dict:
         "d2t": (dv,),
         "t2d": (v,),
     }
+
+
+def eagle3_expected_shapes(cfg: dict, own_embedding: bool = False) -> dict:
+    """{tensor name: shape} that an EAGLE-3 head with this config.json must contain."""
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    dv = cfg["draft_vocab_size"]
+    th = cfg.get("target_hidden_size", h)
+    nq = cfg["num_attention_heads"]
+    nkv = cfg.get("num_key_value_heads", nq)
+    hd = h // nq
+    shapes = _eagle3_shapes(h, th, inter, nq, nkv, hd, v, dv)
     if own_embedding:
         shapes["embed_tokens.weight"] = (v, h)
     return shapes
@@ -382,25 +389,7 @@ def specforge_eagle3_expected_shapes(cfg: dict) -> dict:
     nq = cfg["num_attention_heads"]
     nkv = cfg.get("num_key_value_heads") or nq
     hd = cfg.get("head_dim") or h // nq
-    p = "midlayer."
-    shapes = {
-        "embed_tokens.weight": (v, h),
-        "fc.weight": (h, 3 * th),
-        p + "input_layernorm.weight": (h,),
-        p + "hidden_norm.weight": (h,),
-        p + "self_attn.q_proj.weight": (nq * hd, 2 * h),
-        p + "self_attn.k_proj.weight": (nkv * hd, 2 * h),
-        p + "self_attn.v_proj.weight": (nkv * hd, 2 * h),
-        p + "self_attn.o_proj.weight": (h, nq * hd),
-        p + "post_attention_layernorm.weight": (h,),
-        p + "mlp.gate_proj.weight": (inter, h),
-        p + "mlp.up_proj.weight": (inter, h),
-        p + "mlp.down_proj.weight": (h, inter),
-        "norm.weight": (h,),
-        "lm_head.weight": (dv, h),
-        "t2d": (v,),
-        "d2t": (dv,),
-    }
+    shapes = {"embed_tokens.weight": (v, h), **_eagle3_shapes(h, th, inter, nq, nkv, hd, v, dv)}
     if cfg.get("fc_norm", False):
         shapes.update({f"fc_norm.{i}.weight": (th,) for i in range(3)})
     return shapes
