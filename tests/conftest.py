@@ -19,7 +19,8 @@ JAX's persistent compilation cache (``specjax._cache``) goes to a temporary dire
 for the run and removed after it, shared by the pytest-xdist workers and the subprocesses
 tests start (they inherit ``SPECJAX_COMPILATION_CACHE``): the suite neither reads nor fills
 the user's ``~/.cache/specjax/jax``. A ``SPECJAX_COMPILATION_CACHE`` already set is used as
-is (``0`` turns the cache off).
+is (``0`` turns the cache off). The suite compiles with LLVM at -O1 (``_OPT_FLAG`` below),
+which those subprocesses inherit too.
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ _OWN_CACHE = None
 if "SPECJAX_COMPILATION_CACHE" not in os.environ:
     _OWN_CACHE = tempfile.mkdtemp(prefix="specjax-tests-jax-")
     os.environ["SPECJAX_COMPILATION_CACHE"] = _OWN_CACHE
+
+# LLVM at -O1 instead of -O2 for XLA:CPU's generated code (the flag is the suite's, not the
+# library's): measured on this CPU, it compiles the toy decoders about 19% faster and
+# SmolLM2-135M's about 10% faster, with the same run time (matrix products are library
+# calls, not generated code). It changes no arithmetic: without fast-math LLVM may not
+# reorder floating-point operations at any level. An XLA_FLAGS naming the level is kept.
+_OPT_FLAG = "--xla_backend_optimization_level=1"
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_OPT_FLAG}".strip()
 
 import specjax  # noqa: E402, F401  (sets XLA flags before JAX picks a backend)
 

@@ -161,7 +161,7 @@ def test_drafter_matches_the_teacher_forced_head(toy):
     np.testing.assert_array_equal(draft.tokens[0, 3:6], jax.lax.top_k(out2[0, -1] @ emb.T, 3)[1])
 
 
-# Greedy eagle equals ar on the real model (batch 4 and 1):
+# Greedy eagle equals ar on the real model (batch 4):
 # tests/test_real_smollm2.py::test_speculative_greedy_equals_ar[eagle2].
 
 

@@ -126,7 +126,7 @@ def test_shipped_exit_heads_agree_with_the_target_more_than_plain_exits(smollm, 
     assert gain.mean() > 0.1, f"trained exits barely beat plain exits: {gain}"
 
 
-# Greedy three-level HSD equals ar on the real model (batch 4 and 1):
+# Greedy three-level HSD equals ar on the real model (batch 4):
 # tests/test_real_smollm2.py::test_three_level_hsd_greedy_equals_ar.
 
 

@@ -140,6 +140,31 @@ def test_parity_with_transformers(smollm, hf_smollm, prompts, batch_logits):
     assert not mismatches, f"argmax differs from transformers at (row, position) {mismatches}"
 
 
+GENERATE_PROMPTS = [
+    ("The capital of France is", False),
+    ("def fibonacci(n):", False),
+    ("Give me three tips for staying focused while studying.", True),
+]
+
+
+def test_greedy_equals_transformers_generate(smollm, hf_smollm):
+    """``specjax.generate`` equals transformers' greedy ``generate`` token for token,
+    including a chat-templated prompt, in one batch of mixed lengths."""
+    import torch
+
+    prompts = [smollm.encode(t, chat=c) for t, c in GENERATE_PROMPTS]
+    n, eos = 40, smollm.eos_ids
+    out = specjax.generate(smollm.model, smollm.params, prompts, max_new_tokens=n,
+                           eos_ids=eos).to_lists()
+    for ids, ours in zip(prompts, out):
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            y = hf_smollm.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                                   do_sample=False, eos_token_id=list(eos), pad_token_id=eos[0])
+        ref = y[0, len(ids):].tolist()
+        assert ours == ref, f"prompt {ids[:8]}...: ours {ours} != transformers {ref}"
+
+
 # --------------------------------------------------------------------------- cache contract
 
 def test_cached_token_by_token_equals_full_forward(smollm, prompt12, ref12):

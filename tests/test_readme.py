@@ -85,7 +85,8 @@ def test_readme_python_blocks_run(tmp_path):
         copy = tmp_path / f"{k}.md"
         copy.write_text(text.replace(SCAN_LINE, SCAN_KEEP))
         args += [label, str(copy)]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    flags = os.environ.get("XLA_FLAGS", "")
+    env = {**os.environ, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=8",
            "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", _CHILD, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1200)

@@ -174,7 +174,7 @@ def test_bad_heads_and_sizes_are_refused(toy):
         "width": 2, "length": 5, "dedup": False}
 
 
-# Greedy redrafter equals ar on the real model (batch 4 and 1):
+# Greedy redrafter equals ar on the real model (batch 4):
 # tests/test_real_smollm2.py::test_speculative_greedy_equals_ar[redrafter].
 
 

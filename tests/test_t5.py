@@ -187,10 +187,12 @@ def _drafters(toy):
     }
 
 
-@pytest.mark.parametrize("batch", [1, 4])
-def test_every_method_equals_ar(toy, batch):
+def test_every_method_equals_ar(toy):
+    """Every drafter and a three-level hierarchy reproduce ``generate`` on a ragged batch of
+    4 sources (batch 1 against batch 4 is checked per method on the Llama toy,
+    tests/test_conformance.py)."""
     model, params, _ = toy
-    sources = SOURCES[:batch] if batch > 1 else [SOURCES[2]]
+    sources = SOURCES[:4]
     ar = specjax.generate(model, params, sources, max_new_tokens=14).to_lists()
     for name, (drafter, dp) in _drafters(toy).items():
         out = specjax.speculative_generate(model, params, drafter, dp, sources,
