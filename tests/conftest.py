@@ -38,13 +38,16 @@ if "SPECJAX_COMPILATION_CACHE" not in os.environ:
     _OWN_CACHE = tempfile.mkdtemp(prefix="specjax-tests-jax-")
     os.environ["SPECJAX_COMPILATION_CACHE"] = _OWN_CACHE
 
-# LLVM at -O1 instead of -O2 for XLA:CPU's generated code (the flag is the suite's, not the
+# LLVM at -O1, below XLA's default level, for XLA:CPU's generated code (the suite's flag, not the
 # library's): measured on this CPU, it compiles the toy decoders about 19% faster and
 # SmolLM2-135M's about 10% faster, with the same run time (matrix products are library
-# calls, not generated code). It changes no arithmetic: without fast-math LLVM may not
-# reorder floating-point operations at any level. An XLA_FLAGS naming the level is kept.
+# calls, not generated code). Results may differ from the default's in the last float32 bits (a sum
+# evaluated in another order), which the tests' tolerances allow for; the sharded-training
+# equalities run at XLA's defaults (SPECJAX_TESTS_XLA_DEFAULTS=1, tests/test_sharding.py).
+# An XLA_FLAGS naming the level is kept.
 _OPT_FLAG = "--xla_backend_optimization_level=1"
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+if not os.environ.get("SPECJAX_TESTS_XLA_DEFAULTS") and \
+        "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_OPT_FLAG}".strip()
 
 import specjax  # noqa: E402, F401  (sets XLA flags before JAX picks a backend)
@@ -80,7 +83,6 @@ SLOW_TESTS = {
         "test_t5.py::test_sampled_t5_speculation_follows_the_target",
         "test_t5.py::test_hsd_with_draft_temperatures_follows_the_target",
         "test_hsd.py::test_sampled_three_level_hsd_matches_target",
-        "test_redrafter.py::test_sampled_redrafter_matches_target",
         "test_widths.py::test_padded_equals_per_width_sampled",
         "test_speculative.py::test_sampled_loop_matches_target",
         "test_beams.py::test_packed_beams_keep_the_target_law_and_the_reference_rule_does_not",

@@ -153,7 +153,7 @@ def test_greedy_equals_transformers_generate(smollm, hf_smollm):
     import torch
 
     prompts = [smollm.encode(t, chat=c) for t, c in GENERATE_PROMPTS]
-    n, eos = 40, smollm.eos_ids
+    n, eos = 24, smollm.eos_ids
     out = specjax.generate(smollm.model, smollm.params, prompts, max_new_tokens=n,
                            eos_ids=eos).to_lists()
     for ids, ours in zip(prompts, out):

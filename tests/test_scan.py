@@ -36,7 +36,11 @@ def toy():
 
 
 def _close(a, b, tol=1e-5):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=tol, rtol=tol)
+    """Equal to float32 rounding at the array's scale: the scanned and unrolled programs
+    are compiled apart and may order a sum differently (a real difference is O(1))."""
+    b = np.asarray(b)
+    scale = max(1.0, float(np.max(np.abs(b)))) if b.size else 1.0
+    np.testing.assert_allclose(np.asarray(a), b, atol=tol * scale, rtol=tol)
 
 
 def test_stack_and_unstack_are_inverse(toy):

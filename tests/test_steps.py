@@ -62,14 +62,14 @@ def test_ar_steps_under_a_user_scan(toy):
     np.testing.assert_array_equal(again.num, s.num)
 
 
-@pytest.mark.parametrize("kind", ["ngram", "eagle2"])
-def test_speculative_steps_under_a_user_scan(toy, kind):
+def test_speculative_steps_under_a_user_scan(toy):
+    """A tree drafter's rounds under a user's ``lax.scan``: the tokens and forwards of
+    ``speculative_generate``, and a step after the end is a no-op. (A chain drafter's
+    scan on real weights: docs/guide.md's research-code block, run by tests/test_readme.py
+    against ``speculative_generate``.)"""
     model, tp = toy
-    if kind == "ngram":
-        drafter, dp = specjax.NGramDrafter(depth=4, min_ngram=1), None
-    else:
-        drafter = eagle.EagleDrafter(model, depth=3, topk=2, total_tokens=6)
-        dp = eagle.draft_params(eagle.init_head(TOY, jax.random.key(2)), model, tp)
+    drafter = eagle.EagleDrafter(model, depth=3, topk=2, total_tokens=6)
+    dp = eagle.draft_params(eagle.init_head(TOY, jax.random.key(2)), model, tp)
     spec = specjax.Speculative(model, drafter, tuple(sorted(set(drafter.verify_widths))))
     x = specjax.prepare(model, PROMPTS, NEW, extra=spec.scratch)
     assert spec.scratch == drafter.num_nodes + 1

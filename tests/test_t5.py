@@ -309,8 +309,7 @@ def _hsd_pair_pvalue(h, tp, sampler, calls=30):
     return pvalue(counts, _exact_pair(model, tp))
 
 
-@pytest.mark.parametrize("levels,lossless", [
-    ((Exit(1, temperature=0.5), Exit()), True),
+@pytest.mark.parametrize("levels,lossless", [  # a tempered exit level, under an n-gram one
     ((NGram(NGramDrafter(depth=2, min_ngram=1)), Exit(1, temperature=0.5), Exit()), True),
     ((ReportsTargetQ(1, temperature=0.3), Exit()), False),
 ])

@@ -430,7 +430,8 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
             ex, replayed, secs = _round_data(lm, store, r, _round_prompts(pool, cfg, r), cfg,
                                              layers, mesh)
             t0 = time.perf_counter()
-            state, metrics = _train_round(step, state, tparams, ex, vids, cfg, r, mesh)
+            state, metrics = jax.block_until_ready(  # steps dispatch asynchronously
+                _train_round(step, state, tparams, ex, vids, cfg, r, mesh))
             row = _round_row(state, metrics, ex, replayed, secs, time.perf_counter() - t0)
             if (r + 1) % cfg.val_every == 0 or r + 1 == todo.stop:
                 row.update(score(state))
@@ -483,8 +484,9 @@ def _train_epochs(lm, store: ShardStore, pool, cfg: OnPolicyConfig, layers, stat
           for x in _round_data(lm, store, r, _round_prompts(pool, cfg, r), cfg, layers, mesh)[0]]
     for e in epochs:
         t0 = time.perf_counter()
-        state, metrics = _train_pass(step, state, tparams, ex,
-                                     epoch_batches(ex, cfg.batch_tokens, cfg.seed, e), vids, mesh)
+        state, metrics = jax.block_until_ready(_train_pass(
+            step, state, tparams, ex, epoch_batches(ex, cfg.batch_tokens, cfg.seed, e), vids,
+            mesh))
         row = {"round": int(state["round"]), "epoch": e + 1, "step": int(state["step"]),
                "tokens_seen": int(state["tokens"]),
                **{k: round(float(v), 4) for k, v in metrics.items()},
