@@ -6,8 +6,8 @@ tests/toys.py:
 (a) greedy output equals ``ar`` (plain greedy decoding) token for token, at batch 1 and at
     a ragged batch of 4 (different prompt lengths and budgets), with drafts accepted;
 (b) at temperature 1 the first two sampled tokens follow the target's exact joint law (a
-    chi-square test, tests/laws.py), for every method that drafts except HSD (whose law is
-    tests/test_hsd.py's); and a chain and a tree drafter with the lossy ``Typical``
+    chi-square test, tests/laws.py), for every method that drafts (HSD with one hierarchy;
+    tests/test_hsd.py checks three more); and a chain and a tree drafter with the lossy ``Typical``
     acceptance rule are rejected by that test: the check has the power to see a wrong rule.
 
 This replaces the per-drafter "greedy equals ar on a toy" copies that lived in
@@ -77,6 +77,7 @@ def test_every_registered_method_has_a_tiny_spec():
     kinds = {cls.kind for cls in methods.registered() if cls.decodes}
     assert kinds <= set(TINY), f"registered methods without a tiny spec: {kinds - set(TINY)}"
     assert {methods.parse(s).kind for s in SPECS} == kinds
+    assert {methods.parse(s).kind for s in SAMPLED} == kinds - {"ar"}  # every one that drafts
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -107,10 +108,14 @@ def _pair_pvalue(model, tparams, decoder, params, calls: int = 4, batch: int = 2
     return pvalue(counts, law), np.sum(acc, 0)
 
 
-# every method that drafts (ar's own sampling law: tests/test_decoding.py's chi-square; HSD's:
-# tests/test_hsd.py::test_sampled_three_level_hsd_matches_target, the (y1, y2) law after a
-# round for the hierarchies above and two more, so it is not repeated here)
-@pytest.mark.parametrize("spec", [s for s in SPECS if methods.parse(s).kind not in ("ar", "hsd")])
+# every method that drafts (ar's own sampling law: tests/test_decoding.py's chi-square), HSD
+# with one of its hierarchies here (the (y1, y2) law after a round, for three more:
+# tests/test_hsd.py::test_sampled_three_level_hsd_matches_target)
+SAMPLED = [s for s in SPECS if methods.parse(s).kind not in ("ar", "hsd")
+           or s == "hsd:ngram:3,1:2,target"]
+
+
+@pytest.mark.parametrize("spec", SAMPLED)
 def test_sampled_output_follows_the_target(lm, built, spec):
     b = built(spec)
     p, accepted = _pair_pvalue(lm.model, lm.params, b.decoder, b.params)
