@@ -176,7 +176,17 @@ def pytest_unconfigure(config):
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
+# Files that take a minute or more of a worker, longest first: pytest-xdist hands out
+# files in collection order (--dist loadfile), so these start first and the run does not
+# end on one long file while the other worker idles.
+LONG_FILES = ("test_gemma.py", "test_conformance.py", "test_t5.py", "test_readme.py",
+              "test_notebooks.py", "test_real_smollm2.py", "test_hsd.py", "test_sharding.py",
+              "test_device_check.py", "test_models.py", "test_published_heads.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda i: rank.get(i.path.name, len(LONG_FILES)))  # stable: file order kept
     for item in items:
         if (_SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))
                 or _file_and_function(item) in _SLOW_NAMES):
