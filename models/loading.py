@@ -32,6 +32,7 @@ import ml_dtypes
 import numpy as np
 
 from specjax.models.gemma import GemmaConfig, gemma3_layer_types
+from specjax.models.gguf_file import GGUFFile, GGUFFormatError, read_gguf
 from specjax.models.llama import LlamaConfig, RopeScaling, top_shapes
 
 Transform = Callable[[np.ndarray, LlamaConfig], np.ndarray]
@@ -330,12 +331,11 @@ def stream_params(cfg, src: TensorSource, keys, source: str, dtype=jnp.float32, 
 
 # --------------------------------------------------------------------------- GGUF
 
-def _gguf_field(reader, key, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def _gguf_field(reader: GGUFFile, key, default=None):
+    return reader.get(key, default)
 
 
-def gguf_config(reader) -> Config:
+def gguf_config(reader: GGUFFile) -> Config:
     """The architecture recorded in a GGUF file's metadata (``llama`` or ``gemma3``)."""
     arch = _gguf_field(reader, "general.architecture")
     if arch == "gemma3":
@@ -346,7 +346,7 @@ def gguf_config(reader) -> Config:
     heads = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
     names = {t.name for t in reader.tensors}
-    vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = g("vocab_size") or len(reader.get("tokenizer.ggml.tokens", ()))
     scaling = RopeScaling()
     kind = g("rope.scaling.type")
     if kind == "linear":
@@ -364,7 +364,7 @@ def gguf_config(reader) -> Config:
         max_position_embeddings=int(g("context_length", 4096)))
 
 
-def _gguf_gemma3_config(reader) -> GemmaConfig:
+def _gguf_gemma3_config(reader: GGUFFile) -> GemmaConfig:
     """Gemma 3 from GGUF metadata. The local RoPE base, the 5-local-1-global layer pattern
     and ``query_pre_attn_scalar`` are not recorded in the file; transformers' Gemma 3
     defaults apply (10000, 6, 256), as in the reference it loads from the same file."""
@@ -375,7 +375,7 @@ def _gguf_gemma3_config(reader) -> GemmaConfig:
     if g("rope.scaling.type") == "linear":
         scaling = RopeScaling("linear", factor=float(g("rope.scaling.factor")))
     return GemmaConfig(
-        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+        vocab_size=len(reader.get("tokenizer.ggml.tokens", ())),
         hidden_size=int(g("embedding_length")), intermediate_size=int(g("feed_forward_length")),
         num_layers=n, num_heads=heads, num_kv_heads=int(g("attention.head_count_kv", heads)),
         head_dim=int(g("attention.key_length")), layer_types=gemma3_layer_types(n),
@@ -390,31 +390,31 @@ def _gguf_gemma3_config(reader) -> GemmaConfig:
 
 def gguf_file_config(path: str | Path) -> Config:
     """The model config of a GGUF file, from its metadata alone (no tensor is read)."""
-    import gguf
+    return gguf_config(_open_gguf(path))
 
+
+def _open_gguf(path: str | Path) -> GGUFFile:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     try:
-        return gguf_config(gguf.GGUFReader(str(path)))
-    except WeightLoadError:
-        raise
-    except Exception as e:  # gguf raises assorted errors on corrupt files
+        return read_gguf(path)
+    except (GGUFFormatError, ValueError, OSError) as e:
         raise WeightLoadError(f"{path}: not a readable GGUF file ({e})") from e
 
 
 class GGUFSource(TensorSource):
-    """The tensors of an open ``gguf.GGUFReader``, each dequantized to float32 when read."""
+    """The tensors of a read ``GGUFFile``, each dequantized to float32 when read."""
 
-    def __init__(self, reader):
+    def __init__(self, reader: GGUFFile):
         self.by_name = {t.name: t for t in reader.tensors}
-        self.shapes = {t.name: tuple(reversed(t.shape.tolist())) for t in reader.tensors}
+        self.shapes = {t.name: t.shape for t in reader.tensors}
 
     def read(self, name, rows=None):
         import gguf
 
         t = self.by_name[name]
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+        w = np.asarray(gguf.quants.dequantize(t.data, t.qtype), np.float32)
         w = w.reshape(self.shapes[name])
         return w if rows is None else w[rows[0]:rows[1]]
 
@@ -425,18 +425,10 @@ def load_gguf(path: str | Path, dtype=jnp.float32, mesh=None,
     one tensor at a time and placing each leaf as it is made (:func:`stream_params`: with
     ``mesh``, sharded as ``specjax.sharding.shard_params`` would; ``stacked`` for
     ``scan_layers``)."""
-    import gguf
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {path}")
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # gguf raises assorted errors on corrupt files
-        raise WeightLoadError(f"{path}: not a readable GGUF file ({e})") from e
+    reader = _open_gguf(path)
     cfg = gguf_config(reader)
     for t in reader.tensors:  # unquantized integer tensors hold no weights
-        if t.tensor_type.name in ("I8", "I16", "I32", "I64"):
+        if t.qtype.name in ("I8", "I16", "I32", "I64"):
             check_floating(t.name, t.data.dtype, path)
     keys = GGUF_GEMMA_KEYS if isinstance(cfg, GemmaConfig) else GGUF_KEYS
     return cfg, stream_params(cfg, GGUFSource(reader), keys, str(path), dtype, mesh, stacked)

@@ -437,6 +437,35 @@ def test_corrupt_gguf(tmp_path, how):
         load_gguf(path)
 
 
+def test_gguf_reader_equals_the_gguf_package():
+    """``read_gguf`` (one pass with ``struct``) gives the metadata and tensor bytes
+    ``gguf.GGUFReader`` gives for the real SmolLM2 file: every key's value, every tensor's
+    name, shape, type and stored bytes."""
+    import gguf
+
+    from specjax.models.gguf_file import read_gguf
+
+    path = specjax.models.registry.resolve("smollm2-135m")
+    ours, ref = read_gguf(path), gguf.GGUFReader(str(path))
+    assert set(ours.metadata) == {k for k in ref.fields if not k.startswith("GGUF.")}
+    for k in ours.metadata:
+        got, want = ours.metadata[k], ref.fields[k].contents()
+        assert np.array_equal(got, want) if isinstance(got, np.ndarray) else got == want, k
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert a.shape == tuple(reversed(b.shape.tolist())) and a.qtype == b.tensor_type
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+
+
+def test_a_gguf_cut_inside_the_last_tensor_is_a_clear_error(tmp_path):
+    src = specjax.models.registry.resolve("smollm2-135m")
+    path = tmp_path / "cut.gguf"
+    with open(src, "rb") as f:
+        path.write_bytes(f.read(src.stat().st_size - 1000))
+    with pytest.raises(WeightLoadError, match="past the end of the file"):
+        load_gguf(path)
+
+
 def test_missing_gguf(tmp_path):
     with pytest.raises(FileNotFoundError, match="nothing.gguf"):
         load_gguf(tmp_path / "nothing.gguf")
