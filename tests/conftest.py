@@ -207,15 +207,32 @@ def smollm():
 
 
 @pytest.fixture(scope="session")
-def hf_smollm(smollm):
-    """The transformers model of the same GGUF weights (float32, eval mode, 2 threads)."""
+def hf_from_gguf():
+    """``load(path)``: transformers' causal LM of a GGUF file (float32, eval mode, 2 torch
+    threads). transformers opens the file with ``gguf.GGUFReader`` twice (config, then
+    weights), seconds each (10 s for Gemma 3's 262k-token vocabulary); here the second open
+    reuses the first reader."""
+    import functools
+    import unittest.mock
+
+    import gguf
     import torch
     import transformers
 
-    torch.set_num_threads(2)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm.source.parent), gguf_file=smollm.source.name, dtype=torch.float32)
-    return model.eval()
+    def load(path):
+        torch.set_num_threads(2)
+        once = functools.lru_cache(maxsize=1)(gguf.GGUFReader)
+        with unittest.mock.patch.object(gguf, "GGUFReader", once):
+            return transformers.AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm, hf_from_gguf):
+    """The transformers model of the same GGUF weights (float32, eval mode, 2 threads)."""
+    return hf_from_gguf(smollm.source)
 
 
 @pytest.fixture(scope="session")

@@ -5,8 +5,6 @@ windows, QK-norm), including speculative decoding across the window's edge."""
 from __future__ import annotations
 
 import dataclasses
-import functools
-import unittest.mock
 
 import jax
 import jax.numpy as jnp
@@ -205,18 +203,8 @@ def gemma3():
 
 
 @pytest.fixture(scope="module")
-def hf_gemma3(gemma3):
-    import gguf
-    import torch
-    import transformers
-
-    torch.set_num_threads(2)
-    # transformers opens the file with gguf.GGUFReader twice (config, then weights), each
-    # about 10 s for the 262k-token vocabulary: the second open reuses the first reader
-    opened = functools.lru_cache(maxsize=1)(gguf.GGUFReader)
-    with unittest.mock.patch.object(gguf, "GGUFReader", opened):
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            str(gemma3.source.parent), gguf_file=gemma3.source.name, dtype=torch.float32).eval()
+def hf_gemma3(gemma3, hf_from_gguf):
+    return hf_from_gguf(gemma3.source)
 
 
 @pytest.fixture(scope="module")

@@ -59,7 +59,8 @@ def agreement(target, tparams, heads: dict, layers: Sequence[int], seqs, prompt_
     (upper triangle filled) over every decoded position of ``seqs`` (token lists whose
     first ``prompt_lens[b]`` tokens are the prompt). Exit candidates draw with
     ``draft_sampler`` (default: ``sampler``, the target's), as HSD levels with their own
-    temperature do."""
+    temperature do. Each sequence is run on its own, padded to the longest one's length, so
+    the forward compiles once per call."""
     draft_sampler = sampler if draft_sampler is None else draft_sampler
     n = len(layers) + 2
     pairs = list(zip(*np.triu_indices(n, 1)))
@@ -77,10 +78,11 @@ def agreement(target, tparams, heads: dict, layers: Sequence[int], seqs, prompt_
         return jnp.stack([jnp.sum(jnp.minimum(ps[i], ps[j])) for i, j in pairs])
 
     total, count = np.zeros(len(pairs)), 0
+    width = -(-max(map(len, seqs), default=1) // 64) * 64  # past ``hi``: masked
     for seq, pl in zip(seqs, prompt_lens):
         if len(seq) <= pl:
             continue
-        toks = np.zeros(-(-len(seq) // 64) * 64, np.int32)
+        toks = np.zeros(width, np.int32)
         toks[:len(seq)] = seq
         total += np.asarray(overlap(tparams, heads, jnp.asarray(toks), pl, len(seq)))
         count += len(seq) - pl
