@@ -1,7 +1,7 @@
 """A GGUF (llama.cpp) file's metadata and tensor table, read in one pass.
 
 ``gguf.GGUFReader`` builds a numpy view for every element of every metadata array; a
-262k-token vocabulary (Gemma 3) then takes 10-15 s to open, and loading opened the file
+262k-token vocabulary (Gemma 3) then takes about 10 s to open, and loading opened the file
 twice. This reader walks the header with ``struct`` over one memory map instead (well under
 a second for the same file) and keeps each tensor's bytes as a view into that map, so no
 weight is read before it is asked for. Dequantization stays ``gguf.quants``'.

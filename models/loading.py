@@ -32,7 +32,7 @@ import ml_dtypes
 import numpy as np
 
 from specjax.models.gemma import GemmaConfig, gemma3_layer_types
-from specjax.models.gguf_file import GGUFFile, GGUFFormatError, read_gguf
+from specjax.models.gguf_file import GGUFFile, read_gguf
 from specjax.models.llama import LlamaConfig, RopeScaling, top_shapes
 
 Transform = Callable[[np.ndarray, LlamaConfig], np.ndarray]
@@ -331,18 +331,14 @@ def stream_params(cfg, src: TensorSource, keys, source: str, dtype=jnp.float32, 
 
 # --------------------------------------------------------------------------- GGUF
 
-def _gguf_field(reader: GGUFFile, key, default=None):
-    return reader.get(key, default)
-
-
 def gguf_config(reader: GGUFFile) -> Config:
     """The architecture recorded in a GGUF file's metadata (``llama`` or ``gemma3``)."""
-    arch = _gguf_field(reader, "general.architecture")
+    arch = reader.get("general.architecture")
     if arch == "gemma3":
         return _gguf_gemma3_config(reader)
     if arch != "llama":
         raise WeightLoadError(f"GGUF architecture {arch!r} is not supported (llama, gemma3)")
-    g = lambda k, d=None: _gguf_field(reader, f"llama.{k}", d)  # noqa: E731
+    g = lambda k, d=None: reader.get(f"llama.{k}", d)  # noqa: E731
     heads = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
     names = {t.name for t in reader.tensors}
@@ -368,7 +364,7 @@ def _gguf_gemma3_config(reader: GGUFFile) -> GemmaConfig:
     """Gemma 3 from GGUF metadata. The local RoPE base, the 5-local-1-global layer pattern
     and ``query_pre_attn_scalar`` are not recorded in the file; transformers' Gemma 3
     defaults apply (10000, 6, 256), as in the reference it loads from the same file."""
-    g = lambda k, d=None: _gguf_field(reader, f"gemma3.{k}", d)  # noqa: E731
+    g = lambda k, d=None: reader.get(f"gemma3.{k}", d)  # noqa: E731
     heads, n = int(g("attention.head_count")), int(g("block_count"))
     names = {t.name for t in reader.tensors}
     scaling = RopeScaling()
@@ -399,7 +395,7 @@ def _open_gguf(path: str | Path) -> GGUFFile:
         raise FileNotFoundError(f"GGUF file not found: {path}")
     try:
         return read_gguf(path)
-    except (GGUFFormatError, ValueError, OSError) as e:
+    except (ValueError, OSError) as e:  # GGUFFormatError is a ValueError
         raise WeightLoadError(f"{path}: not a readable GGUF file ({e})") from e
 
 

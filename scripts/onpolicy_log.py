@@ -69,7 +69,8 @@ def main() -> None:
         last, val = last_rows(Path(args.run))
         head = json.loads((Path(args.head) / "head.json").read_text())
         row.update(tokens_seen=last["tokens_seen"], rounds=last["round"],
-                   epochs=last.get("epoch", 0), steps=last["step"], val_top1=val["val_top1"], val_tokens=val["val_tokens"],
+                   epochs=last.get("epoch", 0), steps=last["step"],
+                   val_top1=val["val_top1"], val_tokens=val["val_tokens"],
                    ttt=head["train"]["loss"]["k"], init=head.get("init"),
                    store=head["data"])
     else:
