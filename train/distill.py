@@ -163,13 +163,16 @@ def answer_batch(lm, prompts: Sequence[list[int]], max_new_tokens: int, chunk: i
     (toks, num, hp, hg), _ = _ANSWER(lm.params, x.tokens, x.lengths, x.budgets, x.eos,
                                      model=lm.model, capacity=x.capacity, max_out=x.max_out,
                                      chunk=chunk, layers=layers)
+    for a in (toks, num, hp, hg):  # the four copies to the host start together
+        a.copy_to_host_async()
     toks, num, hp, hg = map(np.asarray, (toks, num, hp, hg))
     out = []
     for i, p in enumerate(prompts):
         n, pl = int(num[i]), len(p)
         seq = np.concatenate([np.asarray(p, np.int32), toks[i, :n]])
-        f = np.concatenate([hp[i, :pl], hg[i, :n - 1], np.zeros((1, hp.shape[-1]), hp.dtype)])
-        out.append((seq, pl, f.astype(dtype)))
+        f = np.empty((pl + n, hp.shape[-1]), dtype)  # written once: no concatenated copy
+        f[:pl], f[pl:-1], f[-1] = hp[i, :pl], hg[i, :n - 1], 0
+        out.append((seq, pl, f))
     return out
 
 

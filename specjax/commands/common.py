@@ -214,8 +214,8 @@ def add_model(s, max_new: int = 128) -> None:
     s.add_argument("--max-new-tokens", type=int, default=max_new)
     s.add_argument("--scan-layers", action="store_true",
                    help="Llama models: run the layers under one lax.scan over stacked weights "
-                        "(one layer compiles, not all; the accelerator layout; slower per "
-                        "token on CPU)")
+                        "(one layer compiles, not all; slower per token: 1.3-1.9x on CPU, "
+                        "2.9x for Llama-3.1-8B on an H200)")
 
 
 def add_verify_widths(s) -> None:
