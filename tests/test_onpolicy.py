@@ -271,6 +271,19 @@ def test_epoch_batches_shuffle_across_rounds_and_depend_on_seed_and_epoch_alone(
     assert onpolicy.epoch_batches(ex, 128, 1, 0) != e0
 
 
+class _Bar:
+    """A progress bar's surface that ``onpolicy.train`` uses, recorded."""
+
+    def __init__(self):
+        self.n, self.post = 0, []
+
+    def update(self, k: int) -> None:
+        self.n += k
+
+    def set_postfix(self, values: dict) -> None:
+        self.post.append(dict(values))
+
+
 def test_epochs_train_on_every_round_and_resume_exactly(lm, tmp_path, monkeypatch):
     """``epochs`` after the rounds: each epoch trains on every round's examples, mixed; a
     finished run given epochs trains them, a run stopped or killed during them resumes to
@@ -308,9 +321,14 @@ def test_epochs_train_on_every_round_and_resume_exactly(lm, tmp_path, monkeypatc
 
     log = RunLog(tmp_path / "grown")
     run("grown", dataclasses.replace(cfg, epochs=0), log=log)  # a finished run, no epochs
-    run("grown", stop_after=1, log=log)  # given epochs: stopped after the first
+    bars = [_Bar(), _Bar()]
+    run("grown", stop_after=1, log=log, progress=bars[0])  # given epochs: stopped after one
     assert [json.loads(r).get("epoch") for r in log.path.read_text().splitlines()][-1] == 1
-    jax.tree.map(np.testing.assert_array_equal, _params(run("grown", log=log)), whole)
+    jax.tree.map(np.testing.assert_array_equal,
+                 _params(run("grown", log=log, progress=bars[1])), whole)
+    # the bar starts at what the run had done, and shows the prefill before the epochs
+    assert [b.n for b in bars] == [2 + 1, 2 + 1 + 1]
+    assert bars[0].post[:2] == [{"features of round": "1/2"}, {"features of round": "2/2"}]
     # killed after epoch 2's training, before its checkpoint: the epoch trains again
     shutil.rmtree(tmp_path / "grown" / "ckpt" / "4")
     jax.tree.map(np.testing.assert_array_equal, _params(run("grown", log=log)), whole)

@@ -421,6 +421,8 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
         score = lambda st: validate(evaluate, st["params"], tparams, val, vids,
                                     cfg.batch_tokens, mesh)
         todo = cfg.rounds_from(int(state["round"]), stop_after)
+        if progress is not None and todo.start + done:  # what a resumed run already did
+            progress.update(todo.start + done)
         if isinstance(log, loop.RunLog):
             log.rewind(todo.start, key="round")
             log.rewind(done, key="epoch")
@@ -479,9 +481,12 @@ def _train_epochs(lm, store: ShardStore, pool, cfg: OnPolicyConfig, layers, stat
     features from one prefill of the stored tokens (``_round_data``: never the decoded
     ones, so a resumed run trains on the same features): each epoch scored (``score``),
     checkpointed as step ``cfg.rounds + epoch + 1`` (complete on disk before ``log``
-    records it) and counted on ``progress``."""
-    ex = [x for r in range(cfg.rounds)
-          for x in _round_data(lm, store, r, _round_prompts(pool, cfg, r), cfg, layers, mesh)[0]]
+    records it) and counted on ``progress``, whose postfix follows the prefill."""
+    ex = []
+    for r in range(cfg.rounds):
+        ex += _round_data(lm, store, r, _round_prompts(pool, cfg, r), cfg, layers, mesh)[0]
+        if progress is not None:
+            progress.set_postfix({"features of round": f"{r + 1}/{cfg.rounds}"})
     for e in epochs:
         t0 = time.perf_counter()
         state, metrics = jax.block_until_ready(_train_pass(
