@@ -18,7 +18,7 @@ from specjax import export, methods
 from specjax.core.decoding import generate
 from specjax.drafters import blocks, eagle, eagle3
 from specjax.train import eagle as train_eagle
-from specjax.train import onpolicy, shards, ttt
+from specjax.train import glue, onpolicy, shards, ttt
 from toys import loaded_llama
 
 CFG = onpolicy.OnPolicyConfig(rounds=3, batch=4, max_new_tokens=10, val_prompts=4,
@@ -170,13 +170,19 @@ def test_a_later_run_replays_the_store_and_extends_it(lm, tmp_path):
     vids = np.arange(128, dtype=np.int32)
     cfg = dataclasses.replace(CFG, rounds=2, loss=ttt.LossConfig(k=1))
     store = _store(lm, tmp_path / "store")
-    onpolicy.train(lm, ttt.EAGLE2, cfg, tmp_path / "a", store, POOL, vids)
+    a = onpolicy.train(lm, ttt.EAGLE2, cfg, tmp_path / "a", store, POOL, vids)
     logs = []
     onpolicy.train(lm, ttt.EAGLE2, dataclasses.replace(cfg, rounds=3), tmp_path / "b",
                    _store(lm, tmp_path / "store"), POOL, vids, log=logs.append)
     assert [r["replayed"] for r in logs if r["round"]] == [True, True, False]
     m = json.loads((tmp_path / "store" / "manifest.json").read_text())
     assert len(m["shards"]) == 3 and m["val"]["prompt_ids"]
+    # run "a"'s head, exported now, records the 2 rounds it trained on, not the store's 3
+    out = glue.export_onpolicy(a, ttt.EAGLE2, cfg, tmp_path / "head", model="toy",
+                               target_cfg=lm.model.config, start=glue.Start(None, None, "none"),
+                               shards=tmp_path / "store", vocab_ids=vids)
+    data = json.loads((out / "head.json").read_text())["data"]
+    assert (data["rounds"], data["tokens"]) == (2, sum(s["tokens"] for s in m["shards"][:2]))
     ids = [i for s in m["shards"] for i in s["prompt_ids"]]
     assert len(set(ids)) == len(ids) and not set(ids) & set(m["val"]["prompt_ids"])
     z = np.load(tmp_path / "store" / m["shards"][0]["file"])

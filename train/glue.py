@@ -45,13 +45,16 @@ def data_summary(data_dir: str | Path | None) -> dict | None:
     return json.loads(f.read_text()) if f is not None and f.exists() else None
 
 
-def store_summary(root: str | Path) -> dict:
-    """What an exported head records of the token shard store it trained on."""
+def store_summary(root: str | Path, rounds: int | None = None) -> dict:
+    """What an exported head records of the token shard store it trained on: its first
+    ``rounds`` rounds (default: all it holds), not those the store gained since, nor those
+    a run given a smaller ``--rounds`` never read."""
     m = json.loads(Path(root, "manifest.json").read_text())
+    used = m["shards"] if rounds is None else m["shards"][:rounds]
     return {"kind": "onpolicy", "store": Path(root).name, "target": m["target"],
-            "sampling": m["sampling"], "rounds": len(m["shards"]),
-            "tokens": sum(s["tokens"] for s in m["shards"]),
-            "answer_tokens": sum(s["answer_tokens"] for s in m["shards"])}
+            "sampling": m["sampling"], "rounds": len(used),
+            "tokens": sum(s["tokens"] for s in used),
+            "answer_tokens": sum(s["answer_tokens"] for s in used)}
 
 
 def record(model: str, cfg, state: dict, data: dict | None, *, train: dict | None = None,
@@ -162,7 +165,7 @@ def export_onpolicy(state: dict, kind, cfg, out: str | Path, *, model: str, targ
     """``train onpolicy --export``: the trained head of ``kind``, with the shard store's
     summary; an EAGLE-2 head keeps the full vocabulary order it started from, an EAGLE-3
     head records its ``vocab_ids`` and the target layers it fuses."""
-    rec = record(model, cfg, state, store_summary(shards),
+    rec = record(model, cfg, state, store_summary(shards, int(state["round"])),
                  train={**dataclasses.asdict(cfg), "onpolicy": True},
                  tokens_seen=int(state["tokens"]), init=start.name)
     if kind.name == head_io.EAGLE:
