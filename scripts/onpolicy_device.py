@@ -33,21 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 from specjax.train import onpolicy, ttt
 
+import specjax
 from specjax import bench
 
 
-class Report:
-    """The JSON report, rewritten after every measurement."""
-
-    def __init__(self, path: str, data: dict):
-        self.path, self.data = Path(path), data
-
-    def save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self.data, indent=1))
-
-
-def failed(rep: Report, what: str, e: Exception) -> None:
+def failed(rep, what: str, e: Exception) -> None:
+    """Records a measurement that raised (out of device memory) in ``rep`` (the device
+    check's ``Report``); the others still run."""
     rep.data["not_run"].append(what)
     rep.data.setdefault("errors", {})[what] = f"{type(e).__name__}: {str(e)[:400]}"
     rep.save()
@@ -73,35 +65,32 @@ def device_and_host(lm, prompts, new: int, layers) -> dict:
     return {"device_loop_s": round(dev, 3), "copy_to_host_s": round(host, 3)}
 
 
-def decode_rows(lm, batches, prompt_len: int, new: int, layers, deadline: float, rep: Report,
-                parts: bool = False):
-    """Each batch size's decoding rate; the examples of the largest one run."""
-    vocab = lm.model.config.vocab_size
-    examples, most = None, 0
+def rate_rows(rep, key: str, lm, batches, prompt_len: int, deadline: float, run, answers,
+              extra=None) -> dict:
+    """``rep.data[key]``'s rows: ``run(prompts)`` at each batch size of random prompts, once
+    to compile, then timed; ``answers(out)`` counts its answer tokens and ``extra(prompts)``
+    adds fields. Returns each batch size's output."""
+    vocab, outs = lm.model.config.vocab_size, {}
     for b in batches:
         if time.perf_counter() > deadline:
-            rep.data["not_run"].append(f"decode batch {b}")
+            rep.data["not_run"].append(f"{key} batch {b}")
             continue
         prompts = [list(q.ids) for q in bench.random_questions(b, prompt_len, vocab, seed=b)]
         try:
-            run = lambda p=prompts: onpolicy.decode_round(lm, p, new, layers)
-            _, first = timed(run)
-            ex, s = timed(run)
-        except jax.errors.JaxRuntimeError as e:  # out of device memory: recorded; others run
-            failed(rep, f"decode batch {b}", e)
+            _, first = timed(lambda p=prompts: run(p))
+            out, s = timed(lambda p=prompts: run(p))
+        except jax.errors.JaxRuntimeError as e:
+            failed(rep, f"{key} batch {b}", e)
             continue
-        if b > most:
-            examples, most = ex, b
-        if parts:
-            row_parts = device_and_host(lm, prompts, new, layers)
-        answer = sum(len(t) - pl for t, pl, _ in ex)
-        row = {"batch": b, "answer_tokens": answer, "seconds": round(s, 3),
-               "tokens_per_s": round(answer / s, 1), "first_call_s": round(first, 1),
-               **(row_parts if parts else {})}
-        rep.data["decode"].append(row)
+        outs[b] = out
+        n = answers(out)
+        row = {"batch": b, "answer_tokens": n, "seconds": round(s, 3),
+               "tokens_per_s": round(n / s, 1), "first_call_s": round(first, 1),
+               **(extra(prompts) if extra else {})}
+        rep.data[key].append(row)
         rep.save()
-        print("decode", row, flush=True)
-    return examples
+        print(key, row, flush=True)
+    return outs
 
 
 def one_pass(step, state, tparams, arrays, vids):
@@ -115,33 +104,7 @@ def one_pass(step, state, tparams, arrays, vids):
     return state, metrics, first, time.perf_counter() - t
 
 
-def ar_rows(lm, batches, prompt_len: int, new: int, deadline: float, rep: Report):
-    """Plain batched greedy decoding (``specjax.generate``) at each batch size."""
-    import specjax
-
-    vocab = lm.model.config.vocab_size
-    for b in batches:
-        if time.perf_counter() > deadline:
-            rep.data["not_run"].append(f"ar batch {b}")
-            continue
-        prompts = [list(q.ids) for q in bench.random_questions(b, prompt_len, vocab, seed=b)]
-        run = lambda p=prompts: specjax.generate(lm.model, lm.params, p, max_new_tokens=new,
-                                                 eos_ids=lm.eos_ids).to_lists()
-        try:
-            _, first = timed(run)
-            out, s = timed(run)
-        except jax.errors.JaxRuntimeError as e:
-            failed(rep, f"ar batch {b}", e)
-            continue
-        answer = sum(len(t) for t in out)
-        row = {"batch": b, "answer_tokens": answer, "seconds": round(s, 3),
-               "tokens_per_s": round(answer / s, 1), "first_call_s": round(first, 1)}
-        rep.data["ar"].append(row)
-        rep.save()
-        print("ar", row, flush=True)
-
-
-def train_rows(lm, examples, batch_tokens, draft_vocab: int, deadline: float, rep: Report):
+def train_rows(lm, examples, batch_tokens, draft_vocab: int, deadline: float, rep):
     """One pass of the head's training over ``examples`` at each minibatch size."""
     kind, target = ttt.EAGLE3, lm.model
     vids = jnp.arange(draft_vocab, dtype=jnp.int32)
@@ -191,32 +154,37 @@ def main() -> None:
     args = ap.parse_args()
     deadline = time.perf_counter() + args.budget
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # the device check beside this
-    from device_check import _shapes, random_model
+    from device_check import Report, _shapes, random_model
 
     name = "tiny-llama" if args.small else args.shape
     shape = _shapes(args.small)[name]
     lm, init_s = timed(lambda: random_model(name, shape, scan_layers=args.scan_layers))
     layers = ttt.EAGLE3.layers(lm.model.config)
     draft_vocab = min(args.draft_vocab, lm.model.config.vocab_size)
-    rep = Report(args.out, {
+    rep = Report(Path(args.out), {
         "shape": name, "device": bench.device_info(), "weights": "random, real shape",
         "dtype": str(np.dtype(shape["dtype"])), "prompt_len": args.prompt_len,
         "max_new_tokens": args.max_new_tokens, "feature_layers": list(layers),
         "head": {"kind": "eagle3", "ttt_k": 3, "draft_vocab": draft_vocab, "dtype": "float32"},
         "scan_layers": args.scan_layers,
         "init_s": round(init_s, 1), "ar": [], "decode": [], "train": [], "not_run": [],
-        "complete": False})
-    rep.save()
+        "complete": False})  # written now, and after every measurement
     ints = lambda text: [int(x) for x in text.split(",") if x]
-    batches = ints(args.batches)
+    new = args.max_new_tokens
     decode_end = time.perf_counter() + 0.55 * (deadline - time.perf_counter())
-    examples = decode_rows(lm, batches, args.prompt_len, args.max_new_tokens, layers,
-                           decode_end, rep, args.parts)
-    if examples is None:
+    decoded = rate_rows(rep, "decode", lm, ints(args.batches), args.prompt_len, decode_end,
+                        lambda p: onpolicy.decode_round(lm, p, new, layers),
+                        lambda ex: sum(len(t) - pl for t, pl, _ in ex),
+                        (lambda p: device_and_host(lm, p, new, layers)) if args.parts else None)
+    if not decoded:
         rep.data["not_run"] += [f"train batch_tokens {bt}" for bt in ints(args.batch_tokens)]
-    else:
-        train_rows(lm, examples, ints(args.batch_tokens), draft_vocab, deadline, rep)
-    ar_rows(lm, ints(args.ar_batches), args.prompt_len, args.max_new_tokens, deadline, rep)
+    else:  # the largest batch's examples
+        train_rows(lm, decoded[max(decoded)], ints(args.batch_tokens), draft_vocab, deadline,
+                   rep)
+    rate_rows(rep, "ar", lm, ints(args.ar_batches), args.prompt_len, deadline,
+              lambda p: specjax.generate(lm.model, lm.params, p, max_new_tokens=new,
+                                         eos_ids=lm.eos_ids).to_lists(),
+              lambda out: sum(len(t) for t in out))
     d = {r["batch"]: r for r in rep.data["decode"]}
     if rep.data["train"] and d:
         big = d[max(d)]
