@@ -97,11 +97,14 @@ def save_eagle(params: Any, out_dir: str | Path, record: Record | None = None, *
     absolute directory. ``head.json``: ``draft_vocab`` (how many of ``vocab_ids`` a
     decoder drafts over by default; 0: the whole vocabulary), ``attn_norm: false`` for a
     head whose layer has no attention-input norm (written only then, so a normed head's
-    ``head.json`` is as before) and ``vocab_ids`` (token ids, most frequent first; None:
-    none ranked). ``load_eagle`` reads it back bit for bit (in ``dtype``)."""
+    ``head.json`` is as before), ``layers`` for a head of more than one decoder layer
+    (written only then) and ``vocab_ids`` (token ids, most frequent first; None: none
+    ranked). ``load_eagle`` reads it back bit for bit (in ``dtype``)."""
     sizes = {"draft_vocab": int(draft_vocab)}
     if "attn_norm" not in params["layer"]:
         sizes["attn_norm"] = False
+    if len(params.get("extra_layers", ())):
+        sizes["layers"] = 1 + len(params["extra_layers"])
     return _save(params, out_dir, EAGLE, record, sizes, {"vocab_ids": _ids(vocab_ids)}, dtype)
 
 
@@ -116,17 +119,29 @@ def eagle_attn_norm(meta: dict) -> bool:
     return v
 
 
+def eagle_layers(meta: dict) -> int:
+    """How many decoder layers the EAGLE-1/2 head ``head.json``'s ``meta`` describes has:
+    ``meta["layers"]``, 1 where absent. ``TypeError`` for a value that is not a positive
+    JSON integer."""
+    v = meta.get("layers", 1)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise TypeError(f"layers is {v!r}, not a positive integer")
+    return v
+
+
 def load_eagle(path: str | Path, target_cfg, *, mesh=None, specs=None) -> tuple[dict, dict]:
     """``(params, meta)`` of the EAGLE-1/2 head in ``path`` for a target of ``target_cfg``
     (with or without the layer's ``attn_norm``, as ``head.json`` says:
-    ``eagle_attn_norm``), placed as ``export.load_head`` documents; ``CheckpointError``
+    ``eagle_attn_norm``; of ``eagle_layers`` decoder layers), placed as
+    ``export.load_head`` documents; ``CheckpointError``
     (one line) when ``path`` is not an exported ``eagle`` head or was made for another
     target's sizes."""
     from specjax.drafters import eagle
 
     meta = export.read_meta(path, EAGLE)
     like = _template(path, EAGLE, lambda: eagle.init_head(
-        target_cfg, jax.random.key(0), attn_norm=eagle_attn_norm(meta)))
+        target_cfg, jax.random.key(0), attn_norm=eagle_attn_norm(meta),
+        layers=eagle_layers(meta)))
     return export.load_head(path, EAGLE, like=like, mesh=mesh, specs=specs)
 
 
@@ -231,6 +246,6 @@ def load_exit_heads(path: str | Path, target, dtype=jnp.float32) -> tuple[dict, 
 
 
 __all__ = ["Record", "EAGLE", "EAGLE3", "REDRAFTER", "EXIT_HEADS", "save_eagle", "load_eagle",
-           "eagle_attn_norm",
+           "eagle_attn_norm", "eagle_layers",
            "save_eagle3", "load_eagle3", "save_redrafter", "load_redrafter", "redrafter_vocab",
            "save_exit_heads", "load_exit_heads"]

@@ -189,9 +189,12 @@ def write_eagle1_head(
     dtype: torch.dtype = torch.bfloat16,
     rope_theta: float | None = None,
     seed: int = 0,
+    layers: int = 1,
 ) -> tuple[dict, dict]:
     """Writes a random EAGLE-1/2 draft head to directory ``path``; returns (state dict as
     float32 torch tensors — the values as stored, after rounding to ``dtype`` —, config dict).
+    ``layers`` > 1: ``num_hidden_layers`` decoder layers, ``layers.i`` for ``i > 0`` with an
+    ``input_layernorm`` (cnets1.py's ``LlamaDecoderLayer(config, index)``).
 
     ``style`` mirrors the published configs (eagle/train/*_config.json and HF heads):
       * "vicuna": fc carries a bias, config has no "bias" key, no "rope_theta" key unless
@@ -217,7 +220,7 @@ def write_eagle1_head(
         "max_position_embeddings": 2048,
         "model_type": "llama",
         "num_attention_heads": heads,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": layers,
         "pad_token_id": 0,
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False,
@@ -241,22 +244,25 @@ def write_eagle1_head(
 
     g = torch.Generator().manual_seed(seed)
     hd = hidden // heads
-    p = "layers.0."
     sd = {"fc.weight": _linear(g, hidden, 2 * hidden)}
     if style != "llama3":
         sd["fc.bias"] = _bias(g, hidden)
-    sd[p + "self_attn.q_proj.weight"] = _linear(g, heads * hd, hidden)
-    sd[p + "self_attn.k_proj.weight"] = _linear(g, kv_heads * hd, hidden)
-    sd[p + "self_attn.v_proj.weight"] = _linear(g, kv_heads * hd, hidden)
-    sd[p + "self_attn.o_proj.weight"] = _linear(g, hidden, heads * hd)
-    if style == "qwen2":
-        sd[p + "self_attn.q_proj.bias"] = _bias(g, heads * hd)
-        sd[p + "self_attn.k_proj.bias"] = _bias(g, kv_heads * hd)
-        sd[p + "self_attn.v_proj.bias"] = _bias(g, kv_heads * hd)
-    sd[p + "mlp.gate_proj.weight"] = _linear(g, intermediate, hidden)
-    sd[p + "mlp.up_proj.weight"] = _linear(g, intermediate, hidden)
-    sd[p + "mlp.down_proj.weight"] = _linear(g, hidden, intermediate)
-    sd[p + "post_attention_layernorm.weight"] = _norm_weight(g, hidden)
+    for i in range(layers):
+        p = f"layers.{i}."
+        if i:
+            sd[p + "input_layernorm.weight"] = _norm_weight(g, hidden)
+        sd[p + "self_attn.q_proj.weight"] = _linear(g, heads * hd, hidden)
+        sd[p + "self_attn.k_proj.weight"] = _linear(g, kv_heads * hd, hidden)
+        sd[p + "self_attn.v_proj.weight"] = _linear(g, kv_heads * hd, hidden)
+        sd[p + "self_attn.o_proj.weight"] = _linear(g, hidden, heads * hd)
+        if style == "qwen2":
+            sd[p + "self_attn.q_proj.bias"] = _bias(g, heads * hd)
+            sd[p + "self_attn.k_proj.bias"] = _bias(g, kv_heads * hd)
+            sd[p + "self_attn.v_proj.bias"] = _bias(g, kv_heads * hd)
+        sd[p + "mlp.gate_proj.weight"] = _linear(g, intermediate, hidden)
+        sd[p + "mlp.up_proj.weight"] = _linear(g, intermediate, hidden)
+        sd[p + "mlp.down_proj.weight"] = _linear(g, hidden, intermediate)
+        sd[p + "post_attention_layernorm.weight"] = _norm_weight(g, hidden)
     return _save(path, sd, cfg, weights, dtype), cfg
 
 
@@ -603,7 +609,9 @@ def torch_eagle1_logits(sd, cfg, embed, lm_head, tokens, feats, *, wrong=None, p
     embed, lm_head: the target's [V, h] embedding and LM head; tokens [B,T] int; feats
     [B,T,h] target features (EAGLE pairs feature t with token t+1; the caller aligns them).
     x = fc(concat([embed(tokens), feats])); x += o(attn(x)) (no input norm on layer 0);
-    x += mlp(post_attention_layernorm(x)); logits = x @ lm_head.T (no final norm).
+    x += mlp(post_attention_layernorm(x)); each further layer of ``num_hidden_layers`` (default
+    1) the same with ``input_layernorm`` before its attention; logits = x @ lm_head.T (no
+    final norm).
     positions: [T] RoPE positions, default 0..T-1.
     wrong: None | "swap_concat" (concat [feats, emb]) | "input_norm" (an RMSNorm with unit
     weight before attention) — deliberately wrong variants a checker must tell apart.
@@ -617,11 +625,16 @@ def torch_eagle1_logits(sd, cfg, embed, lm_head, tokens, feats, *, wrong=None, p
     eps = float(cfg["rms_norm_eps"])
     pieces = [f, emb] if wrong == "swap_concat" else [emb, f]
     x = _linear_apply(torch.cat(pieces, dim=-1), sd, "fc")
-    a_in = _rms_norm(x, None, eps) if wrong == "input_norm" else x
     pos = _positions(x.shape[1], positions)
-    x = x + _attention(a_in, sd, "layers.0.self_attn.", cfg, pos)
-    n = _rms_norm(x, sd["layers.0.post_attention_layernorm.weight"], eps)
-    x = x + _mlp(n, sd, "layers.0.mlp.")
+    for i in range(int(cfg.get("num_hidden_layers", 1))):
+        p = f"layers.{i}."
+        if i:
+            a_in = _rms_norm(x, sd[p + "input_layernorm.weight"], eps)
+        else:
+            a_in = _rms_norm(x, None, eps) if wrong == "input_norm" else x
+        x = x + _attention(a_in, sd, p + "self_attn.", cfg, pos)
+        n = _rms_norm(x, sd[p + "post_attention_layernorm.weight"], eps)
+        x = x + _mlp(n, sd, p + "mlp.")
     logits = x @ _f32(lm_head).T
     return (logits, x) if return_hidden else logits
 

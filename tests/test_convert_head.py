@@ -39,10 +39,11 @@ def _jitter(tree, key, scale=0.1):
                                         for x, k in zip(leaves, keys)])
 
 
-def eagle1_head(cfg=TARGET, seed=0) -> dict:
+def eagle1_head(cfg=TARGET, seed=0, layers=1) -> dict:
     """A random EAGLE-1/2 head of the published shape: ``eagle.init_head``'s tree without
-    the layer's ``attn_norm`` (EAGLE-1/2's layer 0 has no input norm)."""
-    hp = eagle.init_head(cfg, jax.random.key(seed))
+    the layer's ``attn_norm`` (EAGLE-1/2's layer 0 has no input norm), and ``layers - 1``
+    more whole decoder layers (``num_hidden_layers``)."""
+    hp = eagle.init_head(cfg, jax.random.key(seed), layers=layers)
     del hp["layer"]["attn_norm"]
     return jax.tree.map(np.asarray, _jitter(hp, jax.random.key(seed + 1)))
 
@@ -69,7 +70,7 @@ def _inputs(seed: int, width: int):
 
 def _run(fn, spec, hp, emb, x):
     """A head's ``apply_head`` over a causal sequence from an empty cache, float32."""
-    k, v = blocks.empty_kv(spec, B, T, jnp.float32)
+    k, v = blocks.empty_kv(spec, B, T, jnp.float32, 1 + len(hp.get("extra_layers", ())))
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
     hp = jax.tree.map(jnp.asarray, hp)
     out, _, _ = fn(spec, hp, jnp.asarray(emb), jnp.asarray(x), pos, k, v,
@@ -83,12 +84,15 @@ def _run(fn, spec, hp, emb, x):
 LINEAR = dataclasses.replace(TARGET, rope_theta=500000.0, rope_scaling=RopeScaling("linear", 4.0))
 
 
-@pytest.mark.parametrize("target", [TARGET, LINEAR], ids=["default-rope", "linear-rope"])
-def test_converted_eagle1_head_equals_the_pytorch_reference(tmp_path, target):
-    hp = eagle1_head(target)
+@pytest.mark.parametrize("target,layers", [(TARGET, 1), (LINEAR, 1), (TARGET, 2)],
+                         ids=["default-rope", "linear-rope", "two-layers"])
+def test_converted_eagle1_head_equals_the_pytorch_reference(tmp_path, target, layers):
+    hp = eagle1_head(target, layers=layers)
     published.save("eagle", hp, tmp_path, target, dtype="float32")
     sd, cfg = _read(tmp_path)
     assert cfg["torch_dtype"] == "float32" and "layers.0.input_layernorm.weight" not in sd
+    assert cfg["num_hidden_layers"] == layers
+    assert ("layers.1.input_layernorm.weight" in sd) == (layers == 2)
     if target is LINEAR:
         assert cfg["rope_scaling"] == {"type": "linear", "factor": 4.0}
     embed, lm_head, tokens, feats = _inputs(1, H)
@@ -138,9 +142,11 @@ def test_bfloat16_files_hold_the_head_rounded_to_bfloat16(tmp_path, kind):
 # --- 2. convert -> load -> convert writes the same bytes ------------------------------------
 
 @pytest.mark.parametrize("kind,dtype", [("eagle", "bfloat16"), ("eagle3", "bfloat16"),
-                                        ("eagle3", "float32")])
+                                        ("eagle3", "float32"), ("eagle-2-layers", "bfloat16")])
 def test_convert_load_convert_is_byte_stable(tmp_path, kind, dtype):
-    hp, ids = (eagle1_head(), None) if kind == "eagle" else eagle3_head()
+    hp, ids = (eagle1_head(layers=1 + kind.endswith("layers")), None) \
+        if kind.startswith("eagle-") or kind == "eagle" else eagle3_head()
+    kind = kind.split("-")[0]
     a, b = tmp_path / "a", tmp_path / "b"
     published.save(kind, hp, a, TARGET, vocab_ids=ids, dtype=dtype)
     head = published.load(a, TARGET)
@@ -173,15 +179,16 @@ def assert_decodes_as_ar(lm, spec: str, head_dir) -> None:
     assert out.drafted.sum() > 0
 
 
-@pytest.mark.parametrize("spec", ["eagle2:3,3,8", "eagle3:3,3,8"])
-def test_a_converted_head_decodes_as_ar(toy, tmp_path, spec):
+@pytest.mark.parametrize("spec,layers", [("eagle2:3,3,8", 1), ("eagle3:3,3,8", 1),
+                                         ("eagle2:3,3,8", 2)])
+def test_a_converted_head_decodes_as_ar(toy, tmp_path, spec, layers):
     lm, _ = toy
     cfg = lm.model.config
     if spec.startswith("eagle3"):
         hp, ids = eagle3_head(cfg, seed=3, dv=48)
         published.save("eagle3", hp, tmp_path, cfg, vocab_ids=ids)
     else:
-        published.save("eagle", eagle1_head(cfg, seed=3), tmp_path, cfg)
+        published.save("eagle", eagle1_head(cfg, seed=3, layers=layers), tmp_path, cfg)
     assert_decodes_as_ar(lm, spec, tmp_path)
 
 
@@ -432,6 +439,8 @@ def test_export_format_eagle_and_no_attn_norm_are_checked_before_any_work(
         ([*to, "--kind", "eagle3", "--no-attn-norm", "--export", e, "--export-format",
           "eagle"], "--export-format eagle needs --kind eagle"),
         ([*to, "--kind", "eagle3", "--no-attn-norm"], "--no-attn-norm needs --kind eagle"),
+        ([*to, "--kind", "eagle3", "--head-layers", "2"], "--head-layers needs --kind eagle"),
+        ([*to, "--kind", "eagle", "--head-layers", "0"], "--head-layers must be >= 1"),
         ([*to, "--kind", "eagle", "--no-attn-norm", "--init", str(normed)],
          "normalizes its attention input"),
     ]

@@ -119,10 +119,16 @@ TOY = toys.LLAMA
 PROMPT = [1, 5, 2, 7, 5]
 
 
-@pytest.fixture(scope="module")
-def toy():
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-layer", "2-layer"])
+def toy(request):
+    """The toy target and a random head of one or two decoder layers (the second layer's
+    output projections made nonzero, so it changes what the head drafts)."""
     model, tparams = toys.llama(seed=1)
-    head = eagle.init_head(TOY, jax.random.key(3))
+    head = eagle.init_head(TOY, jax.random.key(3), layers=request.param)
+    for i, lp in enumerate(head.get("extra_layers", ())):
+        k1, k2 = jax.random.split(jax.random.key(10 + i))
+        lp["o"] = jax.random.normal(k1, lp["o"].shape) * 0.05
+        lp["down"] = jax.random.normal(k2, lp["down"].shape) * 0.05
     return model, tparams, eagle.draft_params(head, model, tparams)
 
 
@@ -210,3 +216,35 @@ def test_drafter_state_after_commit_equals_a_fresh_start(toy):
         np.testing.assert_array_equal(committed.tokens, fresh.tokens)
         np.testing.assert_array_equal(committed.parents, fresh.parents)
     assert sum(accepted) > 0, "no round accepted a draft token: the commit path went untested"
+
+
+def test_a_two_layer_head_decodes_equal_to_ar(toy):
+    """Greedy decoding with the head (one or two layers) equals ``ar`` at a ragged batch,
+    with drafts accepted."""
+    model, tparams, dp = toy
+    drafter = eagle.EagleDrafter(model, depth=3, topk=2, total_tokens=5)
+    dec = specjax.Speculative(model, drafter, drafter.verify_widths, chunk=16)
+    prompts, budgets = [PROMPT, [3, 3, 1], PROMPT * 4], [20, 7, 33]
+    out = specjax.decode(dec, (tparams, dp), prompts, max_new_tokens=budgets)
+    want = specjax.generate(model, tparams, prompts, max_new_tokens=budgets).to_lists()
+    assert out.to_lists() == want
+    assert int(np.sum(np.asarray(out.accepted)[1:])) > 0, "nothing accepted: vacuous"
+
+
+def test_extra_layers_start_as_the_identity_and_then_count():
+    """A fresh two-layer head computes exactly its first layer's function (the extra
+    layer's output projections start at zero, so a warm start keeps a one-layer head's
+    drafts); once they are nonzero the second layer changes the output."""
+    model, tparams = toys.llama(seed=1)
+    one = eagle.init_head(TOY, jax.random.key(3))
+    two = eagle.init_head(TOY, jax.random.key(3), layers=2)
+    assert eagle.num_layers(one) == 1 and eagle.num_layers(two) == 2
+    seq = jnp.asarray([PROMPT * 2])
+    prev = jax.random.normal(jax.random.key(4), (1, seq.shape[1], TOY.hidden_size))
+    f1 = eagle.training_forward(model, one, tparams, seq, prev)
+    np.testing.assert_array_equal(eagle.training_forward(model, two, tparams, seq, prev), f1)
+    two["extra_layers"][0]["o"] = jnp.full_like(two["extra_layers"][0]["o"], 0.05)
+    f2 = eagle.training_forward(model, two, tparams, seq, prev)
+    assert float(jnp.abs(f2 - f1).max()) > 1e-3
+    with pytest.raises(ValueError, match="at least one layer"):
+        eagle.init_head(TOY, jax.random.key(3), layers=0)

@@ -316,6 +316,30 @@ def test_an_eagle_head_without_attn_norm_round_trips_as_its_head_json_says(tmp_p
         assert len(str(e.value).splitlines()) == 1
 
 
+def test_a_two_layer_eagle_head_round_trips_as_its_head_json_says(tmp_path):
+    """``save_eagle`` of a head with ``extra_layers`` writes ``layers: 2`` (a one-layer
+    head's head.json has no such key); ``load_eagle`` reads it back bit for bit, and the
+    same files with head.json claiming one layer, or a non-integer, are refused in one
+    line; EAGLE-3 runs refuse extra layers."""
+    hp = eagle.init_head(LLAMA, jax.random.key(4), layers=2)
+    out = head_io.save_eagle(hp, tmp_path / "h", REC, dtype=jnp.float32)
+    meta = export.read_meta(out, "eagle")
+    assert meta["layers"] == 2 and head_io.eagle_layers(meta) == 2
+    assert "layers" not in export.read_meta(head_io.save_eagle(_heads()["eagle"],
+                                                               tmp_path / "one"), "eagle")
+    back, _ = head_io.load_eagle(out, LLAMA)
+    assert _bits(back) == _bits(hp)
+    for value, msg in ((1, "shapes differ|tensors"), ("two", "does not describe"),
+                       (0, "does not describe")):
+        (out / export.HEAD_JSON).write_text(json.dumps({**meta, "layers": value}))
+        with pytest.raises(export.CheckpointError, match=msg) as e:
+            head_io.load_eagle(out, LLAMA)
+        assert len(str(e.value).splitlines()) == 1
+    with pytest.raises(ValueError, match="EAGLE-2 options"):
+        onpolicy.init_params(ttt.EAGLE3, LLAMA, onpolicy.OnPolicyConfig(draft_vocab=6,
+                                                                         head_layers=2))
+
+
 def test_trainers_build_and_guard_the_layout_they_are_asked_for(tmp_path):
     """``attn_norm=False`` gives EAGLE-2 trainers a head without the norm; a warm start of
     the other layout, EAGLE-3 without the norm, and resuming a run of the other layout

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import export, methods
+from specjax import export, head_io, methods
 from specjax.core.decoding import generate
 from specjax.drafters import blocks, eagle, eagle3
 from specjax.train import eagle as train_eagle
@@ -99,17 +99,19 @@ def test_ttt_at_k1_is_the_plain_loss(lm, examples):
     np.testing.assert_allclose(float(got3), float(jnp.sum(ce * mask) / mask.sum()), rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", [ttt.EAGLE2, ttt.EAGLE3])
-def test_ttt_steps_read_the_heads_own_outputs_as_drafting_does(lm, examples, kind):
+@pytest.mark.parametrize("kind,layers", [(ttt.EAGLE2, 1), (ttt.EAGLE2, 2), (ttt.EAGLE3, 1)],
+                         ids=["eagle", "eagle-2-layers", "eagle3"])
+def test_ttt_steps_read_the_heads_own_outputs_as_drafting_does(lm, examples, kind, layers):
     """Step s of the unroll at entry p equals the head drafting s tokens after position p
-    (one-layer cache, its own output fed back); a teacher-forced step 1 (the target's
+    (the head's cache, its own output fed back); a teacher-forced step 1 (the target's
     feature in place of the head's output) does not."""
     target, tp = lm.model, lm.params
     d = target.config.hidden_size
     toks, _, full, _ = _batch(examples, d)
     if kind.name == "eagle":
-        hp = eagle.init_head(target.config, jax.random.key(1))
-        hp["layer"]["o"] = hp["layer"]["o"] * 10
+        hp = eagle.init_head(target.config, jax.random.key(1), layers=layers)
+        for lp in eagle.head_layers(hp):
+            lp["o"] = lp["o"] * 10 if layers == 1 else jnp.full_like(lp["o"], 0.02)
         teacher = blocks.features(target, tp, full[..., -d:])
         prev0 = ttt.shift(teacher, -1)
         run = lambda *a: eagle.head_forward(target, hp, tp, *a)  # noqa: E731
@@ -121,7 +123,7 @@ def test_ttt_steps_read_the_heads_own_outputs_as_drafting_does(lm, examples, kin
     outs = ttt.unroll(kind, target, hp, tp, toks, prev0, 3)
     row, p = 3, 20
     spec = kind.spec(target.config)
-    k, v = blocks.empty_kv(spec, 1, 64, jnp.float32)
+    k, v = blocks.empty_kv(spec, 1, 64, jnp.float32, layers)
     pos = jnp.arange(p + 1)[None]
     out, k, v = run(toks[row:row + 1, :p + 1], prev0[row:row + 1, :p + 1], pos, k, v,
                     jnp.zeros((1,), jnp.int32), blocks.causal(1, p + 1))
@@ -192,6 +194,35 @@ def test_a_later_run_replays_the_store_and_extends_it(lm, tmp_path):
     assert len(corpus) == sum(len(s["prompt_ids"]) for s in m["shards"])
     assert [len(t) for t, _, _ in corpus[:4]] == [len(t) for t, _ in store.read(0)]
     assert corpus[0][2].shape == (len(corpus[0][0]), lm.model.config.hidden_size)
+
+
+def test_a_two_layer_run_starts_from_a_one_layer_head_and_exports_both(lm, tmp_path):
+    """``head_layers=2`` warm-started from a one-layer head: the added layer starts as the
+    identity (the held-out scores before training equal the one-layer head's), it trains,
+    and the export records and reloads both layers bit for bit; a head of more layers than
+    the run's is refused."""
+    vids = np.arange(128, dtype=np.int32)
+    cfg = dataclasses.replace(CFG, rounds=1, loss=ttt.LossConfig(k=2))
+    one = eagle.init_head(lm.model.config, jax.random.key(5))
+    logs1, logs2 = [], []
+    onpolicy.train(lm, ttt.EAGLE2, cfg, tmp_path / "one", _store(lm, tmp_path / "s"), POOL,
+                   vids, init=one, log=logs1.append)
+    two = dataclasses.replace(cfg, head_layers=2)
+    st = onpolicy.train(lm, ttt.EAGLE2, two, tmp_path / "two", _store(lm, tmp_path / "s"),
+                        POOL, vids, init=one, log=logs2.append)
+    assert logs2[0]["val_top1"] == logs1[0]["val_top1"]
+    extra = st["params"]["extra_layers"]
+    assert len(extra) == 1 and float(jnp.abs(extra[0]["o"]).max()) > 0
+    out = glue.export_onpolicy(st, ttt.EAGLE2, two, tmp_path / "head", model="toy",
+                               target_cfg=lm.model.config, start=glue.Start(None, None, "none"),
+                               shards=tmp_path / "s", vocab_ids=vids)
+    assert json.loads((out / "head.json").read_text())["layers"] == 2
+    back, _ = head_io.load_eagle(out, lm.model.config)
+    as_bf16 = lambda t: jax.tree.map(lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16)), t)  # noqa: E731
+    jax.tree.map(np.testing.assert_array_equal, as_bf16(back), as_bf16(st["params"]))
+    three = eagle.init_head(lm.model.config, jax.random.key(5), layers=3)
+    with pytest.raises(ValueError, match="has 3 layers"):
+        onpolicy.init_params(ttt.EAGLE2, lm.model.config, two, three)
 
 
 def test_a_store_refuses_another_target_and_damage(lm, tmp_path):

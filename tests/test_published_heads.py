@@ -41,7 +41,7 @@ def _inputs(seed: int, width: int):
 
 def _run(fn, spec, hp, emb, x):
     """A head's ``apply_head`` over a causal sequence from an empty cache."""
-    k, v = blocks.empty_kv(spec, B, T, jnp.float32)
+    k, v = blocks.empty_kv(spec, B, T, jnp.float32, 1 + len(hp.get("extra_layers", ())))
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
     out, _, _ = fn(spec, hp, jnp.asarray(emb), jnp.asarray(x), pos, k, v,
                    jnp.zeros((B,), jnp.int32), blocks.causal(B, T))
@@ -52,15 +52,18 @@ def _hp(head):
     return jax.tree.map(jnp.asarray, head.params)
 
 
-@pytest.mark.parametrize("style,weights,dtype", [
-    ("vicuna", "pytorch_model.bin", torch.bfloat16),
-    ("llama3", "model.safetensors", torch.float32),
-    ("qwen2", "pytorch_model.bin", torch.float16)])
-def test_eagle1_head_equals_the_pytorch_reference(tmp_path, style, weights, dtype):
-    sd, cfg = write_eagle1_head(tmp_path, **SIZES, style=style, weights=weights, dtype=dtype)
+@pytest.mark.parametrize("style,weights,dtype,layers", [
+    ("vicuna", "pytorch_model.bin", torch.bfloat16, 1),
+    ("llama3", "model.safetensors", torch.float32, 1),
+    ("qwen2", "pytorch_model.bin", torch.float16, 1),
+    ("llama3", "model.safetensors", torch.float32, 2)])
+def test_eagle1_head_equals_the_pytorch_reference(tmp_path, style, weights, dtype, layers):
+    sd, cfg = write_eagle1_head(tmp_path, **SIZES, style=style, weights=weights, dtype=dtype,
+                                layers=layers)
     head = published.load(tmp_path, TARGET)
     assert head.kind == "eagle" and ("fc.bias" in sd) == (style != "llama3")
     assert "attn_norm" not in head.params["layer"]  # layer 0 has no input_layernorm
+    assert len(head.params.get("extra_layers", ())) == layers - 1
     assert head.spec.rope_theta == cfg.get("rope_theta", 10000.0)
     embed, lm_head, tokens, feats = _inputs(1, H)
     out = _run(eagle.apply_head, head.spec, _hp(head), embed[tokens].numpy(), feats.numpy())

@@ -56,11 +56,14 @@ class TrainConfig:
 
 def run_fields(cfg) -> dict:
     """``cfg`` (a config with an ``attn_norm`` field) as ``run.json`` records it: every
-    field, ``attn_norm`` only when False, so a run directory written before the field
-    existed still resumes (a run of the other layout is refused: ``check_run_layout``)."""
+    field, ``attn_norm`` only when False and ``head_layers`` only above 1, so a run
+    directory written before these fields existed still resumes (a run of the other layout
+    is refused: ``check_run_layout``, or ``run.json``'s comparison)."""
     d = dataclasses.asdict(cfg)
     if d.get("attn_norm", True):
         d.pop("attn_norm", None)
+    if d.get("head_layers", 1) == 1:
+        d.pop("head_layers", None)
     return d
 
 

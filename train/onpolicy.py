@@ -166,11 +166,14 @@ class OnPolicyConfig:
     # published EAGLE-1/2 head), so it has SafeAILab/EAGLE's layout
     attn_norm: bool = True
     epochs: int = 0
+    # EAGLE-2 only: the head's decoder layers (``eagle.init_head(layers=...)``)
+    head_layers: int = 1
 
     def __post_init__(self):
         low = [f"{k}={getattr(self, k)}" for k in ("rounds", "batch", "max_new_tokens",
                                                     "passes", "batch_tokens", "draft_vocab",
-                                                    "val_prompts", "val_every")
+                                                    "val_prompts", "val_every",
+                                                    "head_layers")
                if getattr(self, k) < 1]
         if low:
             raise ValueError(f"OnPolicyConfig: {', '.join(low)}; each must be >= 1")
@@ -358,23 +361,42 @@ def _round_data(lm, store: ShardStore, which, pool, cfg: OnPolicyConfig, layers,
 
 def init_params(kind: ttt.Kind, target_cfg, cfg: OnPolicyConfig, init=None) -> dict:
     """A fresh head of ``kind`` (float32; EAGLE-2: with the layer's ``attn_norm`` as
-    ``cfg.attn_norm`` says), or ``init``'s parameters cast to float32. ``ValueError`` for
-    ``attn_norm=False`` with EAGLE-3, or an ``init`` of the other EAGLE-2 layout
-    (``train.eagle.check_layout``)."""
+    ``cfg.attn_norm`` says, of ``cfg.head_layers`` layers), or ``init``'s parameters cast
+    to float32. An EAGLE-2 ``init`` of fewer layers gains the fresh head's extra layers,
+    which start as the identity, so the run starts from ``init``'s own drafts.
+    ``ValueError`` for ``attn_norm=False`` or ``head_layers > 1`` with EAGLE-3, an
+    ``init`` of the other EAGLE-2 layout (``train.eagle.check_layout``) or of more layers."""
     from specjax.drafters import eagle, eagle3
     from specjax.train.eagle import check_layout
 
     key = jax.random.key(cfg.seed)
-    if kind.name != "eagle" and not cfg.attn_norm:
-        raise ValueError("attn_norm=False is an EAGLE-2 option: an EAGLE-3 head's layer "
-                         "normalizes its inputs with embed_norm and hidden_norm")
-    fresh = (eagle.init_head(target_cfg, key, attn_norm=cfg.attn_norm) if kind.name == "eagle"
-             else eagle3.init_head(target_cfg, key, cfg.draft_vocab))
+    if kind.name != "eagle" and (not cfg.attn_norm or cfg.head_layers != 1):
+        raise ValueError("attn_norm=False and head_layers > 1 are EAGLE-2 options: an "
+                         "EAGLE-3 head has one layer, normalizing its inputs with embed_norm "
+                         "and hidden_norm")
+    fresh = (eagle.init_head(target_cfg, key, attn_norm=cfg.attn_norm, layers=cfg.head_layers)
+             if kind.name == "eagle" else eagle3.init_head(target_cfg, key, cfg.draft_vocab))
     if init is None:
         return fresh
     if kind.name == "eagle":
         check_layout(init, cfg.attn_norm)
+        init = _grown(init, fresh)
     return jax.tree.map(lambda a, b: jnp.asarray(b, a.dtype), fresh, init)
+
+
+def _grown(init: dict, fresh: dict) -> dict:
+    """The EAGLE-2 head ``init`` with the layers of ``fresh`` it lacks appended (identity at
+    the start); ``ValueError`` when ``init`` has more layers than ``fresh``."""
+    from specjax.drafters import eagle
+
+    have, want = eagle.num_layers(init), eagle.num_layers(fresh)
+    if have > want:
+        raise ValueError(f"the initial head has {have} layers, but this run trains a head of "
+                         f"{want} (--head-layers {have} continues it)")
+    if have == want:
+        return init
+    extra = list(init.get("extra_layers", ())) + fresh["extra_layers"][have - 1:]
+    return {**init, "extra_layers": extra}
 
 
 def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: ShardStore,

@@ -7,7 +7,7 @@ teacher-forced head (``s = 0`` only) never sees its own outputs in training. ``u
 runs ``k`` such steps over every position of a sequence at once, with the teacher's tokens:
 entry ``p`` of step ``s`` is the chain that starts after position ``p``, and its attention
 sees step 0's keys at positions ``<= p`` and the keys of entry ``p`` at steps ``1 .. s``
-(the drafting tree's visibility, through the same one-layer cache).
+(the drafting tree's visibility, through the same cache).
 
 ``Kind`` says which head is trained: ``EAGLE2`` (the target's final-normed last hidden state
 in, regression to the next feature plus cross-entropy through the target's LM head) or
@@ -88,7 +88,8 @@ def unroll(kind: Kind, target, hp, tparams, tokens: Int[Array, "B T"],
     token ``p + s`` and the head's own step ``s - 1`` output, at position ``p + s``."""
     b, t = tokens.shape
     spec = kind.spec(target.config)
-    kc, vc = blocks.empty_kv(spec, b, k * t, hp["fc"].dtype)
+    layers = eagle.num_layers(hp) if kind.name == "eagle" else 1
+    kc, vc = blocks.empty_kv(spec, b, k * t, hp["fc"].dtype, layers)
     pos = jnp.broadcast_to(jnp.arange(t), (b, t))
     eye = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t))
     outs, prev = [], prev0

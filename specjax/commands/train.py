@@ -15,7 +15,7 @@ _AT_LEAST = {
     "redrafter": {"unroll": 1, "blocks": 0, "draft_vocab": 0, "warmup": 0, "val_examples": 0},
     "exit-heads": {"kl_vocab": 0},
     "onpolicy": {"rounds": 1, "passes": 1, "ttt": 1, "draft_vocab": 1, "val_prompts": 1,
-                 "val_every": 1, "warmup": 0, "stop_after": 1, "epochs": 0},
+                 "val_every": 1, "warmup": 0, "stop_after": 1, "epochs": 0, "head_layers": 1},
 }
 
 
@@ -437,6 +437,9 @@ def _check_onpolicy_layout(args) -> None:
         if not args.attn_norm:
             raise UsageError(f"--no-attn-norm needs --kind eagle: an {args.kind} head's layer "
                              "normalizes its inputs with embed_norm and hidden_norm")
+        if args.head_layers != 1:
+            raise UsageError(f"--head-layers needs --kind eagle: an {args.kind} head has one "
+                             "layer (the published EAGLE-3 layouts' midlayer)")
         return
     if args.init == "none":
         return
@@ -494,6 +497,10 @@ def _add_onpolicy(tsub):
     to.add_argument("--export", help="write the trained head (bfloat16) here")
     to.add_argument("--no-attn-norm", dest="attn_norm", action="store_false",
                     help=_NO_ATTN_NORM + " (--kind eagle; with --init none or such a head)")
+    to.add_argument("--head-layers", type=int, default=1,
+                    help="decoder layers of the EAGLE-2 head (--kind eagle); layers a warm "
+                         "start lacks are added as the identity, so it starts from that "
+                         "head's drafts")
     to.add_argument("--export-format", choices=["eagle", "eagle3"],
                     help="also write the exported head in SafeAILab/EAGLE's published "
                          "layout, to EXPORT-eagle or EXPORT-eagle3 (the --kind of the same "

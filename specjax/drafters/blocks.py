@@ -140,10 +140,14 @@ def decoder_layer(spec: LayerSpec, p: Params, x: Float[Array, "B T D"], k_cache,
             kv_cache.write(v_cache, length, v, axis=2))
 
 
-def empty_kv(spec: LayerSpec, batch: int, slots: int, dtype) -> tuple[Array, Array]:
-    """A zero one-layer cache ``(k [B,K,H,S], v [B,K,S,H])`` of ``slots`` slots."""
-    return (jnp.zeros((batch, spec.num_kv_heads, spec.head_dim, slots), dtype),
-            jnp.zeros((batch, spec.num_kv_heads, slots, spec.head_dim), dtype))
+def empty_kv(spec: LayerSpec, batch: int, slots: int, dtype, layers: int = 1
+             ) -> tuple[Array, Array]:
+    """A zero cache ``(k [B,K,H,S], v [B,K,S,H])`` of ``slots`` slots for a head of
+    ``layers`` decoder layers: their K/V heads side by side on the ``K`` axis
+    (``layers * num_kv_heads``; layer ``i`` owns ``[i K, (i + 1) K)``)."""
+    k = layers * spec.num_kv_heads
+    return (jnp.zeros((batch, k, spec.head_dim, slots), dtype),
+            jnp.zeros((batch, k, slots, spec.head_dim), dtype))
 
 
 def causal(batch: int, t: int) -> Bool[Array, "B T T"]:

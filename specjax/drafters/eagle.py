@@ -1,11 +1,14 @@
-"""EAGLE-2: a one-layer draft head over the target's features and a dynamic draft tree.
+"""EAGLE-2: a draft head over the target's features and a dynamic draft tree.
 
 The head does autoregression over features: at position ``i`` it reads the target's
 feature at ``i - 1`` (the final-normed last hidden state, zero before the first token) and
 the embedding of token ``i``, and predicts the feature at ``i``; the target's frozen LM head
 turns a feature into next-token logits::
 
-    f̂_i = layer(fc([embed(x_i); f_{i-1}]))        logits_{i+1} = f̂_i · Eᵀ
+    f̂_i = layers(fc([embed(x_i); f_{i-1}]))       logits_{i+1} = f̂_i · Eᵀ
+
+``layers`` is one decoder layer (EAGLE's heads), or more (``init_head(layers=N)``: the
+published EAGLE-1/2 layout's ``num_hidden_layers``).
 
 ``E`` is the target's output embedding, or its rows for a reduced draft vocabulary (the
 most frequent target tokens; drafted ids are mapped back to full ids).
@@ -84,20 +87,47 @@ class EagleHead(nnx.Module):
                           mask, visible)
 
 
+def head_layers(hp) -> list:
+    """The head's decoder layers in order: ``hp["layer"]``, then ``hp["extra_layers"]``."""
+    return [hp["layer"], *hp.get("extra_layers", ())]
+
+
+def num_layers(hp) -> int:
+    """How many decoder layers the head ``hp`` has (static: the pytree's structure)."""
+    return len(head_layers(hp))
+
+
 def apply_head(spec: blocks.LayerSpec, hp, emb: Float[Array, "B T D"],
                prev_feat: Float[Array, "B T D"], positions: Int[Array, "B T"], k_cache, v_cache,
                length, mask, visible=None) -> tuple[Float[Array, "B T D"], Array, Array]:
-    """The EAGLE-1/2 head ``layer(fc([emb; prev_feat]))`` on the pytree ``hp``
-    (``{"fc" [2D, D], "fc_b" [D], "layer"}``, embedding first), one decoder layer of sizes
+    """The EAGLE-1/2 head ``layers(fc([emb; prev_feat]))`` on the pytree ``hp``
+    (``{"fc" [2D, D], "fc_b" [D], "layer"}``, embedding first, and optionally
+    ``"extra_layers"``, a list of layers after ``"layer"``): decoder layers of sizes
     ``spec`` (``blocks.decoder_layer``: a layer without ``attn_norm``, as published heads'
-    layer 0, runs its attention on the unnormed ``fc`` output). Returns the predicted
-    features and the one-layer cache with the new tokens' K/V written at slot ``length``."""
+    layer 0, runs its attention on the unnormed ``fc`` output). The cache holds every
+    layer's K/V heads side by side (``blocks.empty_kv(..., layers=num_layers(hp))``).
+    Returns the predicted features and the cache with the new tokens' K/V written at slot
+    ``length``."""
     chex.assert_equal_shape([emb, prev_feat])
     fc = hp["fc"]
     x = jnp.concatenate([emb.astype(fc.dtype), prev_feat.astype(fc.dtype)], axis=-1)
     x = jnp.einsum("bte,ed->btd", x, fc) + hp["fc_b"]  # b batch, t token, e = 2D, d = D
-    return blocks.decoder_layer(spec, hp["layer"], x, k_cache, v_cache, length, mask,
-                                positions, visible)
+    layers = head_layers(hp)
+    if len(layers) == 1:
+        return blocks.decoder_layer(spec, hp["layer"], x, k_cache, v_cache, length, mask,
+                                    positions, visible)
+    nk = spec.num_kv_heads
+    if k_cache.shape[1] != len(layers) * nk:
+        raise ValueError(f"a {len(layers)}-layer head needs {len(layers) * nk} K/V heads in "
+                         f"its cache, got {k_cache.shape[1]} (blocks.empty_kv(layers=...))")
+    ks, vs = [], []
+    for i, lp in enumerate(layers):
+        part = slice(i * nk, (i + 1) * nk)
+        x, k, v = blocks.decoder_layer(spec, lp, x, k_cache[:, part], v_cache[:, part],
+                                       length, mask, positions, visible)
+        ks.append(k)
+        vs.append(v)
+    return x, jnp.concatenate(ks, axis=1), jnp.concatenate(vs, axis=1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,11 +138,30 @@ def head_graphdef(target_cfg, attn_norm: bool = True):
         lambda: EagleHead(target_cfg, jax.random.key(0), attn_norm=attn_norm)))[0]
 
 
-def init_head(target_cfg, key: Array, dtype=jnp.float32, attn_norm: bool = True) -> dict:
+def init_head(target_cfg, key: Array, dtype=jnp.float32, attn_norm: bool = True,
+              layers: int = 1) -> dict:
     """A fresh ``EagleHead``'s parameters as a plain pytree; ``attn_norm=False``: without
     the layer's attention-input norm (``layer["attn_norm"]``), the published EAGLE-1/2
-    layout, the other parameters equal to the normed head's for the same ``key``."""
-    return nnx.to_pure_dict(nnx.state(EagleHead(target_cfg, key, dtype, attn_norm)))
+    layout, the other parameters equal to the normed head's for the same ``key``.
+
+    ``layers > 1`` adds ``extra_layers``: that many more pre-norm decoder layers (each with
+    ``attn_norm``) after ``layer``, drawn as ``layer`` is but with zero output projections
+    (``o``, ``down``), so each starts as the identity and the head computes exactly what
+    its first layer does (a warm start from a one-layer head keeps its function)."""
+    if layers < 1:
+        raise ValueError(f"an EAGLE head has at least one layer, got layers={layers}")
+    hp = nnx.to_pure_dict(nnx.state(EagleHead(target_cfg, key, dtype, attn_norm)))
+    if layers > 1:
+        keys = jax.random.split(jax.random.fold_in(key, 1), layers - 1)
+        hp["extra_layers"] = [_identity_layer(target_cfg, k, dtype) for k in keys]
+    return hp
+
+
+def _identity_layer(target_cfg, key: Array, dtype) -> dict:
+    """A pre-norm decoder layer drawn as ``EagleHead``'s, its ``o`` and ``down`` zero."""
+    layer = dict(nnx.to_pure_dict(nnx.state(EagleHead(target_cfg, key, dtype)))["layer"])
+    layer["o"], layer["down"] = jnp.zeros_like(layer["o"]), jnp.zeros_like(layer["down"])
+    return layer
 
 
 def output_embedding(target, tparams) -> Float[Array, "V D"]:
@@ -137,7 +186,8 @@ def training_forward(target, hp, tparams, tokens: Int[Array, "B T"],
                      prev_feat: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
     """Teacher-forced head over whole sequences (causal, no cache): predicted features."""
     b, t = tokens.shape
-    zk, zv = blocks.empty_kv(blocks.LayerSpec.of(target.config), b, t, hp["fc"].dtype)
+    zk, zv = blocks.empty_kv(blocks.LayerSpec.of(target.config), b, t, hp["fc"].dtype,
+                             num_layers(hp))
     pos = jnp.broadcast_to(jnp.arange(t), (b, t))
     out, _, _ = head_forward(target, hp, tparams, tokens, prev_feat, pos, zk, zv,
                              jnp.zeros((b,), jnp.int32), blocks.causal(b, t))
@@ -298,7 +348,8 @@ def draft_params(head: dict, target, tparams, vocab_ids=None) -> dict:
 
 @struct.dataclass
 class EagleState:
-    """The head's one-layer cache (slot = position; ``length`` positions processed) and the
+    """The head's cache (every head layer's K/V heads side by side, slot = position;
+    ``length`` positions processed) and the
     target features of the positions ``length - 1 ...`` still to feed it (with ``Context``,
     the pending positions are ``[length, ctx.length)``)."""
 
@@ -381,7 +432,9 @@ class EagleDrafter(base.OnTarget):
         spec, tp = self.layer_spec, ctx.params
         b, c = ctx.tokens.shape
         dtype = dparams["head"]["fc"].dtype
-        cache = KVCache.zeros(1, b, c + self.scratch, spec.num_kv_heads, spec.head_dim, dtype)
+        cache = KVCache.zeros(1, b, c + self.scratch,
+                              spec.num_kv_heads * num_layers(dparams["head"]), spec.head_dim,
+                              dtype)
         feats = self._features(tp, ctx.hidden)  # [B, C, F] over the prompt
         prev = shift_features(feats)
         plen = ctx.prompt_len

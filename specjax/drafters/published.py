@@ -216,13 +216,20 @@ def _eagle1(p: Path, f: Path, cfg: ConfigFields, tensors: dict, target_cfg) -> P
     spec = layer_spec(cfg, d)
     qkv_bias = cfg.flag("qkv_bias", cfg.flag("attention_bias", False))
     fc_bias = cfg.flag("bias", True)
-    want = {"fc.weight": (d, 2 * d), **_layer_shapes("layers.0.", spec, qkv_bias),
-            "embed_tokens.weight": (v, d)}
+    n = cfg.integer("num_hidden_layers", 1)
+    want = {"fc.weight": (d, 2 * d), "embed_tokens.weight": (v, d)}
+    for i in range(n):  # layer i > 0 normalizes its input (cnets1.py's LlamaDecoderLayer)
+        want.update(_layer_shapes(f"layers.{i}.", spec, qkv_bias))
+        if i:
+            want[f"layers.{i}.input_layernorm.weight"] = (spec.width,)
     if fc_bias:
         want["fc.bias"] = (d,)
     t = _take(tensors, want, f, optional=("embed_tokens.weight",))
     hp = {"fc": t["fc.weight"].T, "fc_b": t.get("fc.bias", np.zeros((d,), np.float32)),
           "layer": _layer(t, "layers.0.", qkv_bias)}
+    if n > 1:
+        hp["extra_layers"] = [{"attn_norm": t[f"layers.{i}.input_layernorm.weight"],
+                               **_layer(t, f"layers.{i}.", qkv_bias)} for i in range(1, n)]
     if "embed_tokens.weight" in t:
         hp["embed"] = t["embed_tokens.weight"]
     return PublishedHead("eagle", spec, hp, None, None, str(p))
@@ -396,15 +403,24 @@ def _eagle1_tensors(hp: dict, spec: blocks.LayerSpec, target_cfg, draft_vocab: i
             f"the head drafts over a reduced vocabulary of {draft_vocab} of the target's {v} "
             "tokens, which the EAGLE-1/2 layout cannot express (it drafts over the target's "
             "whole LM head)")
-    _check_keys(hp, {"fc", "fc_b", "layer"}, {"embed"}, {"qkv_b"}, "eagle")
+    _check_keys(hp, {"fc", "fc_b", "layer"}, {"embed", "extra_layers"}, {"qkv_b"}, "eagle")
     if spec.in_width != spec.width:
         raise NoPublishedLayout(f"the head's layer reads {spec.in_width} features, not its "
                                 f"width {spec.width}: not an EAGLE-1/2 layer")
     t = {"fc.weight": np.asarray(hp["fc"]).T, "fc.bias": np.asarray(hp["fc_b"]),
          **_split_layer(hp["layer"], "layers.0.", spec)}
+    bias = "qkv_b" in hp["layer"]
+    for i, lp in enumerate(hp.get("extra_layers", ()), start=1):
+        if set(lp) != _LAYER_KEYS | {"attn_norm"} | ({"qkv_b"} if bias else set()):
+            raise NoPublishedLayout(f"the head's layer {i} has parameters {sorted(lp)}; "
+                                    "EAGLE-1/2's layer i > 0 is a whole pre-norm decoder "
+                                    "layer, its biases as layer 0's")
+        t.update(_split_layer(lp, f"layers.{i}.", spec))
+        t[f"layers.{i}.input_layernorm.weight"] = np.asarray(lp["attn_norm"])
     if "embed" in hp:
         t["embed_tokens.weight"] = np.asarray(hp["embed"])
-    extra = {"bias": True, "qkv_bias": "qkv_b" in hp["layer"]}
+    extra = {"num_hidden_layers": 1 + len(hp.get("extra_layers", ())), "bias": True,
+             "qkv_bias": bias}
     return extra, t
 
 
