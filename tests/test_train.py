@@ -58,6 +58,26 @@ def test_loss_decreases(lm, corpus, tmp_path):
     assert logs[-1]["acc"] > logs[0]["acc"]
 
 
+def test_a_two_layer_head_trains_from_a_one_layer_head(lm, corpus, tmp_path):
+    """``head_layers=2`` warm-started from a one-layer head: the added layer starts as the
+    identity (the first step's loss equals the one-layer run's) and then trains; a run of
+    one layer refuses a two-layer start."""
+    one = eagle.init_head(TOY, jax.random.key(7))
+    cfg = dataclasses.replace(CFG, steps=6)
+    logs1, logs2 = [], []
+    train_eagle.train(lm.model, lm.params, corpus, cfg, tmp_path / "one", init=one,
+                      log=logs1.append)
+    st = train_eagle.train(lm.model, lm.params, corpus, dataclasses.replace(cfg, head_layers=2),
+                           tmp_path / "two", init=one, log=logs2.append)
+    assert logs2[0]["loss"] == pytest.approx(logs1[0]["loss"], rel=1e-5)
+    assert logs2[-1]["loss"] != pytest.approx(logs1[-1]["loss"], rel=1e-5)
+    assert eagle.num_layers(st["params"]) == 2
+    assert float(jnp.abs(st["params"]["extra_layers"][0]["down"]).max()) > 0
+    with pytest.raises(ValueError, match="has 2 layers"):
+        train_eagle.train(lm.model, lm.params, corpus, cfg, tmp_path / "three",
+                          init=st["params"])
+
+
 def test_held_out_examples_are_scored_and_never_trained_on(lm, corpus, tmp_path):
     cfg = dataclasses.replace(CFG, val_examples=6, steps=10)
     tr, val = train_eagle.split(corpus, cfg)

@@ -52,6 +52,7 @@ class TrainConfig:
     # False: no attention-input norm in the layer (layer 0 of a published EAGLE-1/2 head),
     # so the head has SafeAILab/EAGLE's layout (``--export-format eagle``)
     attn_norm: bool = True
+    head_layers: int = 1  # the head's decoder layers (``eagle.init_head(layers=...)``)
 
 
 def run_fields(cfg) -> dict:
@@ -90,6 +91,20 @@ def check_layout(params: dict, attn_norm: bool, what: str = "the initial head") 
         raise ValueError(f"{what} {'normalizes' if has else 'does not normalize'} its "
                          "attention input (attn_norm), but this run trains a head "
                          f"{'with' if attn_norm else 'without'} it")
+
+
+def grow_layers(init: dict, fresh: dict) -> dict:
+    """The EAGLE-2 head ``init`` with the layers of ``fresh`` (a head of more layers) it
+    lacks appended, which start as the identity (``eagle.init_head``), so ``init``'s
+    function is kept; ``ValueError`` when ``init`` has more layers than ``fresh``."""
+    have, want = eagle.num_layers(init), eagle.num_layers(fresh)
+    if have > want:
+        raise ValueError(f"the initial head has {have} layers, but this run trains a head of "
+                         f"{want} (--head-layers {have} continues it)")
+    if have == want:
+        return init
+    return {**init, "extra_layers": list(init.get("extra_layers", ()))
+            + fresh["extra_layers"][have - 1:]}
 
 
 def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -237,15 +252,19 @@ def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Pa
 
     ``init`` (head parameters) starts a new run from an existing head instead of a random
     one (fine-tuning); a resumed run ignores it. ``cfg.attn_norm`` says whether the head
-    has the layer's attention-input norm; ``init`` must agree (``check_layout``).
+    has the layer's attention-input norm; ``init`` must agree (``check_layout``). The head
+    has ``cfg.head_layers`` layers; an ``init`` of fewer gains identity layers
+    (``grow_layers``).
 
     ``stop_after`` stops after that many steps of this call (for tests of resume); the
     latest checkpoint is always written before returning.
     """
     opt = optimizer(cfg)
-    params = eagle.init_head(target.config, jax.random.key(cfg.seed), attn_norm=cfg.attn_norm)
+    params = eagle.init_head(target.config, jax.random.key(cfg.seed), attn_norm=cfg.attn_norm,
+                             layers=cfg.head_layers)
     if init is not None:
         check_layout(init, cfg.attn_norm)
+        init = grow_layers(init, params)
         params = jax.tree.map(lambda a, b: jnp.asarray(b, a.dtype), params, init)
     fresh = {"params": params, "opt_state": opt.init(params), "step": jnp.asarray(0, jnp.int32)}
     check_run_layout(run_dir, cfg.attn_norm)

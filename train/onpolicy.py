@@ -365,9 +365,10 @@ def init_params(kind: ttt.Kind, target_cfg, cfg: OnPolicyConfig, init=None) -> d
     to float32. An EAGLE-2 ``init`` of fewer layers gains the fresh head's extra layers,
     which start as the identity, so the run starts from ``init``'s own drafts.
     ``ValueError`` for ``attn_norm=False`` or ``head_layers > 1`` with EAGLE-3, an
-    ``init`` of the other EAGLE-2 layout (``train.eagle.check_layout``) or of more layers."""
+    ``init`` of the other EAGLE-2 layout (``train.eagle.check_layout``) or of more layers
+    (``train.eagle.grow_layers``)."""
     from specjax.drafters import eagle, eagle3
-    from specjax.train.eagle import check_layout
+    from specjax.train.eagle import check_layout, grow_layers
 
     key = jax.random.key(cfg.seed)
     if kind.name != "eagle" and (not cfg.attn_norm or cfg.head_layers != 1):
@@ -380,23 +381,9 @@ def init_params(kind: ttt.Kind, target_cfg, cfg: OnPolicyConfig, init=None) -> d
         return fresh
     if kind.name == "eagle":
         check_layout(init, cfg.attn_norm)
-        init = _grown(init, fresh)
+        init = grow_layers(init, fresh)
     return jax.tree.map(lambda a, b: jnp.asarray(b, a.dtype), fresh, init)
 
-
-def _grown(init: dict, fresh: dict) -> dict:
-    """The EAGLE-2 head ``init`` with the layers of ``fresh`` it lacks appended (identity at
-    the start); ``ValueError`` when ``init`` has more layers than ``fresh``."""
-    from specjax.drafters import eagle
-
-    have, want = eagle.num_layers(init), eagle.num_layers(fresh)
-    if have > want:
-        raise ValueError(f"the initial head has {have} layers, but this run trains a head of "
-                         f"{want} (--head-layers {have} continues it)")
-    if have == want:
-        return init
-    extra = list(init.get("extra_layers", ())) + fresh["extra_layers"][have - 1:]
-    return {**init, "extra_layers": extra}
 
 
 def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: ShardStore,

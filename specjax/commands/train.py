@@ -11,7 +11,8 @@ from specjax.commands.common import UsageError
 
 # the smallest value of each flag beyond those ``common.check_args`` keeps >= 1, by command
 _AT_LEAST = {
-    "eagle": {"warmup": 0, "ce_vocab": 0, "val_examples": 0, "draft_vocab": 0},
+    "eagle": {"warmup": 0, "ce_vocab": 0, "val_examples": 0, "draft_vocab": 0,
+              "head_layers": 1},
     "redrafter": {"unroll": 1, "blocks": 0, "draft_vocab": 0, "warmup": 0, "val_examples": 0},
     "exit-heads": {"kl_vocab": 0},
     "onpolicy": {"rounds": 1, "passes": 1, "ttt": 1, "draft_vocab": 1, "val_prompts": 1,
@@ -458,6 +459,10 @@ _NO_ATTN_NORM = ("train the EAGLE-2 head without its layer's attention-input nor
                  "holds, exportable with --export-format eagle")
 
 
+_HEAD_LAYERS = ("decoder layers of the EAGLE-2 head; layers a warm start lacks are added as "
+                "the identity, so it starts from that head's drafts")
+
+
 def _add_onpolicy(tsub):
     to = tsub.add_parser("onpolicy", help="an EAGLE-2 or EAGLE-3 head trained online on the "
                                           "target's own batched answers (self-distillation)")
@@ -497,10 +502,7 @@ def _add_onpolicy(tsub):
     to.add_argument("--export", help="write the trained head (bfloat16) here")
     to.add_argument("--no-attn-norm", dest="attn_norm", action="store_false",
                     help=_NO_ATTN_NORM + " (--kind eagle; with --init none or such a head)")
-    to.add_argument("--head-layers", type=int, default=1,
-                    help="decoder layers of the EAGLE-2 head (--kind eagle); layers a warm "
-                         "start lacks are added as the identity, so it starts from that "
-                         "head's drafts")
+    to.add_argument("--head-layers", type=int, default=1, help=_HEAD_LAYERS + " (--kind eagle)")
     to.add_argument("--export-format", choices=["eagle", "eagle3"],
                     help="also write the exported head in SafeAILab/EAGLE's published "
                          "layout, to EXPORT-eagle or EXPORT-eagle3 (the --kind of the same "
@@ -565,6 +567,7 @@ def register(sub) -> list:
     te.add_argument("--export", help="write the trained head (bfloat16) here")
     te.add_argument("--no-attn-norm", dest="attn_norm", action="store_false",
                     help=_NO_ATTN_NORM + " (--init: such a head)")
+    te.add_argument("--head-layers", type=int, default=1, help=_HEAD_LAYERS)
     te.add_argument("--export-format", choices=["eagle"],
                     help="also write the exported head in SafeAILab/EAGLE's published "
                          "EAGLE-1/2 layout, to EXPORT-eagle (needs --no-attn-norm and "
