@@ -41,6 +41,9 @@ class LossConfig:
     def __post_init__(self):
         if self.k < 1:
             raise ValueError(f"k={self.k}: the head runs at least one step")
+        if min(self.w_reg, self.w_ce) < 0 or self.w_reg + self.w_ce <= 0:
+            raise ValueError(f"w_reg={self.w_reg}, w_ce={self.w_ce}: the loss weights are "
+                             ">= 0, not both 0")
 
 
 @dataclasses.dataclass(frozen=True)

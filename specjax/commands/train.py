@@ -16,7 +16,8 @@ _AT_LEAST = {
     "redrafter": {"unroll": 1, "blocks": 0, "draft_vocab": 0, "warmup": 0, "val_examples": 0},
     "exit-heads": {"kl_vocab": 0},
     "onpolicy": {"rounds": 1, "passes": 1, "ttt": 1, "draft_vocab": 1, "val_prompts": 1,
-                 "val_every": 1, "warmup": 0, "stop_after": 1, "epochs": 0, "head_layers": 1},
+                 "val_every": 1, "warmup": 0, "stop_after": 1, "epochs": 0, "head_layers": 1,
+                 "w_reg": 0, "w_ce": 0},
 }
 
 
@@ -489,6 +490,11 @@ def _add_onpolicy(tsub):
                     help="training-time test: steps the head is unrolled on its own outputs")
     to.add_argument("--noise", type=float, default=0.1,
                     help="uniform noise on step 0's input features, relative to their RMS")
+    to.add_argument("--w-reg", type=float, default=1.0,
+                    help="EAGLE-2: weight of the feature regression")
+    to.add_argument("--w-ce", type=float, default=0.1,
+                    help="EAGLE-2: weight of the cross-entropy against the target's "
+                         "distribution (EAGLE-3 trains on the cross-entropy alone)")
     to.add_argument("--draft-vocab", type=int, default=8192,
                     help="EAGLE-3: the head's vocabulary; EAGLE-2: the cross-entropy's rows")
     to.add_argument("--val-prompts", type=int, default=48)
