@@ -119,17 +119,27 @@ TOY = toys.LLAMA
 PROMPT = [1, 5, 2, 7, 5]
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1-layer", "2-layer"])
-def toy(request):
-    """The toy target and a random head of one or two decoder layers (the second layer's
-    output projections made nonzero, so it changes what the head drafts)."""
+def _toy(layers: int):
+    """The toy target and a random head of ``layers`` decoder layers (the extra layers'
+    output projections made nonzero, so they change what the head drafts)."""
     model, tparams = toys.llama(seed=1)
-    head = eagle.init_head(TOY, jax.random.key(3), layers=request.param)
+    head = eagle.init_head(TOY, jax.random.key(3), layers=layers)
     for i, lp in enumerate(head.get("extra_layers", ())):
         k1, k2 = jax.random.split(jax.random.key(10 + i))
         lp["o"] = jax.random.normal(k1, lp["o"].shape) * 0.05
         lp["down"] = jax.random.normal(k2, lp["down"].shape) * 0.05
     return model, tparams, eagle.draft_params(head, model, tparams)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-layer", "2-layer"])
+def toy(request):
+    return _toy(request.param)
+
+
+@pytest.fixture(scope="module")
+def toy2():
+    """A two-layer head: the one-layer head's decoding is tests/test_conformance.py's."""
+    return _toy(2)
 
 
 # Greedy equals ar (full and reduced draft vocabulary, batch 1 and 4) and the sampled law:
@@ -171,14 +181,14 @@ def test_drafter_matches_the_teacher_forced_head(toy):
 # tests/test_real_smollm2.py::test_speculative_greedy_equals_ar[eagle2].
 
 
-def test_drafter_state_after_commit_equals_a_fresh_start(toy):
+def test_drafter_state_after_commit_equals_a_fresh_start(toy2):
     """After a real round (propose, verify, commit), the head drafts exactly what a head
     started afresh on the whole accepted context drafts: the committed features and cache
     are those of the true context."""
     from specjax.core.decoding import prefill
     from specjax.drafters import Context
 
-    model, tparams, dp = toy
+    model, tparams, dp = toy2
     drafter = eagle.EagleDrafter(model, depth=3, topk=3, total_tokens=8)
     cap, chunk, greedy = 128, 16, sampling.Greedy()
     eos = jnp.asarray([-1])
@@ -218,10 +228,10 @@ def test_drafter_state_after_commit_equals_a_fresh_start(toy):
     assert sum(accepted) > 0, "no round accepted a draft token: the commit path went untested"
 
 
-def test_a_two_layer_head_decodes_equal_to_ar(toy):
-    """Greedy decoding with the head (one or two layers) equals ``ar`` at a ragged batch,
-    with drafts accepted."""
-    model, tparams, dp = toy
+def test_a_two_layer_head_decodes_equal_to_ar(toy2):
+    """Greedy decoding with a two-layer head equals ``ar`` at a ragged batch, with drafts
+    accepted."""
+    model, tparams, dp = toy2
     drafter = eagle.EagleDrafter(model, depth=3, topk=2, total_tokens=5)
     dec = specjax.Speculative(model, drafter, drafter.verify_widths, chunk=16)
     prompts, budgets = [PROMPT, [3, 3, 1], PROMPT * 4], [20, 7, 33]
