@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import toys
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Compiles and runs greedy speculative decoding (an n-gram drafter) and ar on a
@@ -51,7 +53,7 @@ def _run(tmp: Path, **env_extra) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE",
                                 "SPECJAX_COMPILATION_CACHE", "SPECJAX_CACHE"))}
-    env.update(SPECJAX_CACHE=str(tmp), **env_extra)
+    env = toys.toy_process_env({**env, "SPECJAX_CACHE": str(tmp), **env_extra})
     out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
                          cwd=ROOT, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -69,7 +69,7 @@ def test_device_check_small_runs_every_method_equal_to_ar(tmp_path):
     accelerator code path measures every method on every tiny shape (and the batched phase),
     each greedy output equal to ar's, the sampled-verification law check passes, and the run
     says it is complete only because nothing was skipped."""
-    env = {**os.environ, "PYTHON": sys.executable}
+    env = toys.toy_process_env({**os.environ, "PYTHON": sys.executable})  # tiny shapes only
     proc = subprocess.run(
         ["bash", str(ROOT / "scripts" / "device_check.sh"), "--small", "--out", str(tmp_path)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

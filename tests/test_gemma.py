@@ -243,6 +243,8 @@ def test_gemma3_270m_logits_match_transformers(gemma3, hf_gemma3, gemma3_prompts
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # opt-in (the suite's time): the logits test above runs by default,
+# and greedy decoding equals transformers' past the window on the Gemma toys
 def test_gemma3_270m_greedy_equals_transformers(gemma3, hf_gemma3, gemma3_ar):
     """Greedy ``generate``'s first 12 tokens (a greedy run's prefix is the shorter run: the
     shared 16-token reference) equal transformers' 12."""
