@@ -107,6 +107,9 @@ def shipped(smollm):
     return exit_heads.load_heads(smollm.model, path)
 
 
+@pytest.mark.extended  # opt-in (the suite's time): a property of the shipped files, which
+# change only when retrained; by default the three-level HSD test in
+# tests/test_real_smollm2.py decodes with them and requires their drafts to be accepted
 def test_shipped_exit_heads_agree_with_the_target_more_than_plain_exits(smollm, shipped):
     from toys import SMOLLM_PROMPTS as PROMPTS
 

@@ -1,7 +1,8 @@
 """The documentation's Python blocks run as written: those of README.md, then those of every
 Markdown file under docs/ that has any, each file in order and in its own fresh namespace
 (as a reader pastes one page into one session), all in one child process (so later files'
-model loads and compiles are cache hits), on real SmolLM2-135M weights and 8 simulated CPU
+compiles are cache hits, and a model an earlier page loaded with the same arguments is not
+loaded again), on real SmolLM2-135M weights and 8 simulated CPU
 devices (the sharding block asks for 6). Blocks whose first line says ``# sketch`` are
 pseudo-code and are only checked to be marked; the others must run, so every page is
 self-contained, and the research-code example's tokens must equal
@@ -25,6 +26,14 @@ SCAN_KEEP = SCAN_LINE + "; scan_tokens = out.to_lists()[0]"
 _CHILD = r"""
 import re, sys, traceback
 from pathlib import Path
+import specjax.models
+_load, _loaded = specjax.models.load, {}
+def _load_once(*a, **k):  # a page loading what an earlier page loaded gets that object
+    key = (a, tuple(sorted(k.items())))
+    if key not in _loaded:
+        _loaded[key] = _load(*a, **k)
+    return _loaded[key]
+specjax.models.load = _load_once
 for label, path in zip(sys.argv[1::2], sys.argv[2::2]):
     blocks = re.findall(r"```python\n(.*?)```", Path(path).read_text(), re.S)
     ns = {"__name__": "__readme__"}

@@ -25,14 +25,16 @@ from toys import SMOLLM_PROMPTS as PROMPTS
 MODEL = "smollm2-135m"
 BUDGETS = [24, 9, 17, 30]
 # The drafters whose proposals come from the target itself (n-gram lookup, an early exit of
-# it, a bfloat16 copy of it) are opt-in here (``extended``, tests/conftest.py), to keep the
-# suite's time: by default their greedy equality runs on the Llama toys
+# it, a bfloat16 copy of it) and ReDrafter are opt-in here (``extended``, tests/conftest.py),
+# to keep the suite's time: by default their greedy equality runs on the Llama toys
 # (tests/test_conformance.py, tests/test_speculative.py), and on SmolLM2 the n-gram drafter's
-# in notebooks/01_quickstart.ipynb and early exits' in the three-level HSD test below; the
-# trained heads' equality stays in the default run.
+# in notebooks/01_quickstart.ipynb, ReDrafter's in notebooks/04_redrafter.ipynb and early
+# exits' in the three-level HSD test below; the shipped EAGLE-2 head's stays in the default
+# run.
 _OPT_IN = pytest.mark.extended
 SPECULATIVE = [pytest.param("ngram", marks=_OPT_IN), pytest.param("early-exit", marks=_OPT_IN),
-               pytest.param("model-tree", marks=_OPT_IN), "eagle2", "redrafter"]
+               pytest.param("model-tree", marks=_OPT_IN), "eagle2",
+               pytest.param("redrafter", marks=_OPT_IN)]
 
 
 def _eagle(lm):
