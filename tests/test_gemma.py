@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import methods
+from specjax import hsd, methods
 from specjax.models import load_hf_dir
 from specjax.drafters import eagle
 from specjax.models.gemma import FULL, SLIDING, Gemma, init_params
@@ -127,7 +127,7 @@ def test_tiny_speculation_across_the_window_edge_equals_ar(tiny):
     """Tree verification and commit with prompts and outputs longer than the window: every
     drafter's greedy output equals ``generate`` on a ragged batch of 4 (batch 1 against
     batch 4 is checked for every drafter on Llama toys and on Gemma-3-270M). Gemma 2 runs a
-    chain and a tree; Gemma 3 also the early-exit and model drafters."""
+    chain and a tree; Gemma 3 also the early-exit and model drafters, and three-level HSD."""
     kind, _, model, params = tiny
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, 96, n).tolist() for n in (5, 9, 14, 21)]
@@ -147,6 +147,11 @@ def test_tiny_speculation_across_the_window_edge_equals_ar(tiny):
         out = specjax.speculative_generate(model, params, drafter, dparams, prompts,
                                            max_new_tokens=24, eos_ids=())
         assert out.to_lists() == ar, type(drafter).__name__
+    if kind == "gemma3":  # HSD: an n-gram bottom, an exit of the windowed layers, the target
+        h = hsd.Hierarchy((hsd.NGram(specjax.NGramDrafter(depth=4)), hsd.Exit(2), hsd.Exit()),
+                          (3, 2))
+        out = hsd.hsd_generate(model, params, h, prompts, max_new_tokens=24, eos_ids=())
+        assert out.to_lists() == ar, "hsd"
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
@@ -284,8 +289,7 @@ def test_gemma3_270m_every_method_equals_ar(gemma3, gemma3_ar):
     (ragged, one prompt past the 512-token window): the Gemma family's real-weight check
     (SmolLM2's: tests/test_real_smollm2.py). The drafters that need no trained head (n-gram,
     early exit, a draft model) run across the window edge on the Gemma 3 toy
-    (test_tiny_speculation_across_the_window_edge_equals_ar), HSD on the device check's
-    tiny-gemma (tests/test_device_check.py)."""
+    (test_tiny_speculation_across_the_window_edge_equals_ar), and so does HSD."""
     m, p = gemma3.model, gemma3.params
     prompts, ar = gemma3_ar  # generate(), once per session
     drafter, dparams = methods.load_drafter("eagle2", gemma3, "gemma3-270m")  # shipped head
