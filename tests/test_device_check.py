@@ -89,10 +89,9 @@ def test_device_check_small_runs_every_method_equal_to_ar(tmp_path):
     assert law["passed"] and law["p_value"] > 1e-4 and law["control_p_value"] < 1e-6
     assert {p["name"] for p in rep["phases"]} == {"bandwidth", "law", "tiny-llama"}
     n_new = rep["settings"]["prompts"] * rep["settings"]["max_new_tokens"]
-    for name in ("tiny-llama",):
-        s = rep["shapes"][name]
-        _check_small_shape(s, n_new)
-        assert s["compile_wall_s"] > 0
+    s = rep["shapes"]["tiny-llama"]
+    _check_small_shape(s, n_new)
+    assert s["compile_wall_s"] > 0
     b = rep["shapes"]["tiny-llama"]["batched"]
     assert set(b) == {"ar", "eagle3:2,2,3", "sd-ngram:7"}
     for m, r in b.items():

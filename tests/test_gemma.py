@@ -235,8 +235,8 @@ def test_gemma3_270m_logits_match_transformers(gemma3, hf_gemma3, gemma3_prompts
     assert gemma3.eos_ids == (1, 106) and not gemma3.has_chat_template
     # the short prompts in one forward, right-padded (under the causal mask a row's first
     # len(ids) logits do not see its padding), the long one alone: two compiles, not three
-    short = [ids for ids in gemma3_prompts if len(ids) < 64]
-    groups = [short, [ids for ids in gemma3_prompts if len(ids) >= 64]]
+    groups = [[ids for ids in gemma3_prompts if len(ids) < 64],
+              [ids for ids in gemma3_prompts if len(ids) >= 64]]
     assert all(groups)
     for group in groups:
         n, k = max(len(ids) for ids in group), len(group)
