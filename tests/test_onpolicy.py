@@ -194,6 +194,15 @@ def test_a_later_run_replays_the_store_and_extends_it(lm, tmp_path):
     assert len(corpus) == sum(len(s["prompt_ids"]) for s in m["shards"])
     assert [len(t) for t, _, _ in corpus[:4]] == [len(t) for t, _ in store.read(0)]
     assert corpus[0][2].shape == (len(corpus[0][0]), lm.model.config.hidden_size)
+    # decoded with no head (``extend_store``, ``--decode-only``): the same shards, byte for
+    # byte, so a training run replays them; a full store decodes nothing more
+    cfg3 = dataclasses.replace(cfg, rounds=3)
+    assert onpolicy.extend_store(lm, _store(lm, tmp_path / "d"), POOL, cfg) == ["val", 0, 1]
+    assert onpolicy.extend_store(lm, _store(lm, tmp_path / "d"), POOL, cfg3) == [2]
+    assert onpolicy.extend_store(lm, _store(lm, tmp_path / "d"), POOL, cfg3) == []
+    assert json.loads((tmp_path / "d" / "manifest.json").read_text()) == m
+    with pytest.raises(ValueError, match="the prompt data changed"):
+        onpolicy.extend_store(lm, _store(lm, tmp_path / "d"), POOL[::-1], cfg3)
 
 
 def test_a_two_layer_run_starts_from_a_one_layer_head_and_exports_both(lm, tmp_path):
@@ -288,6 +297,10 @@ def test_a_bad_mesh_is_refused_before_anything_loads(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and f"--mesh {mesh}: " in err and msg in err, err
     assert not (tmp_path / "r").exists()
+    for extra, msg in (([], "--run DIR is required"),
+                       (["--decode-only", "--epochs", "2"], "trains nothing: drop --epochs")):
+        assert cli.main([*base[:-2], *extra]) == 2
+        assert msg in capsys.readouterr().err
 
     class Mesh3:  # the sizes alone: one device cannot hold a model=3 mesh
         shape = {sharding.DATA: 1, sharding.MODEL: 3}

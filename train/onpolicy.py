@@ -337,26 +337,61 @@ def _encode(lm, pool, cfg: OnPolicyConfig) -> tuple[list[str], list[list[int]]]:
     return ids, toks
 
 
+def _sorted_prompts(lm, pool, cfg: OnPolicyConfig) -> tuple[list[str], list[list[int]]]:
+    """A round's prompt ids and tokens as it decodes them: similar lengths together."""
+    ids, toks = _encode(lm, pool, cfg)
+    order = sorted(range(len(toks)), key=lambda i: len(toks[i]))
+    return [ids[i] for i in order], [toks[i] for i in order]
+
+
+def _known(store: ShardStore, which, ids: list[str]) -> bool:
+    """Whether ``store`` holds round ``which`` (a shard number or ``"val"``); ``ValueError``
+    if it holds it for other prompts than ``ids``."""
+    known = store.has(which) if isinstance(which, str) else which < len(store)
+    entry = known and (store.manifest[which] if isinstance(which, str)
+                       else store.manifest["shards"][which])
+    if known and entry["prompt_ids"] != ids:
+        raise ValueError(f"shard {which} of {store.root} answers other prompts than this run "
+                         "chooses: the prompt data changed")
+    return known
+
+
 def _round_data(lm, store: ShardStore, which, pool, cfg: OnPolicyConfig, layers, mesh=None):
     """``(examples, replayed, seconds)`` of a round (a shard number) or of ``"val"``: read
     from the store and prefilled, or decoded and appended to it (on ``mesh``: ``lm``
     sharded over it)."""
     t0 = time.perf_counter()
-    ids, toks = _encode(lm, pool, cfg)
-    order = sorted(range(len(toks)), key=lambda i: len(toks[i]))  # similar lengths together
-    ids, toks = [ids[i] for i in order], [toks[i] for i in order]
-    known = store.has(which) if isinstance(which, str) else which < len(store)
+    ids, toks = _sorted_prompts(lm, pool, cfg)
+    known = _known(store, which, ids)
     if known:
-        entry = store.manifest[which] if isinstance(which, str) else store.manifest["shards"][which]
-        if entry["prompt_ids"] != ids:
-            raise ValueError(f"shard {which} of {store.root} answers other prompts than this run "
-                             "chooses: the prompt data changed")
         ex = prefill_features(lm, store.read(which), layers, mesh=mesh)
     else:
         ex = decode_round(lm, toks, cfg.max_new_tokens, layers, mesh=mesh)
         store.append(ids, [(t, pl) for t, pl, _ in ex],
                      name=which if isinstance(which, str) else None)
     return ex, known, time.perf_counter() - t0
+
+
+def extend_store(lm, store: ShardStore, pool: Sequence[tuple[str, str]], cfg: OnPolicyConfig,
+                 *, progress=None, mesh=None) -> list:
+    """Decodes into ``store`` its held-out shard, if absent, and the rounds it lacks up to
+    ``cfg.rounds``, and trains nothing: the shards a :func:`train` run of ``cfg`` would
+    decode, token for token, which that run then replays. Shards already held are not
+    read; the held-out shard's and the last round's prompts are checked against ``pool``
+    (``ValueError`` if the prompt data changed). Returns what it decoded (``"val"`` and
+    round numbers). With ``mesh``: ``lm`` sharded over it, rows over ``data``."""
+    lm = on_mesh(lm, mesh)
+    rounds = {"val": list(pool[:cfg.val_prompts])}
+    if len(store):
+        rounds[len(store) - 1] = _round_prompts(pool, cfg, len(store) - 1)
+    todo = [w for w, p in rounds.items() if not _known(store, w, _sorted_prompts(lm, p, cfg)[0])]
+    todo += list(range(len(store), cfg.rounds))
+    for w in todo:
+        _round_data(lm, store, w, rounds.get(w) or _round_prompts(pool, cfg, w), cfg,
+                    (lm.model.config.num_layers,), mesh)
+        if progress is not None:
+            progress.update(1)
+    return todo
 
 
 def init_params(kind: ttt.Kind, target_cfg, cfg: OnPolicyConfig, init=None) -> dict:
@@ -572,7 +607,7 @@ def store_corpus(lm, root: str | Path, batch: int = 16, progress=None) -> list[E
 
 
 __all__ = ["OnPolicyConfig", "batch_arrays", "check_store", "decode_round", "epoch_batches",
-           "make_eval",
+           "extend_store", "make_eval",
            "make_step", "minibatches", "on_mesh", "optimizer", "init_params", "store_header",
            "store_settings", "store_target", "train", "prefill_features", "prompt_pool",
            "validate", "ShardStore", "store_corpus", "target_hash"]

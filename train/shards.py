@@ -176,6 +176,9 @@ class ShardStore:
     def tokens(self) -> int:
         return sum(s["tokens"] for s in self.manifest["shards"])
 
+    def answer_tokens(self) -> int:
+        return sum(s["answer_tokens"] for s in self.manifest["shards"])
+
     def append(self, prompt_ids: Sequence[str], examples: Sequence[tuple[np.ndarray, int]],
                name: str | None = None) -> dict:
         """Writes ``examples`` (``(tokens, prompt_len)``, answering ``prompt_ids``) as the next

@@ -313,11 +313,7 @@ def _onpolicy_inputs(args, kind):
     cfg = glue.from_args(onpolicy.OnPolicyConfig, args,
                          loss=glue.from_args(ttt.LossConfig, args, k=args.ttt))
     pool = onpolicy.prompt_pool(args.prompts, _spec_bench_texts(args.exclude), args.seed)
-    need = cfg.val_prompts + cfg.rounds * cfg.batch
-    if need > len(pool):
-        raise UsageError(f"--rounds {cfg.rounds} of --batch {cfg.batch} prompts and "
-                         f"--val-prompts {cfg.val_prompts} need {need} prompts; "
-                         f"--prompts {args.prompts} has {len(pool)}")
+    _check_pool(cfg, pool, args.prompts)
     start = _onpolicy_start(args, kind)
     vocab_ids = _onpolicy_vocab(args, cfg, start.order)
     onpolicy.check_store(args.shards, args.run, cfg, _exclude_name(args), args.stop_after)
@@ -336,6 +332,10 @@ def cmd_train_onpolicy(args) -> int:
 
     from specjax.train import glue, onpolicy, shards, ttt
 
+    if args.decode_only:
+        return _decode_only(args)
+    if not args.run:
+        raise UsageError("--run DIR is required (the run's checkpoints), unless --decode-only")
     kind = ttt.EAGLE3 if args.kind == "eagle3" else ttt.EAGLE2
     _check_export_format(args)
     _check_onpolicy_layout(args)
@@ -364,6 +364,48 @@ def cmd_train_onpolicy(args) -> int:
         print(f"exported the head (bfloat16) to {out}")
         _export_published(args, out, lm.model.config)
     return 0
+
+
+def _decode_only(args) -> int:
+    """``train onpolicy --decode-only``: the store extended to ``--rounds`` rounds
+    (``onpolicy.extend_store``), every input checked before the target loads."""
+    from tqdm import tqdm
+
+    from specjax.train import glue, onpolicy, shards, ttt
+
+    given = [f for f in ("export", "export_format", "epochs", "stop_after") if getattr(args, f)]
+    if given:
+        raise UsageError(f"--decode-only trains nothing: drop --{given[0].replace('_', '-')}")
+    _check_ranges(args, "onpolicy")
+    mesh = common.mesh(args, rows=None)
+    common.writable(args.shards, "--shards", directory=True)
+    _check_prompts(args.prompts)
+    cfg = glue.from_args(onpolicy.OnPolicyConfig, args,
+                         loss=glue.from_args(ttt.LossConfig, args, k=args.ttt))
+    pool = onpolicy.prompt_pool(args.prompts, _spec_bench_texts(args.exclude), args.seed)
+    _check_pool(cfg, pool, args.prompts)
+    shards.check_store(args.shards, [], onpolicy.store_settings(cfg, _exclude_name(args)))
+    lm = _load(args, vocab=True, mesh=mesh)
+    thash = shards.target_hash(lm.model.config, lm.params)
+    store = shards.ShardStore(args.shards, onpolicy.store_header(
+        lm, cfg, _exclude_name(args), thash), lm.model.config.vocab_size)
+    print(f"the store holds {len(store)} rounds ({store.tokens()} tokens) of target {thash}; "
+          f"decoding up to {cfg.rounds}", flush=True)
+    with tqdm(total=max(0, cfg.rounds - len(store)) + (not store.has("val")),
+              desc="decoding rounds", unit="round") as bar:
+        done = onpolicy.extend_store(lm, store, pool, cfg, progress=bar, mesh=mesh)
+    print(f"decoded {len(done)} shards; the store holds {len(store)} rounds, "
+          f"{store.tokens()} tokens, {store.answer_tokens()} of them answer tokens")
+    return 0
+
+
+def _check_pool(cfg, pool, prompts) -> None:
+    """``UsageError`` unless ``pool`` holds the held-out prompts and every round's."""
+    need = cfg.val_prompts + cfg.rounds * cfg.batch
+    if need > len(pool):
+        raise UsageError(f"--rounds {cfg.rounds} of --batch {cfg.batch} prompts and "
+                         f"--val-prompts {cfg.val_prompts} need {need} prompts; "
+                         f"--prompts {prompts} has {len(pool)}")
 
 
 def _export_published(args, out, target_cfg) -> None:
@@ -473,9 +515,13 @@ def _add_onpolicy(tsub):
     to.add_argument("--exclude", help="Spec-Bench question.jsonl: overlapping prompts are dropped")
     to.add_argument("--shards", required=True,
                     help="token shard store (manifest.json): replayed, then extended")
-    to.add_argument("--run", required=True, help="run directory: checkpoints; resumes")
+    to.add_argument("--run", help="run directory: checkpoints; resumes (required unless "
+                                  "--decode-only)")
     to.add_argument("--rounds", type=int, default=8, help="decode batches in all (replayed "
                                                           "ones included)")
+    to.add_argument("--decode-only", action="store_true",
+                    help="decode the rounds the store lacks up to --rounds and train nothing "
+                         "(no --run): a later run with the same settings replays them")
     to.add_argument("--batch", type=int, default=32, help="prompts decoded together")
     to.add_argument("--max-new-tokens", type=int, default=128)
     to.add_argument("--passes", type=int, default=1, help="optimizer passes over each round")
