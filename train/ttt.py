@@ -99,7 +99,7 @@ def unroll(kind: Kind, target, hp, tparams, tokens: Int[Array, "B T"],
     for s in range(k):
         toks = shift(tokens, s)
         mask, vis = (blocks.causal(b, t), None) if s == 0 else (eye, visibility(b, t, k, s))
-        length = jnp.full((b,), s * t, jnp.int32)
+        length = blocks.filled(b, s * t)
         if kind.name == "eagle":
             out, kc, vc = eagle.head_forward(target, hp, tparams, toks, prev, pos + s, kc, vc,
                                              length, mask, vis)

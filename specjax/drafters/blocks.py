@@ -150,6 +150,14 @@ def empty_kv(spec: LayerSpec, batch: int, slots: int, dtype, layers: int = 1
             jnp.zeros((batch, k, slots, spec.head_dim), dtype))
 
 
+def filled(batch: int, n: int) -> Int[Array, "B"]:
+    """A cache length of ``n`` slots in every row, opaque to XLA. With a constant length,
+    the masked scores over a cache that is known empty are themselves a constant, which
+    XLA:CPU folds element by element: measured at 26-68 s of compile per batch shape of
+    the training-time test (12 x 320 tokens), against 1.3-1.6 s with this barrier."""
+    return jax.lax.optimization_barrier(jnp.full((batch,), n, jnp.int32))
+
+
 def causal(batch: int, t: int) -> Bool[Array, "B T T"]:
     """The causal mask of ``t`` new tokens, per row."""
     return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
@@ -157,4 +165,4 @@ def causal(batch: int, t: int) -> Bool[Array, "B T T"]:
 
 __all__ = ["LayerSpec", "features", "rms_norm", "project", "dense", "head_logits",
            "apply_rope", "attention", "layer_shapes", "qkv_heads", "self_attention", "swiglu",
-           "decoder_layer", "empty_kv", "causal"]
+           "decoder_layer", "empty_kv", "filled", "causal"]

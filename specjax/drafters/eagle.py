@@ -190,7 +190,7 @@ def training_forward(target, hp, tparams, tokens: Int[Array, "B T"],
                              num_layers(hp))
     pos = jnp.broadcast_to(jnp.arange(t), (b, t))
     out, _, _ = head_forward(target, hp, tparams, tokens, prev_feat, pos, zk, zv,
-                             jnp.zeros((b,), jnp.int32), blocks.causal(b, t))
+                             blocks.filled(b, 0), blocks.causal(b, t))
     return out
 
 
