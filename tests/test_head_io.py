@@ -241,6 +241,7 @@ def test_an_eagle2_head_gives_an_eagle3_run_its_vocabulary_only(tmp_path):
     assert glue.onpolicy_start("none", path, ttt.EAGLE3) == glue.Start(
         None, EXPECTED["eagle"]["vocab_ids"], "none")
     assert glue.onpolicy_start("shipped", path, ttt.EAGLE2).path == path
+    assert glue.onpolicy_start("shipped", path, ttt.EAGLE2).draft_vocab == 4  # its export's
 
 
 def _args(argv: list[str]):

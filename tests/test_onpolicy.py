@@ -179,10 +179,13 @@ def test_a_later_run_replays_the_store_and_extends_it(lm, tmp_path):
     assert [r["replayed"] for r in logs if r["round"]] == [True, True, False]
     m = json.loads((tmp_path / "store" / "manifest.json").read_text())
     assert len(m["shards"]) == 3 and m["val"]["prompt_ids"]
-    # run "a"'s head, exported now, records the 2 rounds it trained on, not the store's 3
+    # run "a"'s head, exported now, records the 2 rounds it trained on, not the store's 3,
+    # and drafts over the vocabulary of the head it started from
     out = glue.export_onpolicy(a, ttt.EAGLE2, cfg, tmp_path / "head", model="toy",
-                               target_cfg=lm.model.config, start=glue.Start(None, None, "none"),
+                               target_cfg=lm.model.config,
+                               start=glue.Start(None, None, "none", draft_vocab=48),
                                shards=tmp_path / "store", vocab_ids=vids)
+    assert json.loads((out / "head.json").read_text())["draft_vocab"] == 48
     data = json.loads((out / "head.json").read_text())["data"]
     assert (data["rounds"], data["tokens"]) == (2, sum(s["tokens"] for s in m["shards"][:2]))
     ids = [i for s in m["shards"] for i in s["prompt_ids"]]
@@ -217,10 +220,8 @@ def test_a_two_layer_run_starts_from_a_one_layer_head_and_exports_both(lm, tmp_p
     two = dataclasses.replace(cfg, head_layers=2)
     st = onpolicy.train(lm, ttt.EAGLE2, two, tmp_path / "two", _store(lm, tmp_path / "s"),
                         POOL, vids, init=one, log=logs2.append)
-    val, replayed, _ = onpolicy._round_data(lm, _store(lm, tmp_path / "s"), "val",
-                                            POOL[:cfg.val_prompts], cfg,
-                                            ttt.EAGLE2.layers(lm.model.config))
-    assert replayed  # the held-out answers the run scored, read back from its store
+    val = onpolicy.prefill_features(lm, _store(lm, tmp_path / "s").read("val"),  # what it scored
+                                    ttt.EAGLE2.layers(lm.model.config))
     score = onpolicy.validate(onpolicy.make_eval(ttt.EAGLE2, lm.model), one, lm.params, val,
                               jnp.asarray(vids), cfg.batch_tokens)
     assert logs2[0]["val_top1"] == score["val_top1"]

@@ -86,12 +86,14 @@ def redrafter_init(path: str | Path) -> tuple[dict, np.ndarray | None]:
 @dataclasses.dataclass(frozen=True)
 class Start:
     """Where an on-policy run starts: the head directory whose parameters it loads (None: a
-    random head), the vocabulary order it drafts from (None: none known), and the name its
-    export records as ``init``."""
+    random head), the vocabulary order it drafts from (None: none known), the name its
+    export records as ``init``, and the EAGLE-2 head's drafting vocabulary (its first
+    ``draft_vocab`` ids of ``order``; 0: the whole vocabulary), which its export keeps."""
 
     path: Any
     order: list | None
     name: str
+    draft_vocab: int = 0
 
 
 def onpolicy_start(init: str, shipped, kind) -> Start:
@@ -110,8 +112,9 @@ def onpolicy_start(init: str, shipped, kind) -> Start:
     saved = export.read_kind(path)
     meta = export.read_meta(path, saved if saved in (head_io.EAGLE, head_io.EAGLE3)
                             else kind.name)
-    return Start(path if meta["kind"] == kind.name else None, meta.get("vocab_ids"),
-                 Path(str(path)).name)
+    same = meta["kind"] == kind.name
+    return Start(path if same else None, meta.get("vocab_ids"), Path(str(path)).name,
+                 (meta.get("draft_vocab") or 0) if same and kind.name == head_io.EAGLE else 0)
 
 
 def onpolicy_head(start: Start, target_cfg, kind) -> dict | None:
@@ -163,14 +166,17 @@ def export_exit_heads(state: dict, cfg, out: str | Path, *, model: str, corpus: 
 def export_onpolicy(state: dict, kind, cfg, out: str | Path, *, model: str, target_cfg,
                     start: Start, shards, vocab_ids) -> Path:
     """``train onpolicy --export``: the trained head of ``kind``, with the shard store's
-    summary; an EAGLE-2 head keeps the full vocabulary order it started from, an EAGLE-3
-    head records its ``vocab_ids`` and the target layers it fuses."""
+    summary; an EAGLE-2 head keeps the full vocabulary order it started from and the
+    drafting vocabulary of the head it started from (``start.draft_vocab``: Gemma's heads
+    draft over 8,192 ids of 262,144), an EAGLE-3 head records its ``vocab_ids`` and the
+    target layers it fuses."""
     rec = record(model, cfg, state, store_summary(shards, int(state["round"])),
                  train={**dataclasses.asdict(cfg), "onpolicy": True},
                  tokens_seen=int(state["tokens"]), init=start.name)
     if kind.name == head_io.EAGLE:
         order = start.order if start.order is not None else vocab_ids
-        return head_io.save_eagle(state["params"], out, rec, vocab_ids=order, draft_vocab=0)
+        return head_io.save_eagle(state["params"], out, rec, vocab_ids=order,
+                                  draft_vocab=start.draft_vocab)
     return head_io.save_eagle3(state["params"], out, rec, vocab_ids=vocab_ids,
                                layers=kind.layers(target_cfg)[:-1])
 
