@@ -105,9 +105,9 @@ if jax.device_count() < N_DEVICES:
         device's: ar, EAGLE-2, ReDrafter and HSD on a 2-layer Llama toy on data=2,model=4,
         ar and the n-gram drafter on Gemma and T5 toys; the parameter and cache shardings;
         20 EAGLE-head steps on data=2,model=4 (killed and resumed) and two on-policy rounds
-        on data=2,model=4 equal to one device's with the optimizer state sharded). Runs by default; the 1-D meshes
-        (decoding on data=8 and model=8, EAGLE training on data=8) and T5 v1.1 run with the
-        real weights, opt-in."""
+        on data=2,model=4 equal to one device's with the optimizer state sharded). Runs by
+        default; the 1-D meshes (decoding on data=8 and model=8, EAGLE training on data=8)
+        and T5 v1.1 run with the real weights, opt-in."""
         _run_on_8_devices("not slow")
 
     @pytest.mark.slow

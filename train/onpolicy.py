@@ -381,13 +381,13 @@ def extend_store(lm, store: ShardStore, pool: Sequence[tuple[str, str]], cfg: On
     (``ValueError`` if the prompt data changed). Returns what it decoded (``"val"`` and
     round numbers). With ``mesh``: ``lm`` sharded over it, rows over ``data``."""
     lm = on_mesh(lm, mesh)
-    rounds = {"val": list(pool[:cfg.val_prompts])}
-    if len(store):
-        rounds[len(store) - 1] = _round_prompts(pool, cfg, len(store) - 1)
-    todo = [w for w, p in rounds.items() if not _known(store, w, _sorted_prompts(lm, p, cfg)[0])]
-    todo += list(range(len(store), cfg.rounds))
+    val, last = list(pool[:cfg.val_prompts]), len(store) - 1
+    for which, prompts in [("val", val)] + ([(last, _round_prompts(pool, cfg, last))]
+                                             if last >= 0 else []):
+        _known(store, which, _sorted_prompts(lm, prompts, cfg)[0])  # the prompts unchanged
+    todo = ([] if store.has("val") else ["val"]) + list(range(len(store), cfg.rounds))
     for w in todo:
-        _round_data(lm, store, w, rounds.get(w) or _round_prompts(pool, cfg, w), cfg,
+        _round_data(lm, store, w, val if w == "val" else _round_prompts(pool, cfg, w), cfg,
                     (lm.model.config.num_layers,), mesh)
         if progress is not None:
             progress.update(1)

@@ -302,6 +302,19 @@ def _onpolicy_inputs(args, kind):
     """``(config, prompt pool, glue.Start, draft vocabulary, mesh)``: every flag and input
     of ``train onpolicy`` checked, the store's shards to replay among them, before the
     target loads (``UsageError`` for a flag, ``ShardError`` for the store)."""
+    from specjax.train import onpolicy
+
+    cfg, pool, mesh = _onpolicy_settings(args)
+    start = _onpolicy_start(args, kind)
+    vocab_ids = _onpolicy_vocab(args, cfg, start.order)
+    onpolicy.check_store(args.shards, args.run, cfg, _exclude_name(args), args.stop_after)
+    return cfg, pool, start, vocab_ids, mesh
+
+
+def _onpolicy_settings(args):
+    """``(config, prompt pool, mesh)`` of ``train onpolicy`` (``--decode-only`` too): the
+    flags' ranges, the mesh, the directories to write and the prompts checked, and the pool
+    long enough for every round (``UsageError``), before the target loads."""
     from specjax.train import glue, onpolicy, ttt
 
     _check_ranges(args, "onpolicy")
@@ -313,11 +326,21 @@ def _onpolicy_inputs(args, kind):
     cfg = glue.from_args(onpolicy.OnPolicyConfig, args,
                          loss=glue.from_args(ttt.LossConfig, args, k=args.ttt))
     pool = onpolicy.prompt_pool(args.prompts, _spec_bench_texts(args.exclude), args.seed)
-    _check_pool(cfg, pool, args.prompts)
-    start = _onpolicy_start(args, kind)
-    vocab_ids = _onpolicy_vocab(args, cfg, start.order)
-    onpolicy.check_store(args.shards, args.run, cfg, _exclude_name(args), args.stop_after)
-    return cfg, pool, start, vocab_ids, mesh
+    need = cfg.val_prompts + cfg.rounds * cfg.batch
+    if need > len(pool):
+        raise UsageError(f"--rounds {cfg.rounds} of --batch {cfg.batch} prompts and "
+                         f"--val-prompts {cfg.val_prompts} need {need} prompts; "
+                         f"--prompts {args.prompts} has {len(pool)}")
+    return cfg, pool, mesh
+
+
+def _open_store(args, lm, cfg):
+    """The shard store ``--shards`` for the loaded target ``lm``, and the target's hash."""
+    from specjax.train import onpolicy, shards
+
+    thash = shards.target_hash(lm.model.config, lm.params)
+    return shards.ShardStore(args.shards, onpolicy.store_header(
+        lm, cfg, _exclude_name(args), thash), lm.model.config.vocab_size), thash
 
 
 def _exclude_name(args) -> str:
@@ -330,7 +353,7 @@ def cmd_train_onpolicy(args) -> int:
     import numpy as np
     from tqdm import tqdm
 
-    from specjax.train import glue, onpolicy, shards, ttt
+    from specjax.train import glue, onpolicy, ttt
 
     if args.decode_only:
         return _decode_only(args)
@@ -341,10 +364,7 @@ def cmd_train_onpolicy(args) -> int:
     _check_onpolicy_layout(args)
     cfg, pool, start, vocab_ids, mesh = _onpolicy_inputs(args, kind)
     lm = _load(args, vocab=True, mesh=mesh)  # unsharded: the store's hash is the weights'
-
-    thash = shards.target_hash(lm.model.config, lm.params)
-    store = shards.ShardStore(args.shards, onpolicy.store_header(
-        lm, cfg, _exclude_name(args), thash), lm.model.config.vocab_size)
+    store, thash = _open_store(args, lm, cfg)
     head = glue.onpolicy_head(start, lm.model.config, kind)
     vfile = Path(args.run, "vocab_ids.npy")
     if not vfile.exists():
@@ -371,24 +391,15 @@ def _decode_only(args) -> int:
     (``onpolicy.extend_store``), every input checked before the target loads."""
     from tqdm import tqdm
 
-    from specjax.train import glue, onpolicy, shards, ttt
+    from specjax.train import onpolicy, shards
 
     given = [f for f in ("export", "export_format", "epochs", "stop_after") if getattr(args, f)]
     if given:
         raise UsageError(f"--decode-only trains nothing: drop --{given[0].replace('_', '-')}")
-    _check_ranges(args, "onpolicy")
-    mesh = common.mesh(args, rows=None)
-    common.writable(args.shards, "--shards", directory=True)
-    _check_prompts(args.prompts)
-    cfg = glue.from_args(onpolicy.OnPolicyConfig, args,
-                         loss=glue.from_args(ttt.LossConfig, args, k=args.ttt))
-    pool = onpolicy.prompt_pool(args.prompts, _spec_bench_texts(args.exclude), args.seed)
-    _check_pool(cfg, pool, args.prompts)
+    cfg, pool, mesh = _onpolicy_settings(args)
     shards.check_store(args.shards, [], onpolicy.store_settings(cfg, _exclude_name(args)))
     lm = _load(args, vocab=True, mesh=mesh)
-    thash = shards.target_hash(lm.model.config, lm.params)
-    store = shards.ShardStore(args.shards, onpolicy.store_header(
-        lm, cfg, _exclude_name(args), thash), lm.model.config.vocab_size)
+    store, thash = _open_store(args, lm, cfg)
     print(f"the store holds {len(store)} rounds ({store.tokens()} tokens) of target {thash}; "
           f"decoding up to {cfg.rounds}", flush=True)
     with tqdm(total=max(0, cfg.rounds - len(store)) + (not store.has("val")),
@@ -397,15 +408,6 @@ def _decode_only(args) -> int:
     print(f"decoded {len(done)} shards; the store holds {len(store)} rounds, "
           f"{store.tokens()} tokens, {store.answer_tokens()} of them answer tokens")
     return 0
-
-
-def _check_pool(cfg, pool, prompts) -> None:
-    """``UsageError`` unless ``pool`` holds the held-out prompts and every round's."""
-    need = cfg.val_prompts + cfg.rounds * cfg.batch
-    if need > len(pool):
-        raise UsageError(f"--rounds {cfg.rounds} of --batch {cfg.batch} prompts and "
-                         f"--val-prompts {cfg.val_prompts} need {need} prompts; "
-                         f"--prompts {prompts} has {len(pool)}")
 
 
 def _export_published(args, out, target_cfg) -> None:
