@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax import lax
 
 import specjax.device_check as shim
@@ -165,7 +166,7 @@ def test_settings_fill_the_small_and_full_defaults():
     assert (small.budget, small.max_new_tokens, small.widths, small.capacity) == \
         (300.0, 16, "1,4,16", 128)
     assert (full.budget, full.max_new_tokens, full.widths, full.capacity) == \
-        (480.0, 128, "1,8,16,32,64", 1024)
+        (520.0, 128, "1,8,16,32,64", 1024)
     assert small.batch == full.batch == 8 and 2 <= small.workers <= 12
     assert device_check.settings(small=True, max_new_tokens=4).max_new_tokens == 4
     assert set(device_check._shapes(True)) == {"tiny-llama", "tiny-gemma"}  # both families
@@ -199,3 +200,15 @@ def test_old_module_name_without_the_script(tmp_path, monkeypatch, capsys):
     (tmp_path / "scripts").mkdir()
     (tmp_path / "scripts" / "device_check.py").write_text("")
     assert shim.find_script().resolve() == (tmp_path / "scripts" / "device_check.py").resolve()
+
+
+def test_phase_seconds_split_what_remains_by_share():
+    """The 8B shape and SmolLM2 each get two fifths of a full run, Gemma one fifth; what a
+    phase leaves unused goes to the shapes after it; a subset shares all the time left."""
+    all3 = ["smollm2-135m", "llama3.1-8b", "gemma3-270m"]
+    assert device_check.phase_seconds("smollm2-135m", all3, 500.0) == pytest.approx(200.0)
+    assert device_check.phase_seconds("llama3.1-8b", all3[1:], 300.0) == pytest.approx(200.0)
+    assert device_check.phase_seconds("gemma3-270m", all3[2:], 120.0) == pytest.approx(120.0)
+    assert device_check.phase_seconds("llama3.1-8b", ["llama3.1-8b"], 200.0) == 200.0
+    assert device_check.phase_seconds("tiny-llama", ["tiny-llama", "tiny-gemma"], 10.0) == 5.0
+    assert device_check.phase_seconds("smollm2-135m", all3, -3.0) == 0.0
