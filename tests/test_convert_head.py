@@ -440,6 +440,8 @@ def test_export_format_eagle_and_no_attn_norm_are_checked_before_any_work(
         ([*to, "--kind", "eagle3", "--head-layers", "2"], "--head-layers needs --kind eagle"),
         ([*to, "--kind", "eagle", "--head-layers", "0"], "--head-layers must be >= 1"),
         ([*to, "--kind", "eagle", "--w-ce", "-1"], "--w-ce must be >= 0"),
+        ([*to, "--kind", "eagle", "--max-prompt-tokens", "0"],
+         "--max-prompt-tokens must be >= 1"),
         ([*to, "--kind", "eagle", "--no-attn-norm", "--init", str(normed)],
          "normalizes its attention input"),
     ]

@@ -280,16 +280,16 @@ def test_training_configs_come_from_their_flags_as_before():
                                    seed=a.seed, save_every=a.save_every, kl_vocab=a.kl_vocab)
     on = ["train", "onpolicy", "--prompts", "p", "--shards", "s", "--run", "r"]
     for a in (_args(on), _args([*on, "--ttt", "3", "--noise", "0.2", "--batch", "4",
-                                "--no-attn-norm"])):
+                                "--no-attn-norm", "--max-prompt-tokens", "1024"])):
         got = glue.from_args(onpolicy.OnPolicyConfig, a,
                              loss=glue.from_args(ttt.LossConfig, a, k=a.ttt))
         assert got == onpolicy.OnPolicyConfig(
             rounds=a.rounds, batch=a.batch, max_new_tokens=a.max_new_tokens,
-            passes=a.passes, batch_tokens=a.batch_tokens, lr=a.lr, warmup=a.warmup,
+            max_prompt_tokens=a.max_prompt_tokens, passes=a.passes, batch_tokens=a.batch_tokens, lr=a.lr, warmup=a.warmup,
             draft_vocab=a.draft_vocab, val_prompts=a.val_prompts, val_every=a.val_every,
             seed=a.seed, loss=ttt.LossConfig(k=a.ttt, noise=a.noise),
             attn_norm=a.attn_norm)
-    assert a.attn_norm is False
+    assert a.attn_norm is False and a.max_prompt_tokens == 1024
     with pytest.raises(TypeError, match="has no field nope"):
         glue.from_args(train_eagle.TrainConfig, a, nope=1)
 

@@ -250,9 +250,12 @@ def test_a_store_refuses_another_target_and_damage(lm, tmp_path):
     store.append(["a#0", "a#1"], [(np.arange(5), 2), (np.arange(7), 3)])
     with pytest.raises(shards.ShardError, match="holds tokens of target .* not of"):
         _store(lm, tmp_path / "s", thash="0" * 16)
-    with pytest.raises(shards.ShardError, match="other settings"):
-        shards.ShardStore(tmp_path / "s", {**onpolicy.store_header(
-            lm, dataclasses.replace(CFG, max_new_tokens=99), "none", th)}, 128)
+    for change in ({"max_new_tokens": 99}, {"max_prompt_tokens": 1024}):
+        with pytest.raises(shards.ShardError, match="other settings"):
+            shards.ShardStore(tmp_path / "s", {**onpolicy.store_header(
+                lm, dataclasses.replace(CFG, **change), "none", th)}, 128)
+    with pytest.raises(ValueError, match="max_prompt_tokens=0"):
+        dataclasses.replace(CFG, max_prompt_tokens=0)
     assert [list(t) for t, _ in _store(lm, tmp_path / "s").read(0)] == [list(range(5)),
                                                                         list(range(7))]
     f = tmp_path / "s" / "shard_00000.npz"

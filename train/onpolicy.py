@@ -171,7 +171,7 @@ class OnPolicyConfig:
 
     def __post_init__(self):
         low = [f"{k}={getattr(self, k)}" for k in ("rounds", "batch", "max_new_tokens",
-                                                    "passes", "batch_tokens", "draft_vocab",
+                                                    "max_prompt_tokens", "passes", "batch_tokens", "draft_vocab",
                                                     "val_prompts", "val_every",
                                                     "head_layers")
                if getattr(self, k) < 1]

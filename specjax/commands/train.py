@@ -17,7 +17,7 @@ _AT_LEAST = {
     "exit-heads": {"kl_vocab": 0},
     "onpolicy": {"rounds": 1, "passes": 1, "ttt": 1, "draft_vocab": 1, "val_prompts": 1,
                  "val_every": 1, "warmup": 0, "stop_after": 1, "epochs": 0, "head_layers": 1,
-                 "w_reg": 0, "w_ce": 0},
+                 "w_reg": 0, "w_ce": 0, "max_prompt_tokens": 1},
 }
 
 
@@ -526,6 +526,9 @@ def _add_onpolicy(tsub):
                          "(no --run): a later run with the same settings replays them")
     to.add_argument("--batch", type=int, default=32, help="prompts decoded together")
     to.add_argument("--max-new-tokens", type=int, default=128)
+    to.add_argument("--max-prompt-tokens", type=int, default=384,
+                    help="longer prompts are skipped (the store records it: a store "
+                         "decoded with another limit is refused)")
     to.add_argument("--passes", type=int, default=1, help="optimizer passes over each round")
     to.add_argument("--epochs", type=int, default=0,
                     help="after the rounds, epochs over every round's answers together, "
