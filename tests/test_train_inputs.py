@@ -95,6 +95,8 @@ CASES = [  # argv, exit code, a piece of the message
     (_with(ONPOLICY, "--stop-after", "0"), 2, "--stop-after must be >= 1"),
     (_with(ONPOLICY, "--warmup", "-1"), 2, "--warmup must be >= 0"),
     (_with(ONPOLICY, "--rounds", "30"), 2, "need 124 prompts"),
+    (_with(ONPOLICY, "--sources", "gsm8k,wiki"), 2, "--sources: prompt sources ['wiki']"),
+    (_with(ONPOLICY, "--sources", "t0"), 2, "need 16 prompts; --prompts {d}/prompts has 0"),
     # on-policy inputs and outputs
     (_with(ONPOLICY, "--export", "{d}/full"), 2, "--export {d}/full is a non-empty directory"),
     (_with(ONPOLICY, "--export", "{d}/afile"), 2, "--export {d}/afile is a file"),
@@ -267,3 +269,24 @@ def test_an_error_in_round_3_keeps_round_2_and_a_rerun_finishes(lm, tmp_path, ca
     assert sorted(p.name for p in ckpt.iterdir()) == ["2", "3"]
     rows = [json.loads(r) for r in (d / "run" / "log.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] > rows[-2]["step"] and not rows[-1]["replayed"]
+
+
+def test_a_pool_of_chosen_sources_keeps_their_order_and_turns(tmp_path):
+    """``prompt_pool(sources=...)``: only those sources, still in turn, each source's
+    prompts in the order the whole pool gives them."""
+    (tmp_path / "t0").mkdir()
+    (tmp_path / "gsm8k_train.jsonl").write_text(
+        "".join(json.dumps({"question": f"g{i}"}) + "\n" for i in range(5)))
+    (tmp_path / "self_instruct_a.jsonl").write_text(
+        "".join(json.dumps({"instruction": f"s{i}"}) + "\n" for i in range(3)))
+    (tmp_path / "t0" / "x.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"t{i}"}) + "\n" for i in range(2)))
+    full = onpolicy.prompt_pool(tmp_path, seed=3)
+    some = onpolicy.prompt_pool(tmp_path, seed=3, sources=("t0", "gsm8k"))
+    assert [t[0] for _, t in some[:4]] == ["g", "t", "g", "t"] and len(some) == 7
+    for src in ("g", "t"):
+        assert [t for _, t in some if t[0] == src] == [t for _, t in full if t[0] == src]
+    assert {t[0] for _, t in full} == {"g", "s", "t"}
+    for bad in (("gsm8k", "nope"), ()):
+        with pytest.raises(ValueError, match="choose from gsm8k, self_instruct, t0"):
+            onpolicy.prompt_pool(tmp_path, sources=bad)

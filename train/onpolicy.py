@@ -56,11 +56,24 @@ Example = tuple  # (tokens int32 [n], prompt_len, feats float32 [n, F]; the last
 
 # ----------------------------------------------------------------------------- prompts
 
-def prompt_pool(data_dir: str | Path, exclude: Sequence[str] = (), seed: int = 0
-                ) -> list[tuple[str, str]]:
+SOURCES = ("gsm8k", "self_instruct", "t0")
+
+
+def check_sources(sources: Sequence[str] | None) -> None:
+    """``ValueError`` unless ``sources`` is None or a non-empty subset of ``SOURCES``."""
+    unknown = sorted(set(sources or ()) - set(SOURCES))
+    if unknown or (sources is not None and not sources):
+        raise ValueError(f"prompt sources {unknown or '(none)'}: choose from {', '.join(SOURCES)}")
+
+
+def prompt_pool(data_dir: str | Path, exclude: Sequence[str] = (), seed: int = 0,
+                sources: Sequence[str] | None = None) -> list[tuple[str, str]]:
     """Every training prompt as ``(id, text)`` in one seeded order, GSM8K, self-instruct and
     T0 in turn (until each runs out), without any that shares a 13-word span with ``exclude`` (Spec-Bench). An id
-    is ``source#line`` and never changes."""
+    is ``source#line`` and never changes. ``sources``: only these of ``SOURCES``, in turn
+    (None: all; the order of the others' prompts is the same either way); ``ValueError``
+    for another name."""
+    check_sources(sources)
     banned = set().union(*(distill.ngrams(t) for t in exclude)) if exclude else set()
     src = distill.read_prompts(data_dir)
     groups = {"gsm8k": [], "self_instruct": [], "t0": []}
@@ -70,7 +83,7 @@ def prompt_pool(data_dir: str | Path, exclude: Sequence[str] = (), seed: int = 0
     rng = random.Random(seed)
     for g in groups.values():
         rng.shuffle(g)
-    out, iters = [], [iter(g) for g in groups.values()]
+    out, iters = [], [iter(g) for k, g in groups.items() if sources is None or k in sources]
     while iters:  # round-robin over the sources until each runs out
         for it in list(iters):
             row = next(it, None)
@@ -161,6 +174,8 @@ class OnPolicyConfig:
     val_prompts: int = 48
     val_every: int = 4
     seed: int = 0
+    # the prompt sources (``prompt_pool``); None: all of them
+    sources: tuple[str, ...] | None = None
     loss: ttt.LossConfig = ttt.LossConfig()
     # EAGLE-2 only. False: no attention-input norm in the head's layer (layer 0 of a
     # published EAGLE-1/2 head), so it has SafeAILab/EAGLE's layout
@@ -299,10 +314,11 @@ def validate(evaluate, params, tparams, val: Sequence[Example], vocab_ids,
 def store_settings(cfg: OnPolicyConfig, exclude: str) -> dict:
     """The part of a store's header that needs no model: the sampling settings and how
     prompts were chosen."""
+    chosen = {} if cfg.sources is None else {"sources": list(cfg.sources)}
     return {"sampling": {"decoding": "greedy", "max_new_tokens": cfg.max_new_tokens},
             "prompts": {"seed": cfg.seed, "batch": cfg.batch, "exclude": exclude,
                         "max_prompt_tokens": cfg.max_prompt_tokens,
-                        "val_prompts": cfg.val_prompts}}
+                        "val_prompts": cfg.val_prompts, **chosen}}
 
 
 def store_target(lm, thash: str) -> dict:

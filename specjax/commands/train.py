@@ -323,9 +323,15 @@ def _onpolicy_settings(args):
     common.writable(args.shards, "--shards", directory=True)
     _check_export(args.export)
     _check_prompts(args.prompts)
-    cfg = glue.from_args(onpolicy.OnPolicyConfig, args,
+    sources = None if args.sources is None else tuple(args.sources.split(","))
+    cfg = glue.from_args(onpolicy.OnPolicyConfig, args, sources=sources,
                          loss=glue.from_args(ttt.LossConfig, args, k=args.ttt))
-    pool = onpolicy.prompt_pool(args.prompts, _spec_bench_texts(args.exclude), args.seed)
+    try:
+        onpolicy.check_sources(sources)
+    except ValueError as e:
+        raise UsageError(f"--sources: {e}") from None
+    pool = onpolicy.prompt_pool(args.prompts, _spec_bench_texts(args.exclude), args.seed,
+                                sources)
     need = cfg.val_prompts + cfg.rounds * cfg.batch
     if need > len(pool):
         raise UsageError(f"--rounds {cfg.rounds} of --batch {cfg.batch} prompts and "
@@ -529,6 +535,9 @@ def _add_onpolicy(tsub):
     to.add_argument("--max-prompt-tokens", type=int, default=384,
                     help="longer prompts are skipped (the store records it: a store "
                          "decoded with another limit is refused)")
+    to.add_argument("--sources", help="comma-separated prompt sources to draw from, in turn "
+                                      "(gsm8k, self_instruct, t0; default all; the store "
+                                      "records it)")
     to.add_argument("--passes", type=int, default=1, help="optimizer passes over each round")
     to.add_argument("--epochs", type=int, default=0,
                     help="after the rounds, epochs over every round's answers together, "
