@@ -18,7 +18,6 @@ import collections
 import json
 from pathlib import Path
 
-import numpy as np
 
 
 def main() -> None:
