@@ -19,7 +19,6 @@ import json
 from pathlib import Path
 
 
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
