@@ -57,16 +57,15 @@ class TrainConfig:
 
 def run_fields(cfg) -> dict:
     """``cfg`` (a config with an ``attn_norm`` field) as ``run.json`` records it: every
-    field, ``attn_norm`` only when False, ``head_layers`` only above 1 and ``sources``
-    only when given, so a run
-    directory written before these fields existed still resumes (a run of the other layout
-    is refused: ``check_run_layout``, or ``run.json``'s comparison)."""
+    field, ``attn_norm`` only when False, ``head_layers`` only above 1 and ``sources`` only
+    when given, so a run directory written before these fields existed still resumes (a run
+    of the other layout is refused: ``check_run_layout``, or ``run.json``'s comparison)."""
     d = dataclasses.asdict(cfg)
     if d.get("attn_norm", True):
         d.pop("attn_norm", None)
     if d.get("head_layers", 1) == 1:
         d.pop("head_layers", None)
-    if d.get("sources", 0) is None:  # every prompt source (on-policy runs)
+    if "sources" in d and d["sources"] is None:  # every prompt source (on-policy runs)
         d.pop("sources")
     return d
 

@@ -63,20 +63,21 @@ def check_sources(sources: Sequence[str] | None) -> None:
     """``ValueError`` unless ``sources`` is None or a non-empty subset of ``SOURCES``."""
     unknown = sorted(set(sources or ()) - set(SOURCES))
     if unknown or (sources is not None and not sources):
-        raise ValueError(f"prompt sources {unknown or '(none)'}: choose from {', '.join(SOURCES)}")
+        raise ValueError(f"prompt sources {unknown or '(none)'}: choose from "
+                         f"{', '.join(SOURCES)}")
 
 
 def prompt_pool(data_dir: str | Path, exclude: Sequence[str] = (), seed: int = 0,
                 sources: Sequence[str] | None = None) -> list[tuple[str, str]]:
     """Every training prompt as ``(id, text)`` in one seeded order, GSM8K, self-instruct and
-    T0 in turn (until each runs out), without any that shares a 13-word span with ``exclude`` (Spec-Bench). An id
-    is ``source#line`` and never changes. ``sources``: only these of ``SOURCES``, in turn
+    T0 in turn (until each runs out), without any that shares a 13-word span with
+    ``exclude`` (Spec-Bench). An id is ``source#line`` and never changes. ``sources``: only these of ``SOURCES``, in turn
     (None: all; the order of the others' prompts is the same either way); ``ValueError``
     for another name."""
     check_sources(sources)
     banned = set().union(*(distill.ngrams(t) for t in exclude)) if exclude else set()
     src = distill.read_prompts(data_dir)
-    groups = {"gsm8k": [], "self_instruct": [], "t0": []}
+    groups: dict[str, list] = {g: [] for g in SOURCES}
     for name, texts in sorted(src.items()):
         g = "t0" if name.startswith("t0/") else name
         groups[g] += [(f"{name}#{i}", t) for i, t in enumerate(texts)]
@@ -186,7 +187,8 @@ class OnPolicyConfig:
 
     def __post_init__(self):
         low = [f"{k}={getattr(self, k)}" for k in ("rounds", "batch", "max_new_tokens",
-                                                    "max_prompt_tokens", "passes", "batch_tokens", "draft_vocab",
+                                                    "max_prompt_tokens", "passes",
+                                                    "batch_tokens", "draft_vocab",
                                                     "val_prompts", "val_every",
                                                     "head_layers")
                if getattr(self, k) < 1]
