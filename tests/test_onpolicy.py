@@ -302,7 +302,9 @@ def test_a_bad_mesh_is_refused_before_anything_loads(tmp_path, capsys):
         assert len(err.splitlines()) == 1 and f"--mesh {mesh}: " in err and msg in err, err
     assert not (tmp_path / "r").exists()
     for extra, msg in (([], "--run DIR is required"),
-                       (["--decode-only", "--epochs", "2"], "trains nothing: drop --epochs")):
+                       (["--decode-only", "--epochs", "2"], "trains nothing: drop --epochs"),
+                       (["--decode-only", "--feature-cache", str(tmp_path / "c")],
+                        "trains nothing: drop --feature-cache")):
         assert cli.main([*base[:-2], *extra]) == 2
         assert msg in capsys.readouterr().err
 
@@ -397,3 +399,39 @@ def test_epochs_train_on_every_round_and_resume_exactly(lm, tmp_path, monkeypatc
     with pytest.raises(CheckpointError, match="trained 2 rounds then 2 epochs .* --rounds 3"):
         run("grown", dataclasses.replace(cfg, rounds=3))
     assert (tmp_path / "s_grown" / "manifest.json").read_text() == manifest
+
+
+def test_a_feature_cache_trains_the_same_head_and_refuses_a_damaged_file(lm, tmp_path):
+    """Replayed shards' features read from a ``FeatureCache`` are the prefill's bit for bit:
+    a run that writes the cache and one that reads it train to the parameters of a run
+    without it, epochs included. Files are keyed by target, layers and shard, written
+    once, and one of the wrong shape is refused in one line naming it."""
+    from specjax.train.feature_cache import FeatureCache, FeatureCacheError
+
+    vids = np.arange(48, dtype=np.int32)
+    cfg = dataclasses.replace(CFG, rounds=2, val_every=2, epochs=1)
+    onpolicy.extend_store(lm, _store(lm, tmp_path / "s"), POOL, cfg)  # every run replays
+    cache = FeatureCache(tmp_path / "cache")
+    run = lambda name, **kw: _params(onpolicy.train(  # noqa: E731
+        lm, ttt.EAGLE3, cfg, tmp_path / name, _store(lm, tmp_path / "s"), POOL, vids, **kw))
+    plain = run("plain")
+    jax.tree.map(np.testing.assert_array_equal, run("writes", feature_cache=cache), plain)
+    files = sorted(cache.root.rglob("*.npy"))
+    store, layers = _store(lm, tmp_path / "s"), ttt.EAGLE3.layers(lm.model.config)
+    assert sorted(cache.path(store, w, layers) for w in ("val", 0, 1)) == files
+    stamps = [f.stat().st_mtime_ns for f in files]
+    jax.tree.map(np.testing.assert_array_equal, run("reads", feature_cache=cache), plain)
+    assert [f.stat().st_mtime_ns for f in files] == stamps  # read, not written again
+
+    def refuse(rows):
+        raise AssertionError("the cache recomputed a cached shard")
+
+    ref = onpolicy.prefill_features(lm, store.read(1), layers)
+    got = cache.examples(store, 1, layers, refuse)
+    assert [(list(t), pl) for t, pl, _ in got] == [(list(t), pl) for t, pl, _ in ref]
+    for (_, _, f), (_, _, g) in zip(got, ref):
+        np.testing.assert_array_equal(f, g)
+    assert cache.path(store, 1, layers[-1:]) != cache.path(store, 1, layers)
+    np.save(cache.path(store, 1, layers), np.zeros((3, 4), np.float32))
+    with pytest.raises(FeatureCacheError, match=r"float32 \(3, 4\), not float32 .*damaged"):
+        cache.examples(store, 1, layers, refuse)

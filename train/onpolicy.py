@@ -48,6 +48,7 @@ from specjax.core.decoding import prefill
 from specjax.train import checkpoint, distill, loop, shards, ttt
 from specjax.train.eagle import _bucket  # padded lengths: multiples of 64
 from specjax.train.eagle import check_run_layout, run_fields
+from specjax.train.feature_cache import FeatureCache
 from specjax.sharding import DATA
 from specjax.train.shards import ShardStore, target_hash
 
@@ -374,14 +375,18 @@ def _known(store: ShardStore, which, ids: list[str]) -> bool:
     return known
 
 
-def _round_data(lm, store: ShardStore, which, pool, cfg: OnPolicyConfig, layers, mesh=None):
+def _round_data(lm, store: ShardStore, which, pool, cfg: OnPolicyConfig, layers, mesh=None,
+                cache: FeatureCache | None = None):
     """``(examples, replayed, seconds)`` of a round (a shard number) or of ``"val"``: read
-    from the store and prefilled, or decoded and appended to it (on ``mesh``: ``lm``
-    sharded over it)."""
+    from the store and prefilled (or their prefill's features read from ``cache``), or
+    decoded and appended to it (on ``mesh``: ``lm`` sharded over it)."""
     t0 = time.perf_counter()
     ids, toks = _sorted_prompts(lm, pool, cfg)
     known = _known(store, which, ids)
-    if known:
+    if known and cache is not None:
+        ex = cache.examples(store, which, layers,
+                            lambda rows: prefill_features(lm, rows, layers, mesh=mesh))
+    elif known:
         ex = prefill_features(lm, store.read(which), layers, mesh=mesh)
     else:
         ex = decode_round(lm, toks, cfg.max_new_tokens, layers, mesh=mesh)
@@ -441,7 +446,8 @@ def init_params(kind: ttt.Kind, target_cfg, cfg: OnPolicyConfig, init=None) -> d
 
 def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: ShardStore,
           pool: Sequence[tuple[str, str]], vocab_ids: np.ndarray, *, init=None,
-          stop_after: int | None = None, log=None, progress=None, mesh=None) -> dict:
+          stop_after: int | None = None, log=None, progress=None, mesh=None,
+          feature_cache: FeatureCache | None = None) -> dict:
     """Trains (or resumes) the head in ``run_dir`` up to ``cfg.rounds`` rounds (or
     ``stop_after`` more) over ``pool`` (``prompt_pool``: its first ``val_prompts`` are held
     out), replaying the rounds ``store`` holds and decoding the rest into it. ``vocab_ids``:
@@ -459,7 +465,11 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
     With ``mesh`` (``specjax.sharding.make_mesh``): the target sharded over it decodes the
     rounds (rows over ``data``) and gives the features, each minibatch's rows are split over
     ``data`` and the optimizer state is sharded (``loop.on_mesh``); the parameters equal
-    the one-device run's up to float rounding (``tests/test_sharding.py``)."""
+    the one-device run's up to float rounding (``tests/test_sharding.py``).
+
+    With ``feature_cache``, replayed shards (the held-out one, rounds and epochs) read
+    their prefill's features from it, computed and written the first time: the same
+    parameters as without it, bit for bit."""
     lm = on_mesh(lm, mesh)
     target, tparams = lm.model, lm.params
     layers = kind.layers(target.config)
@@ -476,10 +486,14 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
     step = make_step(kind, target, cfg, opt, mesh)
     evaluate = make_eval(kind, target)
     vids = jnp.asarray(vocab_ids, jnp.int32)
+
+    def data(which, prompts):  # a round's examples: replayed (features cached) or decoded
+        return _round_data(lm, store, which, prompts, cfg, layers, mesh, feature_cache)
+
     with checkpoint.closing(mngr):
         done = (mngr.latest_step() or 0) - int(state["round"])  # epochs trained
         _check_epochs(run_dir, cfg, int(state["round"]), done)
-        val, _, _ = _round_data(lm, store, "val", pool[:cfg.val_prompts], cfg, layers, mesh)
+        val, _, _ = data("val", pool[:cfg.val_prompts])
         score = lambda st: validate(evaluate, st["params"], tparams, val, vids,
                                     cfg.batch_tokens, mesh)
         todo = cfg.rounds_from(int(state["round"]), stop_after)
@@ -491,8 +505,7 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
         if todo.start == 0 and log is not None:  # where the head starts from
             log({"round": 0, "step": 0, "tokens_seen": 0, **score(state)})
         for r in todo:
-            ex, replayed, secs = _round_data(lm, store, r, _round_prompts(pool, cfg, r), cfg,
-                                             layers, mesh)
+            ex, replayed, secs = data(r, _round_prompts(pool, cfg, r))
             t0 = time.perf_counter()
             state, metrics = jax.block_until_ready(  # steps dispatch asynchronously
                 _train_round(step, state, tparams, ex, vids, cfg, r, mesh))
@@ -509,8 +522,8 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
         left = None if stop_after is None else stop_after - len(todo)
         epochs = cfg.epochs_from(done, left) if int(state["round"]) == cfg.rounds else range(0)
         if epochs:
-            state = _train_epochs(lm, store, pool, cfg, layers, state, epochs, step, tparams,
-                                  vids, score, mngr, log, progress, mesh)
+            state = _train_epochs(data, pool, cfg, state, epochs, step, tparams, vids,
+                                  score, mngr, log, progress, mesh)
     return state
 
 
@@ -536,17 +549,17 @@ def _check_epochs(run_dir, cfg: OnPolicyConfig, rounds: int, epochs: int) -> Non
                               f"{cfg.rounds} of them are ambiguous; pass --rounds {rounds}")
 
 
-def _train_epochs(lm, store: ShardStore, pool, cfg: OnPolicyConfig, layers, state: dict,
-                  epochs: range, step, tparams, vids, score, mngr, log, progress,
-                  mesh=None) -> dict:
+def _train_epochs(data, pool, cfg: OnPolicyConfig, state: dict, epochs: range, step, tparams,
+                  vids, score, mngr, log, progress, mesh=None) -> dict:
     """The state after ``epochs`` (numbers from 0) over every round's examples, their
-    features from one prefill of the stored tokens (``_round_data``: never the decoded
-    ones, so a resumed run trains on the same features): each epoch scored (``score``),
+    features from one prefill of the stored tokens (``data(round, prompts)``: the run's
+    ``_round_data``, never the decoded features, so a resumed run trains on the same
+    ones): each epoch scored (``score``),
     checkpointed as step ``cfg.rounds + epoch + 1`` (complete on disk before ``log``
     records it) and counted on ``progress``, whose postfix follows the prefill."""
     ex = []
     for r in range(cfg.rounds):
-        ex += _round_data(lm, store, r, _round_prompts(pool, cfg, r), cfg, layers, mesh)[0]
+        ex += data(r, _round_prompts(pool, cfg, r))[0]
         if progress is not None:
             progress.set_postfix({"features of round": f"{r + 1}/{cfg.rounds}"})
     for e in epochs:

@@ -216,6 +216,10 @@ class ShardStore:
     def has(self, name: str) -> bool:
         return name in self.manifest
 
+    def sha256(self, which: int | str) -> str:
+        """The SHA-256 the manifest records for shard ``which`` (its number or name)."""
+        return _entry(self.manifest, self.root, which)["sha256"]
+
 
 __all__ = ["ShardError", "ShardStore", "check_store", "read_manifest", "target_hash",
            "verify"]

@@ -360,6 +360,7 @@ def cmd_train_onpolicy(args) -> int:
     from tqdm import tqdm
 
     from specjax.train import glue, onpolicy, ttt
+    from specjax.train.feature_cache import FeatureCache
 
     if args.decode_only:
         return _decode_only(args)
@@ -382,7 +383,9 @@ def cmd_train_onpolicy(args) -> int:
               unit="round" if not cfg.epochs else "round|epoch") as bar:
         state = onpolicy.train(lm, kind, cfg, args.run, store, pool, vocab_ids, init=head,
                                progress=bar, log=RunLog(args.run),
-                               stop_after=args.stop_after, mesh=mesh)
+                               stop_after=args.stop_after, mesh=mesh,
+                               feature_cache=FeatureCache(args.feature_cache)
+                               if args.feature_cache else None)
     if args.export:
         out = glue.export_onpolicy(state, kind, cfg, args.export, model=args.model,
                                    target_cfg=lm.model.config, start=start,
@@ -399,7 +402,8 @@ def _decode_only(args) -> int:
 
     from specjax.train import onpolicy, shards
 
-    given = [f for f in ("export", "export_format", "epochs", "stop_after") if getattr(args, f)]
+    given = [f for f in ("export", "export_format", "epochs", "stop_after", "feature_cache")
+             if getattr(args, f)]
     if given:
         raise UsageError(f"--decode-only trains nothing: drop --{given[0].replace('_', '-')}")
     cfg, pool, mesh = _onpolicy_settings(args)
@@ -543,6 +547,10 @@ def _add_onpolicy(tsub):
                     help="after the rounds, epochs over every round's answers together, "
                          "shuffled across rounds; a finished run given more trains them "
                          "(one whose epochs began takes no more --rounds)")
+    to.add_argument("--feature-cache", metavar="DIR",
+                    help="keep replayed rounds' features here (float32, 4 x F bytes a "
+                         "token) and read them back in later runs and epochs instead of "
+                         "prefilling again")
     to.add_argument("--batch-tokens", type=int, default=4096)
     to.add_argument("--lr", type=float, default=3e-4)
     to.add_argument("--warmup", type=int, default=20)
