@@ -61,10 +61,19 @@ def read_jsonl(path: Path, need: Sequence[str] = ()) -> list[dict]:
 
 
 def read_prompts(data_dir: str | Path) -> dict[str, list[str]]:
-    """Prompts by source: ``gsm8k``, ``self_instruct`` and ``t0/<task>`` (``read_jsonl``:
-    a malformed line is a ``ValueError`` naming it)."""
+    """Prompts by source: ``gsm8k``, ``self_instruct``, ``t0/<task>`` and ``self_written``
+    (requests the target wrote: ``specjax.train.self_prompts``), each empty where its files
+    are absent (``read_jsonl``: a malformed line is a ``ValueError`` naming it).
+    ``FileNotFoundError`` for a directory holding none of them."""
     d = Path(data_dir)
-    out = {"gsm8k": [r["question"] for r in read_jsonl(d / "gsm8k_train.jsonl", ["question"])]}
+    files = [d / "gsm8k_train.jsonl", *d.glob("self_instruct_*.jsonl"), *d.glob("t0/*.jsonl"),
+             d / "self_written.jsonl"]
+    if not any(p.is_file() for p in files):
+        raise FileNotFoundError(f"{d} holds no prompt files (gsm8k_train.jsonl, "
+                                "self_instruct_*.jsonl, t0/*.jsonl or self_written.jsonl)")
+    gsm = d / "gsm8k_train.jsonl"
+    out = {"gsm8k": [r["question"] for r in read_jsonl(gsm, ["question"])]
+           if gsm.is_file() else []}
     si = []
     for p in sorted(d.glob("self_instruct_*.jsonl")):
         for r in read_jsonl(p, ["instruction"]):
@@ -73,6 +82,9 @@ def read_prompts(data_dir: str | Path) -> dict[str, list[str]]:
     out["self_instruct"] = si
     for p in sorted((d / "t0").glob("*.jsonl")):
         out[f"t0/{p.stem}"] = [r["prompt"] for r in read_jsonl(p, ["prompt"])]
+    own = d / "self_written.jsonl"
+    out["self_written"] = ([r["prompt"] for r in read_jsonl(own, ["prompt"])]
+                           if own.is_file() else [])
     return out
 
 

@@ -57,7 +57,7 @@ Example = tuple  # (tokens int32 [n], prompt_len, feats float32 [n, F]; the last
 
 # ----------------------------------------------------------------------------- prompts
 
-SOURCES = ("gsm8k", "self_instruct", "t0")
+SOURCES = ("gsm8k", "self_instruct", "t0", "self_written")
 
 
 def check_sources(sources: Sequence[str] | None) -> None:

@@ -110,6 +110,27 @@ def _spec_bench_texts(path: str | None) -> list[str]:
     return [t for r in distill.read_jsonl(Path(path), ["turns"]) for t in r["turns"]]
 
 
+def cmd_self_prompts(args) -> int:
+    """``specjax self-prompts``: requests the target writes itself
+    (``specjax.train.self_prompts``), as a prompt directory ``train onpolicy`` reads."""
+    from tqdm import tqdm
+
+    from specjax.train import self_prompts
+
+    if args.n < 1 or args.batch < 1:
+        raise UsageError(f"--n {args.n}, --batch {args.batch}: each must be >= 1")
+    common.writable(args.out, "--out", directory=True)
+    exclude = _spec_bench_texts(args.exclude)
+    lm = _load(args)
+    with tqdm(total=args.n, desc="self-written prompts", unit="prompt") as bar:
+        counts = self_prompts.write(lm, args.n, args.out, exclude=exclude, seed=args.seed,
+                                    batch=args.batch, max_tokens=args.max_new_tokens,
+                                    temperature=args.temperature, top_p=args.top_p,
+                                    progress=bar)
+    print(json.dumps({"file": str(Path(args.out, self_prompts.FILE)), **counts}))
+    return 0
+
+
 def _write_summary(out: str, summary: dict, info: dict) -> None:
     """A corpus's ``summary.json`` (what was built, with how its inputs were selected)."""
     summary.update(info)
@@ -598,6 +619,20 @@ def register(sub) -> list:
     ds.add_argument("--out", required=True, help="corpus directory (resumes if it exists)")
     ds.set_defaults(fn=cmd_distill)
 
+    sp = sub.add_parser("self-prompts", help="prompts the target writes itself (sampled from "
+                                             "the opening of a user turn), for train onpolicy")
+    common.add_model(sp, max_new=128)
+    sp.add_argument("--n", type=int, default=2000, help="requests to keep")
+    sp.add_argument("--exclude", help="Spec-Bench question.jsonl: overlapping requests are "
+                                      "dropped")
+    sp.add_argument("--batch", type=int, default=64)
+    sp.add_argument("--temperature", type=float, default=1.0)
+    sp.add_argument("--top-p", type=float, default=0.95)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--out", required=True,
+                    help="directory: writes self_written.jsonl (--prompts of train onpolicy)")
+    sp.set_defaults(fn=cmd_self_prompts)
+
     fe = sub.add_parser("features", help="a fixed training corpus: reference (prompt, answer) "
                                           "texts and the target's features, one prefill each")
     fe.add_argument("--model", default="smollm2-135m")
@@ -700,4 +735,4 @@ def register(sub) -> list:
                        "the target split over model as for decoding, batch rows over data "
                        "(gradients summed by XLA), the optimizer state sharded ZeRO-1 style; "
                        "the one-device result up to float rounding")
-    return [ds, fe, te, tr, tx, to]
+    return [ds, sp, fe, te, tr, tx, to]
