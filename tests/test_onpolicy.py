@@ -304,7 +304,13 @@ def test_a_bad_mesh_is_refused_before_anything_loads(tmp_path, capsys):
     for extra, msg in (([], "--run DIR is required"),
                        (["--decode-only", "--epochs", "2"], "trains nothing: drop --epochs"),
                        (["--decode-only", "--feature-cache", str(tmp_path / "c")],
-                        "trains nothing: drop --feature-cache")):
+                        "trains nothing: drop --feature-cache"),
+                       ([*base[-2:], "--mix-shards", str(tmp_path / "m")],
+                        "--mix-shards joins the epochs: give --epochs"),
+                       ([*base[-2:], "--epochs", "1", "--mix-shards", str(tmp_path / "s")],
+                        "is the --shards store itself"),
+                       ([*base[-2:], "--epochs", "1", "--mix-shards", str(tmp_path / "m")],
+                        "holds no shard store")):
         assert cli.main([*base[:-2], *extra]) == 2
         assert msg in capsys.readouterr().err
 
@@ -435,3 +441,39 @@ def test_a_feature_cache_trains_the_same_head_and_refuses_a_damaged_file(lm, tmp
     np.save(cache.path(store, 1, layers), np.zeros((3, 4), np.float32))
     with pytest.raises(FeatureCacheError, match=r"float32 \(3, 4\), not float32 .*damaged"):
         cache.examples(store, 1, layers, refuse)
+
+
+def test_stores_mixed_into_the_epochs_train_with_the_rounds_and_are_recorded(
+        lm, tmp_path, monkeypatch):
+    """``mix``: every shard of another store of the target joins each epoch, shuffled with
+    the run's rounds; the run records the stores, so resuming with others is refused, and
+    mixing without epochs is refused."""
+    from specjax.export import CheckpointError
+
+    vids = np.arange(48, dtype=np.int32)
+    cfg = dataclasses.replace(CFG, rounds=2, val_every=2, epochs=1)
+    other = [(f"other#{i}", "other words " * (i % 3 + 1) + str(i)) for i in range(30)]
+    onpolicy.extend_store(lm, _store(lm, tmp_path / "b"), other, cfg)
+    mixed = _store(lm, tmp_path / "b")
+    seen = []
+    real = onpolicy.epoch_batches
+
+    def spy(ex, *a):
+        seen.append({tuple(t) for t, _, _ in ex})
+        return real(ex, *a)
+
+    monkeypatch.setattr(onpolicy, "epoch_batches", spy)
+    run = lambda name, c=cfg, mix=(mixed,): onpolicy.train(  # noqa: E731
+        lm, ttt.EAGLE3, c, tmp_path / name, _store(lm, tmp_path / "a"), POOL, vids, mix=mix)
+    run("r")
+    own = _store(lm, tmp_path / "a")
+    rounds = {tuple(t) for w in range(2) for t, _ in own.read(w)}
+    extra = {tuple(t) for w in range(len(mixed)) for t, _ in mixed.read(w)}
+    assert len(mixed) == 2 and extra and not extra & rounds
+    assert seen == [rounds | extra]
+    assert json.loads((tmp_path / "r" / "run.json").read_text())["mix"] == \
+        onpolicy.mix_digest([mixed])
+    with pytest.raises(CheckpointError, match="different configuration.*'mix'"):
+        run("r", dataclasses.replace(cfg, epochs=2), mix=())
+    with pytest.raises(ValueError, match="need epochs"):
+        run("s", dataclasses.replace(cfg, epochs=0))

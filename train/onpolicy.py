@@ -31,6 +31,7 @@ head trains data-parallel with its optimizer state sharded (``loop.on_mesh``).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import random
 import time
 from pathlib import Path
@@ -383,16 +384,32 @@ def _round_data(lm, store: ShardStore, which, pool, cfg: OnPolicyConfig, layers,
     t0 = time.perf_counter()
     ids, toks = _sorted_prompts(lm, pool, cfg)
     known = _known(store, which, ids)
-    if known and cache is not None:
-        ex = cache.examples(store, which, layers,
-                            lambda rows: prefill_features(lm, rows, layers, mesh=mesh))
-    elif known:
-        ex = prefill_features(lm, store.read(which), layers, mesh=mesh)
+    if known:
+        ex = _replay(lm, store, which, layers, mesh, cache)
     else:
         ex = decode_round(lm, toks, cfg.max_new_tokens, layers, mesh=mesh)
         store.append(ids, [(t, pl) for t, pl, _ in ex],
                      name=which if isinstance(which, str) else None)
     return ex, known, time.perf_counter() - t0
+
+
+def _replay(lm, store: ShardStore, which, layers, mesh=None,
+            cache: FeatureCache | None = None) -> list[Example]:
+    """Shard ``which`` of ``store`` with its features: one prefill of its tokens, or read
+    from ``cache`` (computed and written there the first time)."""
+    if cache is None:
+        return prefill_features(lm, store.read(which), layers, mesh=mesh)
+    return cache.examples(store, which, layers,
+                          lambda rows: prefill_features(lm, rows, layers, mesh=mesh))
+
+
+def mix_digest(stores: Sequence[ShardStore]) -> str:
+    """SHA-256 (16 hex digits) of the numbered shards of ``stores``, in order: what a run
+    records of the stores it mixes into its epochs, so a resumed run mixes the same."""
+    h = hashlib.sha256()
+    for s in stores:
+        h.update("\n".join(s.sha256(w) for w in range(len(s))).encode() + b"|")
+    return h.hexdigest()[:16]
 
 
 def extend_store(lm, store: ShardStore, pool: Sequence[tuple[str, str]], cfg: OnPolicyConfig,
@@ -447,7 +464,7 @@ def init_params(kind: ttt.Kind, target_cfg, cfg: OnPolicyConfig, init=None) -> d
 def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: ShardStore,
           pool: Sequence[tuple[str, str]], vocab_ids: np.ndarray, *, init=None,
           stop_after: int | None = None, log=None, progress=None, mesh=None,
-          feature_cache: FeatureCache | None = None) -> dict:
+          feature_cache: FeatureCache | None = None, mix: Sequence[ShardStore] = ()) -> dict:
     """Trains (or resumes) the head in ``run_dir`` up to ``cfg.rounds`` rounds (or
     ``stop_after`` more) over ``pool`` (``prompt_pool``: its first ``val_prompts`` are held
     out), replaying the rounds ``store`` holds and decoding the rest into it. ``vocab_ids``:
@@ -469,7 +486,15 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
 
     With ``feature_cache``, replayed shards (the held-out one, rounds and epochs) read
     their prefill's features from it, computed and written the first time: the same
-    parameters as without it, bit for bit."""
+    parameters as without it, bit for bit.
+
+    ``mix``: other stores of the same target (``ShardStore.open``) whose numbered shards
+    join the epochs, every one of them, shuffled with the run's rounds: data of other
+    prompt sources or settings, trained together without a second run. The run records
+    them (``mix_digest``), so a run resumed with other ones is refused (``CheckpointError``);
+    ``ValueError`` for ``mix`` without ``cfg.epochs``."""
+    if mix and not cfg.epochs:
+        raise ValueError("stores mixed into the epochs need epochs (OnPolicyConfig.epochs)")
     lm = on_mesh(lm, mesh)
     target, tparams = lm.model, lm.params
     layers = kind.layers(target.config)
@@ -479,7 +504,8 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
              "round": jnp.asarray(0, jnp.int32), "tokens": jnp.asarray(0, jnp.int32)}
     meta = {"kind": kind.name, "store": store.manifest["target"], "vocab": len(vocab_ids),
             **{k: v for k, v in run_fields(cfg).items()
-               if k not in ("rounds", "val_every", "epochs")}}  # these three may grow
+               if k not in ("rounds", "val_every", "epochs")},  # these three may grow
+            "mix": mix_digest(mix) if mix else None}  # None: as a run.json without it
     check_run_layout(run_dir, cfg.attn_norm)
     state, mngr = loop.resume(run_dir, meta, fresh)
     state = loop.shard_state(mesh, state)
@@ -522,8 +548,10 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
         left = None if stop_after is None else stop_after - len(todo)
         epochs = cfg.epochs_from(done, left) if int(state["round"]) == cfg.rounds else range(0)
         if epochs:
+            mixed = lambda: [e for s in mix for w in range(len(s))  # noqa: E731
+                             for e in _replay(lm, s, w, layers, mesh, feature_cache)]
             state = _train_epochs(data, pool, cfg, state, epochs, step, tparams, vids,
-                                  score, mngr, log, progress, mesh)
+                                  score, mngr, log, progress, mesh, mixed)
     return state
 
 
@@ -550,18 +578,20 @@ def _check_epochs(run_dir, cfg: OnPolicyConfig, rounds: int, epochs: int) -> Non
 
 
 def _train_epochs(data, pool, cfg: OnPolicyConfig, state: dict, epochs: range, step, tparams,
-                  vids, score, mngr, log, progress, mesh=None) -> dict:
+                  vids, score, mngr, log, progress, mesh=None, mixed=list) -> dict:
     """The state after ``epochs`` (numbers from 0) over every round's examples, their
     features from one prefill of the stored tokens (``data(round, prompts)``: the run's
     ``_round_data``, never the decoded features, so a resumed run trains on the same
     ones): each epoch scored (``score``),
     checkpointed as step ``cfg.rounds + epoch + 1`` (complete on disk before ``log``
-    records it) and counted on ``progress``, whose postfix follows the prefill."""
+    records it) and counted on ``progress``, whose postfix follows the prefill. ``mixed()``:
+    the examples of the stores mixed in, after the rounds'."""
     ex = []
     for r in range(cfg.rounds):
         ex += data(r, _round_prompts(pool, cfg, r))[0]
         if progress is not None:
             progress.set_postfix({"features of round": f"{r + 1}/{cfg.rounds}"})
+    ex += mixed()
     for e in epochs:
         t0 = time.perf_counter()
         state, metrics = jax.block_until_ready(_train_pass(
@@ -639,6 +669,6 @@ def store_corpus(lm, root: str | Path, batch: int = 16, progress=None) -> list[E
 
 __all__ = ["OnPolicyConfig", "batch_arrays", "check_store", "decode_round", "epoch_batches",
            "extend_store", "make_eval",
-           "make_step", "minibatches", "on_mesh", "optimizer", "init_params", "store_header",
+           "make_step", "minibatches", "mix_digest", "on_mesh", "optimizer", "init_params", "store_header",
            "store_settings", "store_target", "train", "prefill_features", "prompt_pool",
            "validate", "ShardStore", "store_corpus", "target_hash"]

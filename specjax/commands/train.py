@@ -380,7 +380,7 @@ def cmd_train_onpolicy(args) -> int:
     import numpy as np
     from tqdm import tqdm
 
-    from specjax.train import glue, onpolicy, ttt
+    from specjax.train import glue, onpolicy, shards, ttt
     from specjax.train.feature_cache import FeatureCache
 
     if args.decode_only:
@@ -390,9 +390,12 @@ def cmd_train_onpolicy(args) -> int:
     kind = ttt.EAGLE3 if args.kind == "eagle3" else ttt.EAGLE2
     _check_export_format(args)
     _check_onpolicy_layout(args)
+    _check_mix(args)
     cfg, pool, start, vocab_ids, mesh = _onpolicy_inputs(args, kind)
     lm = _load(args, vocab=True, mesh=mesh)  # unsharded: the store's hash is the weights'
     store, thash = _open_store(args, lm, cfg)
+    mix = [shards.ShardStore.open(d, onpolicy.store_target(lm, thash),
+                                  lm.model.config.vocab_size) for d in args.mix_shards or ()]
     head = glue.onpolicy_head(start, lm.model.config, kind)
     vfile = Path(args.run, "vocab_ids.npy")
     if not vfile.exists():
@@ -406,7 +409,7 @@ def cmd_train_onpolicy(args) -> int:
                                progress=bar, log=RunLog(args.run),
                                stop_after=args.stop_after, mesh=mesh,
                                feature_cache=FeatureCache(args.feature_cache)
-                               if args.feature_cache else None)
+                               if args.feature_cache else None, mix=mix)
     if args.export:
         out = glue.export_onpolicy(state, kind, cfg, args.export, model=args.model,
                                    target_cfg=lm.model.config, start=start,
@@ -416,6 +419,21 @@ def cmd_train_onpolicy(args) -> int:
     return 0
 
 
+def _check_mix(args) -> None:
+    """``--mix-shards``: each a store whose every shard matches its SHA-256, and epochs to
+    mix them into; checked before the target loads."""
+    from specjax.train import shards
+
+    if args.mix_shards and not args.epochs:
+        raise UsageError("--mix-shards joins the epochs: give --epochs")
+    for d in args.mix_shards or ():
+        if Path(d).resolve() == Path(args.shards).resolve():
+            raise UsageError(f"--mix-shards {d} is the --shards store itself")
+        if not Path(d, "manifest.json").is_file():
+            raise UsageError(f"--mix-shards {d} holds no shard store (no manifest.json)")
+        shards.check_store(d)
+
+
 def _decode_only(args) -> int:
     """``train onpolicy --decode-only``: the store extended to ``--rounds`` rounds
     (``onpolicy.extend_store``), every input checked before the target loads."""
@@ -423,8 +441,8 @@ def _decode_only(args) -> int:
 
     from specjax.train import onpolicy, shards
 
-    given = [f for f in ("export", "export_format", "epochs", "stop_after", "feature_cache")
-             if getattr(args, f)]
+    given = [f for f in ("export", "export_format", "epochs", "stop_after", "feature_cache",
+                         "mix_shards") if getattr(args, f)]
     if given:
         raise UsageError(f"--decode-only trains nothing: drop --{given[0].replace('_', '-')}")
     cfg, pool, mesh = _onpolicy_settings(args)
@@ -561,8 +579,8 @@ def _add_onpolicy(tsub):
                     help="longer prompts are skipped (the store records it: a store "
                          "decoded with another limit is refused)")
     to.add_argument("--sources", help="comma-separated prompt sources to draw from, in turn "
-                                      "(gsm8k, self_instruct, t0; default all; the store "
-                                      "records it)")
+                                      "(gsm8k, self_instruct, t0, self_written; default "
+                                      "all; the store records it)")
     to.add_argument("--passes", type=int, default=1, help="optimizer passes over each round")
     to.add_argument("--epochs", type=int, default=0,
                     help="after the rounds, epochs over every round's answers together, "
@@ -572,6 +590,10 @@ def _add_onpolicy(tsub):
                     help="keep replayed rounds' features here (float32, 4 x F bytes a "
                          "token) and read them back in later runs and epochs instead of "
                          "prefilling again")
+    to.add_argument("--mix-shards", metavar="DIR", action="append",
+                    help="another store of the same target (other prompt sources or "
+                         "settings) whose rounds all join the epochs, shuffled with this "
+                         "run's; repeatable; the run records them")
     to.add_argument("--batch-tokens", type=int, default=4096)
     to.add_argument("--lr", type=float, default=3e-4)
     to.add_argument("--warmup", type=int, default=20)
