@@ -310,7 +310,11 @@ def test_a_bad_mesh_is_refused_before_anything_loads(tmp_path, capsys):
                        ([*base[-2:], "--epochs", "1", "--mix-shards", str(tmp_path / "s")],
                         "is the --shards store itself"),
                        ([*base[-2:], "--epochs", "1", "--mix-shards", str(tmp_path / "m")],
-                        "holds no shard store")):
+                        "holds no shard store"),
+                       ([*base[-2:], "--epochs", "1", "--mix-shards", f"{tmp_path / 'e'}:3"],
+                        "--mix-shards " + f"{tmp_path / 'e'}:3: the store holds 0 rounds")):
+        (tmp_path / "e").mkdir(exist_ok=True)
+        (tmp_path / "e" / "manifest.json").write_text('{"shards": []}')
         assert cli.main([*base[:-2], *extra]) == 2
         assert msg in capsys.readouterr().err
 
@@ -463,7 +467,7 @@ def test_stores_mixed_into_the_epochs_train_with_the_rounds_and_are_recorded(
         return real(ex, *a)
 
     monkeypatch.setattr(onpolicy, "epoch_batches", spy)
-    run = lambda name, c=cfg, mix=(mixed,): onpolicy.train(  # noqa: E731
+    run = lambda name, c=cfg, mix=((mixed, 2),): onpolicy.train(  # noqa: E731
         lm, ttt.EAGLE3, c, tmp_path / name, _store(lm, tmp_path / "a"), POOL, vids, mix=mix)
     run("r")
     own = _store(lm, tmp_path / "a")
@@ -472,8 +476,12 @@ def test_stores_mixed_into_the_epochs_train_with_the_rounds_and_are_recorded(
     assert len(mixed) == 2 and extra and not extra & rounds
     assert seen == [rounds | extra]
     assert json.loads((tmp_path / "r" / "run.json").read_text())["mix"] == \
-        onpolicy.mix_digest([mixed])
+        onpolicy.mix_digest([(mixed, 2)])
+    with pytest.raises(CheckpointError, match="different configuration.*'mix'"):
+        run("r", dataclasses.replace(cfg, epochs=2), mix=((mixed, 1),))
     with pytest.raises(CheckpointError, match="different configuration.*'mix'"):
         run("r", dataclasses.replace(cfg, epochs=2), mix=())
     with pytest.raises(ValueError, match="need epochs"):
         run("s", dataclasses.replace(cfg, epochs=0))
+    with pytest.raises(ValueError, match="holds 2 rounds: cannot mix 3"):
+        run("s", mix=((mixed, 3),))

@@ -403,12 +403,13 @@ def _replay(lm, store: ShardStore, which, layers, mesh=None,
                           lambda rows: prefill_features(lm, rows, layers, mesh=mesh))
 
 
-def mix_digest(stores: Sequence[ShardStore]) -> str:
-    """SHA-256 (16 hex digits) of the numbered shards of ``stores``, in order: what a run
-    records of the stores it mixes into its epochs, so a resumed run mixes the same."""
+def mix_digest(mix: Sequence[tuple[ShardStore, int]]) -> str:
+    """SHA-256 (16 hex digits) of the shards ``mix`` names (``(store, rounds)``: its first
+    ``rounds`` numbered shards), in order: what a run records of the data it mixes into
+    its epochs, so a resumed run mixes the same."""
     h = hashlib.sha256()
-    for s in stores:
-        h.update("\n".join(s.sha256(w) for w in range(len(s))).encode() + b"|")
+    for s, n in mix:
+        h.update("\n".join(s.sha256(w) for w in range(n)).encode() + b"|")
     return h.hexdigest()[:16]
 
 
@@ -464,7 +465,8 @@ def init_params(kind: ttt.Kind, target_cfg, cfg: OnPolicyConfig, init=None) -> d
 def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: ShardStore,
           pool: Sequence[tuple[str, str]], vocab_ids: np.ndarray, *, init=None,
           stop_after: int | None = None, log=None, progress=None, mesh=None,
-          feature_cache: FeatureCache | None = None, mix: Sequence[ShardStore] = ()) -> dict:
+          feature_cache: FeatureCache | None = None,
+          mix: Sequence[tuple[ShardStore, int]] = ()) -> dict:
     """Trains (or resumes) the head in ``run_dir`` up to ``cfg.rounds`` rounds (or
     ``stop_after`` more) over ``pool`` (``prompt_pool``: its first ``val_prompts`` are held
     out), replaying the rounds ``store`` holds and decoding the rest into it. ``vocab_ids``:
@@ -488,13 +490,17 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
     their prefill's features from it, computed and written the first time: the same
     parameters as without it, bit for bit.
 
-    ``mix``: other stores of the same target (``ShardStore.open``) whose numbered shards
-    join the epochs, every one of them, shuffled with the run's rounds: data of other
-    prompt sources or settings, trained together without a second run. The run records
-    them (``mix_digest``), so a run resumed with other ones is refused (``CheckpointError``);
-    ``ValueError`` for ``mix`` without ``cfg.epochs``."""
+    ``mix``: ``(store, rounds)`` pairs, other stores of the same target
+    (``ShardStore.open``) whose first ``rounds`` numbered shards join the epochs, shuffled
+    with the run's rounds: data of other prompt sources or settings, trained together
+    without a second run. The run records them (``mix_digest``), so a run resumed with
+    others is refused (``CheckpointError``); ``ValueError`` for ``mix`` without
+    ``cfg.epochs``, or for more rounds than a store holds."""
     if mix and not cfg.epochs:
         raise ValueError("stores mixed into the epochs need epochs (OnPolicyConfig.epochs)")
+    for s, n in mix:
+        if not 1 <= n <= len(s):
+            raise ValueError(f"{s.root} holds {len(s)} rounds: cannot mix {n} of them")
     lm = on_mesh(lm, mesh)
     target, tparams = lm.model, lm.params
     layers = kind.layers(target.config)
@@ -548,7 +554,7 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
         left = None if stop_after is None else stop_after - len(todo)
         epochs = cfg.epochs_from(done, left) if int(state["round"]) == cfg.rounds else range(0)
         if epochs:
-            mixed = lambda: [e for s in mix for w in range(len(s))  # noqa: E731
+            mixed = lambda: [e for s, n in mix for w in range(n)  # noqa: E731
                              for e in _replay(lm, s, w, layers, mesh, feature_cache)]
             state = _train_epochs(data, pool, cfg, state, epochs, step, tparams, vids,
                                   score, mngr, log, progress, mesh, mixed)

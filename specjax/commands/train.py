@@ -394,8 +394,11 @@ def cmd_train_onpolicy(args) -> int:
     cfg, pool, start, vocab_ids, mesh = _onpolicy_inputs(args, kind)
     lm = _load(args, vocab=True, mesh=mesh)  # unsharded: the store's hash is the weights'
     store, thash = _open_store(args, lm, cfg)
-    mix = [shards.ShardStore.open(d, onpolicy.store_target(lm, thash),
-                                  lm.model.config.vocab_size) for d in args.mix_shards or ()]
+    mix = []
+    for d, n in map(_mix_arg, args.mix_shards or ()):
+        s = shards.ShardStore.open(d, onpolicy.store_target(lm, thash),
+                                   lm.model.config.vocab_size)
+        mix.append((s, len(s) if n is None else n))
     head = glue.onpolicy_head(start, lm.model.config, kind)
     vfile = Path(args.run, "vocab_ids.npy")
     if not vfile.exists():
@@ -419,19 +422,30 @@ def cmd_train_onpolicy(args) -> int:
     return 0
 
 
+def _mix_arg(text: str) -> tuple[str, int | None]:
+    """``DIR`` or ``DIR:ROUNDS`` of ``--mix-shards``: the store, and how many of its first
+    rounds (None: all)."""
+    d, sep, n = text.rpartition(":")
+    return (d, int(n)) if sep and n.isdigit() else (text, None)
+
+
 def _check_mix(args) -> None:
-    """``--mix-shards``: each a store whose every shard matches its SHA-256, and epochs to
-    mix them into; checked before the target loads."""
+    """``--mix-shards``: each a store holding the rounds asked, each matching its SHA-256,
+    and epochs to mix them into; checked before the target loads."""
     from specjax.train import shards
 
     if args.mix_shards and not args.epochs:
         raise UsageError("--mix-shards joins the epochs: give --epochs")
-    for d in args.mix_shards or ():
+    for d, n in map(_mix_arg, args.mix_shards or ()):
         if Path(d).resolve() == Path(args.shards).resolve():
             raise UsageError(f"--mix-shards {d} is the --shards store itself")
-        if not Path(d, "manifest.json").is_file():
+        m = shards.read_manifest(d)
+        if m is None:
             raise UsageError(f"--mix-shards {d} holds no shard store (no manifest.json)")
-        shards.check_store(d)
+        if n is not None and not 1 <= n <= len(m["shards"]):
+            raise UsageError(f"--mix-shards {d}:{n}: the store holds {len(m['shards'])} "
+                             "rounds")
+        shards.check_store(d, range(len(m["shards"]) if n is None else n))
 
 
 def _decode_only(args) -> int:
@@ -591,9 +605,10 @@ def _add_onpolicy(tsub):
                          "token) and read them back in later runs and epochs instead of "
                          "prefilling again")
     to.add_argument("--mix-shards", metavar="DIR", action="append",
-                    help="another store of the same target (other prompt sources or "
-                         "settings) whose rounds all join the epochs, shuffled with this "
-                         "run's; repeatable; the run records them")
+                    help="DIR or DIR:ROUNDS: another store of the same target (other prompt "
+                         "sources or settings) whose rounds (all, or the first ROUNDS) join "
+                         "the epochs, shuffled with this run's; repeatable; the run records "
+                         "them")
     to.add_argument("--batch-tokens", type=int, default=4096)
     to.add_argument("--lr", type=float, default=3e-4)
     to.add_argument("--warmup", type=int, default=20)
