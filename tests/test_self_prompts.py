@@ -76,3 +76,14 @@ def test_written_prompts_are_closed_unique_seeded_and_read_as_a_source(lm, tmp_p
     assert all(i.startswith("self_written#") for i, _ in pool)
     with pytest.raises(FileNotFoundError, match="holds no prompt files"):
         distill.read_prompts(tmp_path / "empty")
+
+
+def test_the_command_refuses_bad_counts_before_the_model_loads(tmp_path, capsys):
+    from specjax import cli
+
+    for flag in ("--n", "--batch"):
+        assert cli.main(["self-prompts", "--model", str(tmp_path / "absent"), flag, "0",
+                         "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and flag in err and "0" in err, err
+    assert not (tmp_path / "o").exists()

@@ -117,8 +117,8 @@ def cmd_self_prompts(args) -> int:
 
     from specjax.train import self_prompts
 
-    if args.n < 1 or args.batch < 1:
-        raise UsageError(f"--n {args.n}, --batch {args.batch}: each must be >= 1")
+    if args.n < 1:
+        raise UsageError(f"--n {args.n}: it must be >= 1")
     common.writable(args.out, "--out", directory=True)
     exclude = _spec_bench_texts(args.exclude)
     lm = _load(args)
