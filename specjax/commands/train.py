@@ -56,11 +56,14 @@ def _input_dir(path: str, flag: str) -> Path:
 
 
 def _check_prompts(path: str) -> None:
-    """``--prompts`` names a directory of training prompt files, GSM8K's among them."""
-    if not (_input_dir(path, "--prompts") / "gsm8k_train.jsonl").is_file():
-        raise UsageError(f"--prompts {path} holds no gsm8k_train.jsonl: give the directory of "
+    """``--prompts`` names a directory holding training prompt files
+    (``distill.read_prompts``)."""
+    d = _input_dir(path, "--prompts")
+    if not any(p.is_file() for p in (d / "gsm8k_train.jsonl", d / "self_written.jsonl",
+                                     *d.glob("self_instruct_*.jsonl"), *d.glob("t0/*.jsonl"))):
+        raise UsageError(f"--prompts {path} holds no prompt files: give the directory of "
                          "training prompt files (gsm8k_train.jsonl, self_instruct_*.jsonl, "
-                         "t0/*.jsonl)")
+                         "t0/*.jsonl, or self_written.jsonl from `specjax self-prompts`)")
 
 
 def _vocab_check(args, mesh=None):
