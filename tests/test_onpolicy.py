@@ -465,9 +465,13 @@ def test_stores_mixed_into_the_epochs_train_with_the_rounds_and_are_recorded(
         return real(ex, *a)
 
     monkeypatch.setattr(onpolicy, "epoch_batches", spy)
-    run = lambda name, c=cfg, mix=((mixed, 2),): onpolicy.train(  # noqa: E731
-        lm, ttt.EAGLE3, c, tmp_path / name, _store(lm, tmp_path / "a"), POOL, vids, mix=mix)
-    run("r")
+    run = lambda name, c=cfg, mix=((mixed, 2),), **kw: onpolicy.train(  # noqa: E731
+        lm, ttt.EAGLE3, c, tmp_path / name, _store(lm, tmp_path / "a"), POOL, vids, mix=mix,
+        **kw)
+    bar = _Bar()
+    run("r", progress=bar)
+    assert [p for p in bar.post if "features of mixed round" in p] == [
+        {"features of mixed round": "1/2"}, {"features of mixed round": "2/2"}]
     own = _store(lm, tmp_path / "a")
     rounds = {tuple(t) for w in range(2) for t, _ in own.read(w)}
     extra = {tuple(t) for w in range(len(mixed)) for t, _ in mixed.read(w)}

@@ -554,11 +554,24 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
         left = None if stop_after is None else stop_after - len(todo)
         epochs = cfg.epochs_from(done, left) if int(state["round"]) == cfg.rounds else range(0)
         if epochs:
-            mixed = lambda: [e for s, n in mix for w in range(n)  # noqa: E731
-                             for e in _replay(lm, s, w, layers, mesh, feature_cache)]
+            mixed = lambda: _mixed(lm, mix, layers, mesh, feature_cache, progress)  # noqa: E731
             state = _train_epochs(data, pool, cfg, state, epochs, step, tparams, vids,
                                   score, mngr, log, progress, mesh, mixed)
     return state
+
+
+def _mixed(lm, mix: Sequence[tuple[ShardStore, int]], layers, mesh, cache, progress
+           ) -> list[Example]:
+    """The examples of the shards ``mix`` names (``train``'s ``mix``), replayed in order;
+    ``progress``'s postfix follows them."""
+    out, total, done = [], sum(n for _, n in mix), 0
+    for s, n in mix:
+        for w in range(n):
+            out += _replay(lm, s, w, layers, mesh, cache)
+            done += 1
+            if progress is not None:
+                progress.set_postfix({"features of mixed round": f"{done}/{total}"})
+    return out
 
 
 def _round_prompts(pool: Sequence[tuple[str, str]], cfg: OnPolicyConfig, r: int) -> list:
