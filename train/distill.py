@@ -60,15 +60,21 @@ def read_jsonl(path: Path, need: Sequence[str] = ()) -> list[dict]:
     return out
 
 
+def prompt_files(data_dir: str | Path) -> list[Path]:
+    """The prompt files ``read_prompts`` reads under ``data_dir`` (those present)."""
+    d = Path(data_dir)
+    files = [d / "gsm8k_train.jsonl", *sorted(d.glob("self_instruct_*.jsonl")),
+             *sorted(d.glob("t0/*.jsonl")), d / "self_written.jsonl"]
+    return [p for p in files if p.is_file()]
+
+
 def read_prompts(data_dir: str | Path) -> dict[str, list[str]]:
     """Prompts by source: ``gsm8k``, ``self_instruct``, ``t0/<task>`` and ``self_written``
     (requests the target wrote: ``specjax.train.self_prompts``), each empty where its files
     are absent (``read_jsonl``: a malformed line is a ``ValueError`` naming it).
     ``FileNotFoundError`` for a directory holding none of them."""
     d = Path(data_dir)
-    files = [d / "gsm8k_train.jsonl", *d.glob("self_instruct_*.jsonl"), *d.glob("t0/*.jsonl"),
-             d / "self_written.jsonl"]
-    if not any(p.is_file() for p in files):
+    if not prompt_files(d):
         raise FileNotFoundError(f"{d} holds no prompt files (gsm8k_train.jsonl, "
                                 "self_instruct_*.jsonl, t0/*.jsonl or self_written.jsonl)")
     gsm = d / "gsm8k_train.jsonl"

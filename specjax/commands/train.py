@@ -58,9 +58,9 @@ def _input_dir(path: str, flag: str) -> Path:
 def _check_prompts(path: str) -> None:
     """``--prompts`` names a directory holding training prompt files
     (``distill.read_prompts``)."""
-    d = _input_dir(path, "--prompts")
-    if not any(p.is_file() for p in (d / "gsm8k_train.jsonl", d / "self_written.jsonl",
-                                     *d.glob("self_instruct_*.jsonl"), *d.glob("t0/*.jsonl"))):
+    from specjax.train import distill
+
+    if not distill.prompt_files(_input_dir(path, "--prompts")):
         raise UsageError(f"--prompts {path} holds no prompt files: give the directory of "
                          "training prompt files (gsm8k_train.jsonl, self_instruct_*.jsonl, "
                          "t0/*.jsonl, or self_written.jsonl from `specjax self-prompts`)")
