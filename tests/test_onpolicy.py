@@ -399,6 +399,9 @@ def test_epochs_train_on_every_round_and_resume_exactly(lm, tmp_path, monkeypatc
     # the bar starts at what the run had done, and shows the prefill before the epochs
     assert [b.n for b in bars] == [2 + 1, 2 + 1 + 1]
     assert bars[0].post[:2] == [{"features of round": "1/2"}, {"features of round": "2/2"}]
+    n = len(seen[0])  # and each epoch's steps, its last one shown before the epoch's row
+    assert bars[0].post[2:] == [{"epoch": 1, "step": f"{n}/{n}"},
+                                {"epoch": 1, "tokens_seen": logs[3]["tokens_seen"]}]
     # killed after epoch 2's training, before its checkpoint: the epoch trains again
     shutil.rmtree(tmp_path / "grown" / "ckpt" / "4")
     jax.tree.map(np.testing.assert_array_equal, _params(run("grown", log=log)), whole)

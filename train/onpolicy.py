@@ -613,9 +613,10 @@ def _train_epochs(data, pool, cfg: OnPolicyConfig, state: dict, epochs: range, s
     ex += mixed()
     for e in epochs:
         t0 = time.perf_counter()
+        tick = None if progress is None else _step_ticker(progress, e)
         state, metrics = jax.block_until_ready(_train_pass(
             step, state, tparams, ex, epoch_batches(ex, cfg.batch_tokens, cfg.seed, e), vids,
-            mesh))
+            mesh, tick))
         row = {"round": int(state["round"]), "epoch": e + 1, "step": int(state["step"]),
                "tokens_seen": int(state["tokens"]),
                **{k: round(float(v), 4) for k, v in metrics.items()},
@@ -632,16 +633,29 @@ def _train_epochs(data, pool, cfg: OnPolicyConfig, state: dict, epochs: range, s
 
 
 def _train_pass(step, state: dict, tparams, ex: Sequence[Example], plan: list[list[int]],
-                vids, mesh=None) -> tuple[dict, dict]:
+                vids, mesh=None, tick=None) -> tuple[dict, dict]:
     """``(state, last metrics)`` after one optimizer step per minibatch of ``plan``
     (indices into ``ex``), in order, each minibatch's rows over ``mesh``'s ``data`` axis;
-    the state's ``tokens`` counts the trained positions."""
+    the state's ``tokens`` counts the trained positions. ``tick(i, n, metrics)`` follows
+    step ``i`` of ``n``."""
     metrics = {}
-    for idx in plan:
+    for i, idx in enumerate(plan):
         toks, feats, mask = batch_arrays(ex, idx)
         state, metrics = step(state, tparams, *loop.batch_on(mesh, (toks, feats, mask)), vids)
         state["tokens"] = state["tokens"] + int(mask.sum())
+        if tick is not None:
+            tick(i + 1, len(plan), metrics)
     return state, metrics
+
+
+def _step_ticker(progress, epoch: int, every: int = 50):
+    """A ``_train_pass`` tick that shows epoch ``epoch``'s step on ``progress``'s postfix
+    every ``every`` steps and at its last, each shown step finished (not only dispatched)."""
+    def tick(i: int, n: int, metrics) -> None:
+        if i % every == 0 or i == n:
+            jax.block_until_ready(metrics)
+            progress.set_postfix({"epoch": epoch + 1, "step": f"{i}/{n}"})
+    return tick
 
 
 def _train_round(step, state: dict, tparams, ex: Sequence[Example], vids, cfg: OnPolicyConfig,
