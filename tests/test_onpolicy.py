@@ -490,3 +490,34 @@ def test_stores_mixed_into_the_epochs_train_with_the_rounds_and_are_recorded(
         run("s", dataclasses.replace(cfg, epochs=0))
     with pytest.raises(ValueError, match="holds 2 rounds: cannot mix 3"):
         run("s", mix=((mixed, 3),))
+
+
+def test_answers_only_trains_on_answer_positions_and_the_run_records_it(lm, tmp_path):
+    """``answers_only``: rounds and epochs count (and train on) the answers' positions
+    only, so the head differs from a run on every position; the run records the setting,
+    and a run directory of either setting refuses the other."""
+    from specjax.export import CheckpointError
+
+    vids = np.arange(48, dtype=np.int32)
+    cfg = dataclasses.replace(CFG, rounds=2, val_every=2, epochs=1)
+    onpolicy.extend_store(lm, _store(lm, tmp_path / "s"), POOL, cfg)
+    store = _store(lm, tmp_path / "s")
+    answers = sum(len(t) - pl for w in range(2) for t, pl in store.read(w))
+    every = sum(len(t) - 1 for w in range(2) for t, _ in store.read(w))
+    logs = {"all": [], "ans": []}
+    run = lambda name, c: onpolicy.train(  # noqa: E731
+        lm, ttt.EAGLE3, c, tmp_path / name, _store(lm, tmp_path / "s"), POOL, vids,
+        log=logs[name].append)
+    plain = _params(run("all", cfg))
+    ans = _params(run("ans", dataclasses.replace(cfg, answers_only=True)))
+    assert [r["tokens_seen"] for r in logs["all"]][-1] == 2 * every
+    assert [r["tokens_seen"] for r in logs["ans"]][-1] == 2 * answers < 2 * every
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(plain),
+                                                        jax.tree.leaves(ans)))
+    assert logs["ans"][0]["val_top1"] == logs["all"][0]["val_top1"]  # same start, same scoring
+    assert json.loads((tmp_path / "ans" / "run.json").read_text())["answers_only"] is True
+    assert "answers_only" not in json.loads((tmp_path / "all" / "run.json").read_text())
+    with pytest.raises(CheckpointError, match="different configuration.*'answers_only'"):
+        run("ans", cfg)
+    with pytest.raises(CheckpointError, match="different configuration.*'answers_only'"):
+        run("all", dataclasses.replace(cfg, answers_only=True))

@@ -35,13 +35,16 @@ def _abstract(tree):
 
 
 def check_run(run_dir: Path, meta: dict) -> None:
-    """Writes ``run.json``, or refuses a run directory made for a different configuration."""
+    """Writes ``run.json``, or refuses a run directory made for a different configuration:
+    a field that differs, or that one side records and the other does not (a config field
+    recorded only away from its default, such as ``eagle.run_fields``' ``head_layers``)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     meta = json.loads(json.dumps(meta))  # tuples compare as the lists they are saved as
     f = run_dir / "run.json"
     if f.exists():
         old = json.loads(f.read_text())
-        diff = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v}
+        diff = {k: (old.get(k), meta.get(k)) for k in sorted(meta.keys() | old.keys())
+                if old.get(k) != meta.get(k)}
         if diff:
             raise CheckpointError(f"{run_dir} holds a run with a different configuration "
                                   f"(field: (saved, requested)) {diff}; use another directory")

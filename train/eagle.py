@@ -57,8 +57,8 @@ class TrainConfig:
 
 def run_fields(cfg) -> dict:
     """``cfg`` (a config with an ``attn_norm`` field) as ``run.json`` records it: every
-    field, ``attn_norm`` only when False, ``head_layers`` only above 1 and ``sources`` only
-    when given, so a run directory written before these fields existed still resumes (a run
+    field, ``attn_norm`` only when False, ``head_layers`` only above 1, ``sources`` only
+    when given and ``answers_only`` only when True, so a run directory written before these fields existed still resumes (a run
     of the other layout is refused: ``check_run_layout``, or ``run.json``'s comparison)."""
     d = dataclasses.asdict(cfg)
     if d.get("attn_norm", True):
@@ -67,6 +67,8 @@ def run_fields(cfg) -> dict:
         d.pop("head_layers", None)
     if "sources" in d and d["sources"] is None:  # every prompt source (on-policy runs)
         d.pop("sources")
+    if not d.get("answers_only", True):  # on-policy runs' default: every position
+        d.pop("answers_only")
     return d
 
 

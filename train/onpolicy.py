@@ -186,6 +186,9 @@ class OnPolicyConfig:
     epochs: int = 0
     # EAGLE-2 only: the head's decoder layers (``eagle.init_head(layers=...)``)
     head_layers: int = 1
+    # train on answer positions only (the predictions of the target's own tokens), not on
+    # the prompts' too; held-out scoring is on answer positions either way
+    answers_only: bool = False
 
     def __post_init__(self):
         low = [f"{k}={getattr(self, k)}" for k in ("rounds", "batch", "max_new_tokens",
@@ -616,7 +619,7 @@ def _train_epochs(data, pool, cfg: OnPolicyConfig, state: dict, epochs: range, s
         tick = None if progress is None else _step_ticker(progress, e)
         state, metrics = jax.block_until_ready(_train_pass(
             step, state, tparams, ex, epoch_batches(ex, cfg.batch_tokens, cfg.seed, e), vids,
-            mesh, tick))
+            mesh, tick, cfg.answers_only))
         row = {"round": int(state["round"]), "epoch": e + 1, "step": int(state["step"]),
                "tokens_seen": int(state["tokens"]),
                **{k: round(float(v), 4) for k, v in metrics.items()},
@@ -633,14 +636,14 @@ def _train_epochs(data, pool, cfg: OnPolicyConfig, state: dict, epochs: range, s
 
 
 def _train_pass(step, state: dict, tparams, ex: Sequence[Example], plan: list[list[int]],
-                vids, mesh=None, tick=None) -> tuple[dict, dict]:
+                vids, mesh=None, tick=None, answers_only: bool = False) -> tuple[dict, dict]:
     """``(state, last metrics)`` after one optimizer step per minibatch of ``plan``
-    (indices into ``ex``), in order, each minibatch's rows over ``mesh``'s ``data`` axis;
-    the state's ``tokens`` counts the trained positions. ``tick(i, n, metrics)`` follows
-    step ``i`` of ``n``."""
+    (indices into ``ex``), in order, each minibatch's rows over ``mesh``'s ``data`` axis,
+    trained on ``batch_arrays``' positions (``answers_only``: answers'); the state's
+    ``tokens`` counts them. ``tick(i, n, metrics)`` follows step ``i`` of ``n``."""
     metrics = {}
     for i, idx in enumerate(plan):
-        toks, feats, mask = batch_arrays(ex, idx)
+        toks, feats, mask = batch_arrays(ex, idx, answers_only)
         state, metrics = step(state, tparams, *loop.batch_on(mesh, (toks, feats, mask)), vids)
         state["tokens"] = state["tokens"] + int(mask.sum())
         if tick is not None:
@@ -665,7 +668,8 @@ def _train_round(step, state: dict, tparams, ex: Sequence[Example], vids, cfg: O
     metrics = {}
     for p in range(cfg.passes):
         plan = minibatches(ex, cfg.batch_tokens, hash((cfg.seed, r, p)) % 2**32)
-        state, metrics = _train_pass(step, state, tparams, ex, plan, vids, mesh)
+        state, metrics = _train_pass(step, state, tparams, ex, plan, vids, mesh,
+                                     answers_only=cfg.answers_only)
     state["round"] = sharding.replicated(mesh, jnp.asarray(r + 1, jnp.int32))
     return state, metrics
 

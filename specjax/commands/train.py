@@ -612,6 +612,9 @@ def _add_onpolicy(tsub):
                          "sources or settings) whose rounds (all, or the first ROUNDS) join "
                          "the epochs, shuffled with this run's; repeatable; the run records "
                          "them")
+    to.add_argument("--answers-only", action="store_true",
+                    help="train on the answers' positions only, not the prompts' too (the "
+                         "run records it)")
     to.add_argument("--batch-tokens", type=int, default=4096)
     to.add_argument("--lr", type=float, default=3e-4)
     to.add_argument("--warmup", type=int, default=20)
