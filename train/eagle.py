@@ -58,8 +58,9 @@ class TrainConfig:
 def run_fields(cfg) -> dict:
     """``cfg`` (a config with an ``attn_norm`` field) as ``run.json`` records it: every
     field, ``attn_norm`` only when False, ``head_layers`` only above 1, ``sources`` only
-    when given and ``answers_only`` only when True, so a run directory written before these fields existed still resumes (a run
-    of the other layout is refused: ``check_run_layout``, or ``run.json``'s comparison)."""
+    when given and ``answers_only`` only when True, so a run directory written before these
+    fields existed still resumes (a run of the other layout is refused:
+    ``check_run_layout``, or ``run.json``'s comparison)."""
     d = dataclasses.asdict(cfg)
     if d.get("attn_norm", True):
         d.pop("attn_norm", None)
