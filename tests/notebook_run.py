@@ -21,7 +21,7 @@ ELSEWHERE = {"06_sharding.ipynb": "tests/test_sharding.py (8 simulated CPU devic
 # one prompt of under 64 tokens and 16 new tokens decode in a cache of 128 entries, as in
 # 01_quickstart, so `generate` compiles once for the whole module.
 SMALL: dict[str, dict] = {
-    "01_quickstart.ipynb": {"MAX_NEW_TOKENS": 16, "CATEGORIES": ("summarization",)},
+    "01_quickstart.ipynb": {"MAX_NEW_TOKENS": 16, "CATEGORIES": ("math_reasoning",)},
     "02_verify_your_logits.ipynb": {"ROWS": 20_000},
     "03_eagle2.ipynb": {"N_TRAIN_PROMPTS": 2, "DISTILL_NEW_TOKENS": 16, "TRAIN_STEPS": 3,
                         "BATCH_TOKENS": 128, "VAL_EXAMPLES": 0, "N_PROMPTS": 1,
