@@ -55,15 +55,22 @@ def test_beams_and_packed_tree_match_hand_computed_example():
     np.testing.assert_array_equal(beams.mask(t)[0], want)
 
 
+@jax.jit
+def _packed(toks):
+    """The packed tree of beams ``toks``, its ancestor matrix and its mask (jitted: eager,
+    the packing's many small operations made an example take about 1 s)."""
+    t = beams.pack(toks)
+    return t, tree.ancestors(t.parents), beams.mask(t)
+
+
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), b=st.integers(1, 3), w=st.integers(1, 5),
        l=st.integers(1, 4), v=st.integers(2, 4))
 def test_packed_tree_invariants_on_random_beams(seed, b, w, l, v):
     toks = np.random.default_rng(seed).integers(0, v, size=(b, w, l)).astype(np.int32)
-    t = beams.pack(jnp.asarray(toks))
+    t, anc, m = _packed(jnp.asarray(toks))
     tk, par, val, node = (np.asarray(x) for x in (t.tokens, t.parents, t.valid, t.node))
-    anc = np.asarray(tree.ancestors(t.parents))
-    m = np.asarray(beams.mask(t))
+    anc, m = np.asarray(anc), np.asarray(m)
     for r in range(b):
         n = int(t.num_nodes[r])
         assert n == len({tuple(toks[r, k, :i + 1]) for k in range(w) for i in range(l)})

@@ -34,16 +34,23 @@ def toy():
 
 
 def _argmaxes(model, tp, heads, seq):
-    t = jnp.asarray(seq)[None]
-    logits, hid, _ = model.forward(tp, t, jnp.arange(len(seq))[None],
-                                   model.init_cache(1, 64), return_layers=LAYERS)
-    rows = [np.argmax(exit_head(model, tp, heads[l], hid[l])[0], -1) for l in LAYERS]
-    return rows + [np.argmax(logits[0], -1)]
+    """Each exit's and the target's argmax at every position of ``seq``, teacher-forced."""
+    @jax.jit
+    def run(tp, heads, t):
+        logits, hid, _ = model.forward(tp, t, jnp.arange(t.shape[1])[None],
+                                       model.init_cache(1, 64), return_layers=LAYERS)
+        rows = [jnp.argmax(exit_head(model, tp, heads[l], hid[l])[0], -1) for l in LAYERS]
+        return rows + [jnp.argmax(logits[0], -1)]
+
+    return [np.asarray(r) for r in run(tp, heads, jnp.asarray(seq)[None])]
 
 
 def test_greedy_agreement_equals_a_direct_count(toy):
     model, tp, heads, seqs, pls = toy
     alpha, n = calibrate.agreement(model, tp, heads, LAYERS, seqs, pls, ngram=NG)
+    # the n-gram drafter's first proposal given tokens 0..t-1, one context at a time (jitted:
+    # eager, the lookup's many small operations take most of this test's time)
+    first = jax.jit(lambda ctx: NG.propose(None, (), ctx, None, sampling.Greedy())[0])
     hits, total = np.zeros((4, 4)), 0
     for seq, pl in zip(seqs, pls):
         am = _argmaxes(model, tp, heads, seq)
@@ -51,7 +58,7 @@ def test_greedy_agreement_equals_a_direct_count(toy):
             ctx = specjax.drafters.Context(tokens=jnp.asarray(seq)[None],
                                            length=jnp.asarray([t]), prompt_len=jnp.asarray([pl]),
                                            cache=None, params=None)
-            d = NG.propose(None, (), ctx, None, sampling.Greedy())[0]
+            d = first(ctx)
             guess = [int(d.tokens[0, 0]) if bool(d.valid[0, 0]) else -1]
             guess += [int(a[t - 1]) for a in am]
             for i in range(4):

@@ -3,6 +3,8 @@ drafter's losslessness (greedy and sampled) on toy models."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,18 +78,25 @@ def test_tree_ablations_by_hand():
     np.testing.assert_allclose(np.exp(pool.value[0, 6:]), [.105, .084, .15, .09], rtol=1e-5)
 
 
-@settings(max_examples=15, deadline=None)  # eager JAX: about 1 s an example
-@given(seed=st.integers(0, 2**31 - 1), depth=st.integers(1, 5), topk=st.integers(1, 4),
-       frac=st.floats(0.05, 1.0), enabled=st.booleans(), by_value=st.booleans())
-def test_tree_is_connected_for_random_drafts(seed, depth, topk, frac, enabled, by_value):
-    v = 7
-    k1, k2 = jax.random.split(jax.random.key(seed))
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def _random_tree(key, v, depth, topk, n, enabled_by_value):
+    """A pool expanded from random log-probabilities (a table: token -> next token's), and
+    its reranked tree of ``n`` nodes (jitted: eager, an example took about 1 s)."""
+    enabled, by_value = enabled_by_value
+    k1, k2 = jax.random.split(key)
     table = jax.nn.log_softmax(jax.random.normal(k1, (v, v)) * 3)
     step = lambda c, d, tok, par: (table[tok], c)
     root = jax.nn.log_softmax(jax.random.normal(k2, (2, v)) * 3)
     pool, _ = eagle.expand(root, step, (), depth, topk, by_value)
+    return pool, eagle.rerank(pool, n, jnp.asarray([0, 5]), enabled)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), depth=st.integers(1, 5), topk=st.integers(1, 4),
+       frac=st.floats(0.05, 1.0), enabled=st.booleans(), by_value=st.booleans())
+def test_tree_is_connected_for_random_drafts(seed, depth, topk, frac, enabled, by_value):
     n = max(1, int(frac * eagle.pool_size(depth, topk)))
-    t = eagle.rerank(pool, n, jnp.asarray([0, 5]), enabled)
+    pool, t = _random_tree(jax.random.key(seed), 7, depth, topk, n, (enabled, by_value))
     par, idx = np.asarray(t.parents), np.asarray(t.index)
     for b in range(2):
         assert len(set(idx[b])) == n
@@ -155,26 +164,37 @@ def test_drafter_matches_the_teacher_forced_head(toy):
     model, tparams, dp = toy
     drafter = eagle.EagleDrafter(model, depth=2, topk=3, total_tokens=eagle.pool_size(2, 3))
     prompt, p, cap = PROMPT * 3, len(PROMPT) * 3, 128
-    buf = jnp.zeros((1, cap), jnp.int32).at[0, :p].set(jnp.asarray(prompt))
-    cache = model.init_cache(1, cap)
-    h_last, cache, h_all = prefill(model, tparams, buf, jnp.asarray([p]), cache, 64, True)
-    first = int(jnp.argmax(model.logits(tparams, h_last)[0]))
-    ctx = Context(tokens=buf.at[0, p].set(first), length=jnp.asarray([p + 1]),
-                  prompt_len=jnp.asarray([p]), cache=cache, params=tparams, hidden=h_all)
-    state = drafter.init(dp, ctx, 64)
-    draft, _, _ = drafter.propose(dp, state, ctx, jax.random.key(0), sampling.Greedy())
 
-    seq = jnp.asarray([prompt + [first]])
-    _, hid, _ = model.forward(tparams, seq, jnp.arange(p + 1)[None], model.init_cache(1, cap))
-    prev = eagle.shift_features(eagle.features(model, tparams, hid[TOY.num_layers]))
-    out = eagle.training_forward(model, dp["head"], tparams, seq, prev)
-    emb = eagle.output_embedding(model, tparams)
-    level1 = jax.lax.top_k(out[0, -1] @ emb.T, 3)[1]
+    @jax.jit  # both sides jitted, as they run in decoding and training (eager is slow)
+    def drafted(tparams, dp, buf):
+        h_last, cache, h_all = prefill(model, tparams, buf, jnp.asarray([p]),
+                                       model.init_cache(1, cap), 64, True)
+        first = jnp.argmax(model.logits(tparams, h_last)[0])
+        ctx = Context(tokens=buf.at[0, p].set(first), length=jnp.asarray([p + 1]),
+                      prompt_len=jnp.asarray([p]), cache=cache, params=tparams, hidden=h_all)
+        state = drafter.init(dp, ctx, 64)
+        return first, drafter.propose(dp, state, ctx, jax.random.key(0), sampling.Greedy())[0]
+
+    @jax.jit
+    def teacher_forced(tparams, head, seq):
+        """The head's top 3 at the last position, and then at one position more (its
+        parent the first of those 3, its input feature the head's own output)."""
+        _, hid, _ = model.forward(tparams, seq, jnp.arange(p + 1)[None],
+                                  model.init_cache(1, cap))
+        prev = eagle.shift_features(eagle.features(model, tparams, hid[TOY.num_layers]))
+        out = eagle.training_forward(model, head, tparams, seq, prev)
+        emb = eagle.output_embedding(model, tparams)
+        level1 = jax.lax.top_k(out[0, -1] @ emb.T, 3)[1]
+        seq2 = jnp.concatenate([seq, level1[None, :1]], axis=1)
+        prev2 = jnp.concatenate([prev, out[:, -1:]], axis=1)
+        out2 = eagle.training_forward(model, head, tparams, seq2, prev2)
+        return level1, jax.lax.top_k(out2[0, -1] @ emb.T, 3)[1]
+
+    buf = jnp.zeros((1, cap), jnp.int32).at[0, :p].set(jnp.asarray(prompt))
+    first, draft = drafted(tparams, dp, buf)
+    level1, level2 = teacher_forced(tparams, dp["head"], jnp.asarray([prompt + [int(first)]]))
     np.testing.assert_array_equal(draft.tokens[0, :3], level1)
-    seq2 = jnp.concatenate([seq, level1[None, :1]], axis=1)
-    prev2 = jnp.concatenate([prev, out[:, -1:]], axis=1)
-    out2 = eagle.training_forward(model, dp["head"], tparams, seq2, prev2)
-    np.testing.assert_array_equal(draft.tokens[0, 3:6], jax.lax.top_k(out2[0, -1] @ emb.T, 3)[1])
+    np.testing.assert_array_equal(draft.tokens[0, 3:6], level2)
 
 
 # Greedy eagle equals ar on the real model (batch 4):
@@ -192,36 +212,42 @@ def test_drafter_state_after_commit_equals_a_fresh_start(toy2):
     drafter = eagle.EagleDrafter(model, depth=3, topk=3, total_tokens=8)
     cap, chunk, greedy = 128, 16, sampling.Greedy()
     eos = jnp.asarray([-1])
+    # each step jitted, as decoding runs it (eager, its many small operations are slow)
+    spec = specjax.Speculative(model, drafter, drafter.verify_widths, chunk=chunk)
+    init, step = jax.jit(spec.init), jax.jit(spec.step)
+    propose = jax.jit(lambda dp, st, ctx: drafter.propose(dp, st, ctx, jax.random.key(0),
+                                                          greedy)[0])
+    prefilled = jax.jit(lambda tp, buf, p: prefill(model, tp, buf, p, model.init_cache(1, cap),
+                                                   chunk, True))
+    drafter_init = jax.jit(lambda dp, ctx: drafter.init(dp, ctx, chunk))
 
     def start(prompt):
         p = len(prompt)
         buf = jnp.zeros((1, cap), jnp.int32).at[0, :p].set(jnp.asarray(prompt))
-        h_last, cache, h_all = prefill(model, tparams, buf, jnp.asarray([p]),
-                                       model.init_cache(1, cap), chunk, True)
+        h_last, cache, h_all = prefilled(tparams, buf, jnp.asarray([p]))
         first = jnp.argmax(model.logits(tparams, h_last), -1)
         toks = buf.at[0, p].set(first[0])
         ctx = Context(tokens=toks, length=jnp.asarray([p + 1]), prompt_len=jnp.asarray([p]),
                       cache=cache, params=tparams, hidden=h_all)
-        return ctx, drafter.init(dp, ctx, chunk)
+        return ctx, drafter_init(dp, ctx)
 
     accepted = []
     for prompt in (PROMPT, PROMPT * 3, [3, 3, 1, 4], [7, 2]):
         p = len(prompt)
         buf = jnp.zeros((1, cap), jnp.int32).at[0, :p].set(jnp.asarray(prompt))
-        spec = specjax.Speculative(model, drafter, drafter.verify_widths, chunk=chunk)
         x = specjax.Batch(tokens=buf, lengths=jnp.asarray([p]), budgets=jnp.asarray([64]),
                           eos=eos, key=jax.random.key(0), sampler=greedy, capacity=cap,
                           max_out=64)
-        s = spec.init((tparams, dp), x)
+        s = init((tparams, dp), x)
         for _ in range(2):  # two rounds: the second drafts from a committed state
-            s = spec.step((tparams, dp), s)
+            s = step((tparams, dp), s)
         accepted.append(int(s.stats.accepted_at[0, 0]))
         n = int(s.length[0])
         ctx = Context(tokens=s.tokens, length=s.length, prompt_len=jnp.asarray([len(prompt)]),
                       cache=s.cache, params=tparams)
-        committed, _, _ = drafter.propose(dp, s.dstate, ctx, jax.random.key(0), greedy)
+        committed = propose(dp, s.dstate, ctx)
         fresh_ctx, fresh_state = start(np.asarray(s.tokens[0, : n - 1]).tolist())
-        fresh, _, _ = drafter.propose(dp, fresh_state, fresh_ctx, jax.random.key(0), greedy)
+        fresh = propose(dp, fresh_state, fresh_ctx)
         assert int(fresh_ctx.tokens[0, n - 1]) == int(s.tokens[0, n - 1])
         np.testing.assert_array_equal(committed.tokens, fresh.tokens)
         np.testing.assert_array_equal(committed.parents, fresh.parents)
