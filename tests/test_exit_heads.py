@@ -61,9 +61,8 @@ def test_untrained_adapter_is_the_plain_early_exit(lm):
 
 def test_layer_features_are_the_targets_hidden_states(lm, corpus, feats):
     for (tok, _, _), f in list(zip(corpus, feats))[:4]:
-        t = jnp.asarray(tok)[None]
-        _, hid, _ = lm.model.forward(lm.params, t, jnp.arange(len(tok))[None],
-                                     lm.model.init_cache(1, 128), return_layers=(1, 2))
+        _, hid, _ = toys.forward(lm.model, lm.params, jnp.asarray(tok)[None],
+                                 return_layers=(1, 2))
         assert f.shape == (len(tok), 3, TOY.hidden_size) and f.dtype == jnp.bfloat16
         for k, l in enumerate((1, 2)):
             assert_within_a_bf16_step(f[:, k], hid[l][0])

@@ -36,9 +36,7 @@ def corpus(lm):
 
 def test_distilled_features_are_the_targets_hidden_states(lm, corpus):
     for tok, pl, f in corpus[:5]:
-        t = jnp.asarray(tok)[None]
-        cache = lm.model.init_cache(1, 128)
-        logits, hid, _ = lm.model.forward(lm.params, t, jnp.arange(len(tok))[None], cache)
+        logits, hid, _ = toys.forward(lm.model, lm.params, jnp.asarray(tok)[None])
         want = np.asarray(hid[TOY.num_layers][0, :-1], np.float32)
         assert_within_a_bf16_step(f[:-1], want)
         # the answer is the target's greedy rollout, teacher-forced

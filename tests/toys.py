@@ -130,6 +130,18 @@ def loaded_llama(path, seed: int = 0, layers: int = 4):
                                eos_ids=())
 
 
+@functools.partial(jax.jit, static_argnames=("model", "capacity", "return_layers"))
+def forward(model, params, tokens, capacity: int = 128, return_layers: tuple = ()):
+    """``model.forward`` over ``tokens`` [B, T] at positions ``0..T-1`` from an empty cache
+    of ``capacity``: ``(logits, hidden, cache)``. Jitted and shared by the tests' references
+    (eager, a toy's forward is hundreds of small operations: seconds a sequence)."""
+    import jax.numpy as jnp
+
+    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    kw = {"return_layers": return_layers} if return_layers else {}
+    return model.forward(params, tokens, pos, model.init_cache(tokens.shape[0], capacity), **kw)
+
+
 BF16_STEP = 2.0 ** -7  # one bfloat16 ulp, relative: 8 significant bits
 
 
