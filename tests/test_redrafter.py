@@ -5,6 +5,7 @@ commit, and bad heads refused clearly."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -69,17 +70,25 @@ def _informed(model, tparams, dp):
 
 
 def _start(model, tparams, prompt, cap=128, chunk=16):
+    """The context after prefilling ``prompt`` (batch 1, capacity ``cap``) and emitting the
+    target's first token, as decoding starts."""
+    p = len(prompt)
+    buf = jnp.zeros((1, cap), jnp.int32).at[0, :p].set(jnp.asarray(prompt))
+    return _prefilled(model, tparams, buf, jnp.asarray([p]), chunk)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "chunk"))
+def _prefilled(model, tparams, buf, p, chunk):
+    """``_start`` under jit (as decoding runs it; eager, its operations take seconds)."""
     from specjax.core.decoding import prefill
     from specjax.drafters import Context
 
-    p = len(prompt)
-    buf = jnp.zeros((1, cap), jnp.int32).at[0, :p].set(jnp.asarray(prompt))
-    h_last, cache, h_all = prefill(model, tparams, buf, jnp.asarray([p]),
-                                   model.init_cache(1, cap), chunk, True)
+    h_last, cache, h_all = prefill(model, tparams, buf, p, model.init_cache(1, buf.shape[1]),
+                                   chunk, True)
     first = jnp.argmax(model.logits(tparams, h_last), -1)
-    toks = buf.at[0, p].set(first[0])
-    return Context(tokens=toks, length=jnp.asarray([p + 1]), prompt_len=jnp.asarray([p]),
-                   cache=cache, params=tparams, hidden=h_all)
+    toks = buf.at[0, p[0]].set(first[0])
+    return Context(tokens=toks, length=p + 1, prompt_len=p, cache=cache, params=tparams,
+                   hidden=h_all)
 
 
 def test_beam_scores_equal_the_teacher_forced_head(toy):
@@ -89,8 +98,10 @@ def test_beam_scores_equal_the_teacher_forced_head(toy):
     model, tparams, dp = toy
     drafter = redrafter.RedrafterDrafter(model, width=3, length=3)
     ctx = _start(model, tparams, PROMPT)
-    state = drafter.init(dp, ctx, 16)
-    draft, _, _ = drafter.propose(dp, state, ctx, jax.random.key(0), sampling.Greedy())
+    state = jax.jit(lambda dp, ctx: drafter.init(dp, ctx, 16))(dp, ctx)
+    draft = jax.jit(lambda dp, st, ctx: drafter.propose(dp, st, ctx, jax.random.key(0),
+                                                        sampling.Greedy())[0])(dp, state, ctx)
+    logq_of = jax.jit(lambda h, emb: jax.nn.log_softmax(redrafter.unroll(dp["head"], h, emb), -1))
     # rebuild the beams from the packed tree: follow parents from every leaf
     tok, par, valid = (np.asarray(x[0]) for x in (draft.tokens, draft.parents, draft.valid))
     depth = {}
@@ -107,7 +118,7 @@ def test_beam_scores_equal_the_teacher_forced_head(toy):
             j = int(par[j])
         path = path[::-1]
         emb = model.embed(tparams, jnp.asarray([[root] + path[:-1]]))[0]
-        logq = jax.nn.log_softmax(redrafter.unroll(dp["head"], h, emb), -1)  # [L, V]
+        logq = np.asarray(logq_of(h, emb))  # [L, V]
         score = float(sum(logq[i, t] for i, t in enumerate(path)))
         assert np.isfinite(score)
         if leaf == leaves[0]:
@@ -126,6 +137,7 @@ def test_commit_keeps_the_feature_of_the_last_accepted_token(toy):
     accepted = 0
     spec = specjax.Speculative(model, drafter, drafter.verify_widths, chunk=16)
     init, step = jax.jit(spec.init), jax.jit(spec.step)  # one compile for the three prompts
+    fresh_init = jax.jit(lambda dp, ctx: drafter.init(dp, ctx, 16))
     for prompt in (PROMPT, PROMPT * 3, [3, 3, 1, 4]):
         ctx = _start(model, tparams, prompt)
         buf = ctx.tokens.at[0, len(prompt)].set(0)  # the prompt alone; init emits the root
@@ -138,8 +150,7 @@ def test_commit_keeps_the_feature_of_the_last_accepted_token(toy):
             s = step((tparams, dp), s)
         accepted += int(s.stats.accepted_at[0, 0])
         n = int(s.length[0])
-        fresh = drafter.init(dp, _start(model, tparams, np.asarray(s.tokens[0, :n - 1]).tolist()),
-                             16)
+        fresh = fresh_init(dp, _start(model, tparams, np.asarray(s.tokens[0, :n - 1]).tolist()))
         np.testing.assert_allclose(np.asarray(s.dstate.h), np.asarray(fresh.h), atol=2e-4,
                                    rtol=2e-4)
     assert accepted > 0, "no round accepted a draft token: the commit path went untested"
