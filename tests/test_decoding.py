@@ -50,9 +50,7 @@ def test_greedy_equals_teacher_forced_argmax_toy(toy):
     prompts = [[1, 2, 3, 4, 5], [7, 8]]
     out = specjax.generate(model, params, prompts, max_new_tokens=12).to_lists()
     for p, gen in zip(prompts, out):
-        seq = jnp.asarray([p + gen])
-        logits, _, _ = model.forward(params, seq, jnp.arange(seq.shape[1])[None],
-                                     model.init_cache(1, 64))
+        logits, _, _ = toys.forward(model, params, jnp.asarray([p + gen]), 64)
         pred = np.asarray(jnp.argmax(logits[0], -1))
         assert pred[len(p) - 1: -1].tolist() == gen
 

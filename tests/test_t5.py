@@ -140,12 +140,12 @@ def _bound(toy, sources=SOURCES):
 
 def test_cached_steps_equal_a_full_forward(toy):
     model, bp = _bound(toy)
+    fwd = jax.jit(model.forward)  # as decoding runs it (eager, each step takes seconds)
     dec = jnp.asarray(np.random.default_rng(1).integers(0, TOY.vocab_size, (4, 9)))
-    full, _, _ = model.forward(bp, dec, jnp.broadcast_to(jnp.arange(9), (4, 9)),
-                               model.init_cache(4, 16))
+    full, _, _ = fwd(bp, dec, jnp.broadcast_to(jnp.arange(9), (4, 9)), model.init_cache(4, 16))
     cache, steps = model.init_cache(4, 16), []
     for t in range(9):
-        lg, _, cache = model.forward(bp, dec[:, t:t + 1], jnp.full((4, 1), t), cache)
+        lg, _, cache = fwd(bp, dec[:, t:t + 1], jnp.full((4, 1), t), cache)
         cache, _ = cache.advance(1), steps.append(lg[:, 0])
     np.testing.assert_allclose(np.stack(steps, 1), np.asarray(full), atol=1e-5)
 
@@ -154,19 +154,20 @@ def test_tree_siblings_get_the_bias_of_their_own_chains(toy):
     """Root r (position 3) with children a, b (siblings, both at position 4) and c under b.
     Each node's logits equal those of its chain run alone."""
     model, bp = _bound(toy, [SOURCES[0]])
+    fwd = jax.jit(model.forward)  # as decoding runs it (eager is slow)
     prefix = jnp.asarray([[0, 12, 40]])
     cache = model.init_cache(1, 16)
-    _, _, cache = model.forward(bp, prefix, jnp.arange(3)[None], cache)
+    _, _, cache = fwd(bp, prefix, jnp.arange(3)[None], cache)
     cache = cache.advance(3)
     r, a, b, c = 7, 21, 33, 50
     tree_tokens = jnp.asarray([[r, a, b, c]])
     # parents r, a<-r, b<-r, c<-b: each node sees itself and its ancestors
     mask = jnp.asarray([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]], bool)
     pos = jnp.asarray([[3, 4, 4, 5]])
-    tree_logits, _, _ = model.forward(bp, tree_tokens, pos, cache, mask)
+    tree_logits, _, _ = fwd(bp, tree_tokens, pos, cache, mask)
     for chain, nodes in (([r, a], [0, 1]), ([r, b, c], [0, 2, 3])):
         t = len(chain)
-        lg, _, _ = model.forward(bp, jnp.asarray([chain]), (3 + jnp.arange(t))[None], cache)
+        lg, _, _ = fwd(bp, jnp.asarray([chain]), (3 + jnp.arange(t))[None], cache)
         np.testing.assert_allclose(np.asarray(tree_logits[0, jnp.asarray(nodes)]),
                                    np.asarray(lg[0]), atol=1e-5)
 
