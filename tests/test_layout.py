@@ -63,15 +63,17 @@ def test_wide_forward_equals_unpadded_and_stepwise(toy, n, monkeypatch):
     rng = np.random.default_rng(n)
     prefix = jnp.asarray(rng.integers(0, TOY.vocab_size, (2, 5)), jnp.int32)
     toks = jnp.asarray(rng.integers(0, TOY.vocab_size, (2, n)), jnp.int32)
-    _, cache = _forward(model, params, prefix, model.init_cache(2, 32))
+    _, cache = jax.jit(lambda p, t, c: _forward(model, p, t, c))(params, prefix,
+                                                                  model.init_cache(2, 32))
     cache = cache.advance(5)
     padded, _ = jax.jit(lambda p, t, c: _forward(model, p, t, c))(params, toks, cache)
     monkeypatch.setattr(llama, "fast_width", lambda k: k)
-    plain, _ = jax.jit(lambda p, t, c: _forward(model, p, t, c))(params, toks, cache)
+    unpadded = jax.jit(lambda p, t, c: _forward(model, p, t, c))  # traced after the patch
+    plain, _ = unpadded(params, toks, cache)
     np.testing.assert_allclose(np.asarray(padded), np.asarray(plain), rtol=1e-5, atol=1e-5)
     step, c = [], cache
     for i in range(n):
-        lg, c = _forward(model, params, toks[:, i:i + 1], c)
+        lg, c = unpadded(params, toks[:, i:i + 1], c)
         c = c.advance(1)
         step.append(lg)
     np.testing.assert_allclose(np.asarray(padded), np.asarray(jnp.concatenate(step, 1)),

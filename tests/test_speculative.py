@@ -61,23 +61,24 @@ def test_greedy_model_tree_batch_of_one_equals_ar(toys):
 
 def test_kv_commit_equals_running_accepted_tokens(toys):
     model, params, _ = toys
+    fwd = jax.jit(model.forward)  # as decoding runs it (eager is slow)
     prompt = jnp.asarray([[3, 1, 4, 1, 5, 9]])
     cache = model.init_cache(1, 64)
     pos = jnp.arange(6)[None]
-    _, _, cache = model.forward(params, prompt, pos, cache)
+    _, _, cache = fwd(params, prompt, pos, cache)
     cache = cache.advance(6)
     # root 2, then a tree: nodes 0,1 children of root; 2 under 0; 3 under 1; 4 under 3
     parents = jnp.asarray([[-1, -1, 0, 1, 3]])
     nodes = jnp.asarray([[7, 8, 9, 10, 11]])
     toks = jnp.concatenate([jnp.asarray([[2]]), nodes], 1)
-    _, _, cache = model.forward(params, toks, tree.positions(cache.length, parents), cache,
-                                tree.attention_mask(parents))
+    _, _, cache = fwd(params, toks, tree.positions(cache.length, parents), cache,
+                      tree.attention_mask(parents))
     path = jnp.asarray([[1, 3, 4]])  # accept nodes 1 -> 3 -> 4 (tokens 8, 10, 11)
     committed = cache.commit(jnp.concatenate([jnp.zeros((1, 1), jnp.int32), path + 1], 1),
                              jnp.asarray([4]), window=6)
     ref = model.init_cache(1, 64)
     seq = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 8, 10, 11]])
-    _, _, ref = model.forward(params, seq, jnp.arange(10)[None], ref)
+    _, _, ref = fwd(params, seq, jnp.arange(10)[None], ref)
     assert int(committed.length[0]) == 10
     for a, b in zip(committed.k, ref.k):  # [B, K, H, S]
         np.testing.assert_allclose(np.asarray(a)[..., :10], np.asarray(b)[..., :10], atol=1e-5)
