@@ -5,6 +5,7 @@ windows, QK-norm), including speculative decoding across the window's edge."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,13 @@ def _fwd(model, params, tokens, cache=None, start=0):
     b, t = tokens.shape
     cache = model.init_cache(b, 64, params["embed"].dtype) if cache is None else cache
     pos = jnp.broadcast_to(start + jnp.arange(t), (b, t))
-    return jax.jit(model.forward)(params, tokens, pos, cache, causal_mask(b, t))
+    return _jitted_forward(model)(params, tokens, pos, cache, causal_mask(b, t))
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_forward(model):
+    """One jitted forward per model, so a shape seen before is not traced again."""
+    return jax.jit(model.forward)
 
 
 def _save_tiny(path, kind: str, seed: int = 0):
