@@ -37,7 +37,6 @@ _OWN_CACHE = None
 if "SPECJAX_COMPILATION_CACHE" not in os.environ:
     _OWN_CACHE = tempfile.mkdtemp(prefix="specjax-tests-jax-")
     os.environ["SPECJAX_COMPILATION_CACHE"] = _OWN_CACHE
-    os.environ["SPECJAX_TESTS_CACHE_ALL"] = "1"  # the workers and pytest children inherit it
 
 # LLVM at -O1, below XLA's default level, for XLA:CPU's generated code (the suite's flag, not the
 # library's): measured on this CPU, it compiles the toy decoders about 19% faster and
@@ -52,16 +51,6 @@ if not os.environ.get("SPECJAX_TESTS_XLA_DEFAULTS") and \
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_OPT_FLAG}".strip()
 
 import specjax  # noqa: E402, F401  (sets XLA flags before JAX picks a backend)
-
-# The suite's own cache also keeps what compiles faster than specjax's threshold
-# (``specjax._cache.MIN_COMPILE_S``): the thousands of eager operations and small jits the
-# tests run, milliseconds each, so one worker reads what the other compiled. Measured on this
-# CPU: test_verify, test_blocks and test_contract took 79 s in a process that found only the
-# large programs cached, 34 s in one that found everything.
-if os.environ.get("SPECJAX_TESTS_CACHE_ALL") == "1":
-    import jax  # noqa: E402
-
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 SMOLLM = "smollm2-135m"
 _SLOW_FIXTURES = {"smollm", "hf_smollm"}
