@@ -158,22 +158,14 @@ def toy2():
 def test_drafter_matches_the_teacher_forced_head(toy):
     """The drafter's cached, tree-masked head steps equal the head run over whole sequences:
     level 1 from the true features, level 2 from the predicted feature of its parent."""
-    from specjax.core.decoding import prefill
-    from specjax.drafters import Context
-
     model, tparams, dp = toy
     drafter = eagle.EagleDrafter(model, depth=2, topk=3, total_tokens=eagle.pool_size(2, 3))
     prompt, p, cap = PROMPT * 3, len(PROMPT) * 3, 128
 
     @jax.jit  # both sides jitted, as they run in decoding and training (eager is slow)
-    def drafted(tparams, dp, buf):
-        h_last, cache, h_all = prefill(model, tparams, buf, jnp.asarray([p]),
-                                       model.init_cache(1, cap), 64, True)
-        first = jnp.argmax(model.logits(tparams, h_last)[0])
-        ctx = Context(tokens=buf.at[0, p].set(first), length=jnp.asarray([p + 1]),
-                      prompt_len=jnp.asarray([p]), cache=cache, params=tparams, hidden=h_all)
+    def drafted(dp, ctx):
         state = drafter.init(dp, ctx, 64)
-        return first, drafter.propose(dp, state, ctx, jax.random.key(0), sampling.Greedy())[0]
+        return drafter.propose(dp, state, ctx, jax.random.key(0), sampling.Greedy())[0]
 
     @jax.jit
     def teacher_forced(tparams, head, seq):
@@ -190,9 +182,10 @@ def test_drafter_matches_the_teacher_forced_head(toy):
         out2 = eagle.training_forward(model, head, tparams, seq2, prev2)
         return level1, jax.lax.top_k(out2[0, -1] @ emb.T, 3)[1]
 
-    buf = jnp.zeros((1, cap), jnp.int32).at[0, :p].set(jnp.asarray(prompt))
-    first, draft = drafted(tparams, dp, buf)
-    level1, level2 = teacher_forced(tparams, dp["head"], jnp.asarray([prompt + [int(first)]]))
+    ctx = toys.start_context(model, tparams, prompt, cap, chunk=64)
+    draft = drafted(dp, ctx)
+    first = int(ctx.tokens[0, p])
+    level1, level2 = teacher_forced(tparams, dp["head"], jnp.asarray([prompt + [first]]))
     np.testing.assert_array_equal(draft.tokens[0, :3], level1)
     np.testing.assert_array_equal(draft.tokens[0, 3:6], level2)
 
@@ -205,7 +198,6 @@ def test_drafter_state_after_commit_equals_a_fresh_start(toy2):
     """After a real round (propose, verify, commit), the head drafts exactly what a head
     started afresh on the whole accepted context drafts: the committed features and cache
     are those of the true context."""
-    from specjax.core.decoding import prefill
     from specjax.drafters import Context
 
     model, tparams, dp = toy2
@@ -217,18 +209,10 @@ def test_drafter_state_after_commit_equals_a_fresh_start(toy2):
     init, step = jax.jit(spec.init), jax.jit(spec.step)
     propose = jax.jit(lambda dp, st, ctx: drafter.propose(dp, st, ctx, jax.random.key(0),
                                                           greedy)[0])
-    prefilled = jax.jit(lambda tp, buf, p: prefill(model, tp, buf, p, model.init_cache(1, cap),
-                                                   chunk, True))
     drafter_init = jax.jit(lambda dp, ctx: drafter.init(dp, ctx, chunk))
 
     def start(prompt):
-        p = len(prompt)
-        buf = jnp.zeros((1, cap), jnp.int32).at[0, :p].set(jnp.asarray(prompt))
-        h_last, cache, h_all = prefilled(tparams, buf, jnp.asarray([p]))
-        first = jnp.argmax(model.logits(tparams, h_last), -1)
-        toks = buf.at[0, p].set(first[0])
-        ctx = Context(tokens=toks, length=jnp.asarray([p + 1]), prompt_len=jnp.asarray([p]),
-                      cache=cache, params=tparams, hidden=h_all)
+        ctx = toys.start_context(model, tparams, prompt, cap, chunk)
         return ctx, drafter_init(dp, ctx)
 
     accepted = []

@@ -5,7 +5,6 @@ commit, and bad heads refused clearly."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -69,35 +68,13 @@ def _informed(model, tparams, dp):
 # test_sampled_output_follows_the_target[redrafter:3,3] and [redrafter:3,3:nodedup].
 
 
-def _start(model, tparams, prompt, cap=128, chunk=16):
-    """The context after prefilling ``prompt`` (batch 1, capacity ``cap``) and emitting the
-    target's first token, as decoding starts."""
-    p = len(prompt)
-    buf = jnp.zeros((1, cap), jnp.int32).at[0, :p].set(jnp.asarray(prompt))
-    return _prefilled(model, tparams, buf, jnp.asarray([p]), chunk)
-
-
-@functools.partial(jax.jit, static_argnames=("model", "chunk"))
-def _prefilled(model, tparams, buf, p, chunk):
-    """``_start`` under jit (as decoding runs it; eager, its operations take seconds)."""
-    from specjax.core.decoding import prefill
-    from specjax.drafters import Context
-
-    h_last, cache, h_all = prefill(model, tparams, buf, p, model.init_cache(1, buf.shape[1]),
-                                   chunk, True)
-    first = jnp.argmax(model.logits(tparams, h_last), -1)
-    toks = buf.at[0, p[0]].set(first[0])
-    return Context(tokens=toks, length=p + 1, prompt_len=p, cache=cache, params=tparams,
-                   hidden=h_all)
-
-
 def test_beam_scores_equal_the_teacher_forced_head(toy):
     """Every beam's score is the sum of the teacher-forced head's log-probabilities along
     the beam (``unroll``, the training path), and the best beam starts with the head's
     argmax: inference and training compute the same head."""
     model, tparams, dp = toy
     drafter = redrafter.RedrafterDrafter(model, width=3, length=3)
-    ctx = _start(model, tparams, PROMPT)
+    ctx = toys.start_context(model, tparams, PROMPT)
     state = jax.jit(lambda dp, ctx: drafter.init(dp, ctx, 16))(dp, ctx)
     draft = jax.jit(lambda dp, st, ctx: drafter.propose(dp, st, ctx, jax.random.key(0),
                                                         sampling.Greedy())[0])(dp, state, ctx)
@@ -139,7 +116,7 @@ def test_commit_keeps_the_feature_of_the_last_accepted_token(toy):
     init, step = jax.jit(spec.init), jax.jit(spec.step)  # one compile for the three prompts
     fresh_init = jax.jit(lambda dp, ctx: drafter.init(dp, ctx, 16))
     for prompt in (PROMPT, PROMPT * 3, [3, 3, 1, 4]):
-        ctx = _start(model, tparams, prompt)
+        ctx = toys.start_context(model, tparams, prompt)
         buf = ctx.tokens.at[0, len(prompt)].set(0)  # the prompt alone; init emits the root
         x = specjax.Batch(tokens=buf, lengths=jnp.asarray([len(prompt)]),
                           budgets=jnp.asarray([64]), eos=jnp.asarray([-1]),
@@ -150,7 +127,7 @@ def test_commit_keeps_the_feature_of_the_last_accepted_token(toy):
             s = step((tparams, dp), s)
         accepted += int(s.stats.accepted_at[0, 0])
         n = int(s.length[0])
-        fresh = fresh_init(dp, _start(model, tparams, np.asarray(s.tokens[0, :n - 1]).tolist()))
+        fresh = fresh_init(dp, toys.start_context(model, tparams, np.asarray(s.tokens[0, :n - 1]).tolist()))
         np.testing.assert_allclose(np.asarray(s.dstate.h), np.asarray(fresh.h), atol=2e-4,
                                    rtol=2e-4)
     assert accepted > 0, "no round accepted a draft token: the commit path went untested"

@@ -138,8 +138,32 @@ def forward(model, params, tokens, capacity: int = 128, return_layers: tuple = (
     import jax.numpy as jnp
 
     pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    kw = {"return_layers": return_layers} if return_layers else {}
-    return model.forward(params, tokens, pos, model.init_cache(tokens.shape[0], capacity), **kw)
+    return model.forward(params, tokens, pos, model.init_cache(tokens.shape[0], capacity),
+                         return_layers=return_layers)
+
+
+def start_context(model, params, prompt: list[int], capacity: int = 128, chunk: int = 16):
+    """The ``Context`` a drafter starts from: ``prompt`` (batch 1) prefilled into a fresh cache
+    of ``capacity`` in chunks of ``chunk``, every position's hidden state kept, and the
+    target's greedy first token written after it (jitted, as decoding runs it)."""
+    import jax.numpy as jnp
+
+    buf = jnp.zeros((1, capacity), jnp.int32).at[0, :len(prompt)].set(jnp.asarray(prompt))
+    return _prefilled(model, params, buf, jnp.asarray([len(prompt)]), chunk)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "chunk"))
+def _prefilled(model, params, buf, p, chunk):
+    import jax.numpy as jnp
+
+    from specjax.core.decoding import prefill
+    from specjax.drafters import Context
+
+    h_last, cache, h_all = prefill(model, params, buf, p, model.init_cache(1, buf.shape[1]),
+                                   chunk, True)
+    first = jnp.argmax(model.logits(params, h_last), -1)
+    return Context(tokens=buf.at[0, p[0]].set(first[0]), length=p + 1, prompt_len=p,
+                   cache=cache, params=params, hidden=h_all)
 
 
 BF16_STEP = 2.0 ** -7  # one bfloat16 ulp, relative: 8 significant bits
