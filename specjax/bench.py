@@ -551,7 +551,12 @@ def restore_runs(path: str | Path | None, settings: dict) -> dict[str, dict[int,
 
 
 def write_json(path: str | Path, obj: dict) -> None:
-    """Writes ``obj`` to ``path`` atomically (a killed write leaves the old file intact)."""
+    """Writes ``obj`` to ``path`` atomically (a killed write leaves the old file intact);
+    in a multi-process run, only process 0 writes."""
+    import jax
+
+    if jax.process_index() != 0:
+        return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

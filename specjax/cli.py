@@ -10,7 +10,7 @@ import sys
 
 from specjax._optional import MissingExtra
 from specjax.commands import bench, convert, decode, hsd, train
-from specjax.commands.common import UsageError, check_args
+from specjax.commands.common import UsageError, check_args, distributed_settings
 
 # errors whose message says it all: printed without the exception's name or a traceback hint
 _CLEAN = (UsageError, ValueError, FileNotFoundError, IsADirectoryError, MissingExtra)
@@ -50,6 +50,16 @@ def main(argv=None) -> int:
     debug = args.debug or os.environ.get("SPECJAX_DEBUG", "") not in ("", "0")
     try:
         check_args(args)
+        settings = distributed_settings(args)
+        if settings is not None and _supervise(settings):
+            from specjax import distributed
+
+            return distributed.supervise(sys.argv[1:] if argv is None else list(argv),
+                                         settings, args.log_dir)
+        if settings is not None:
+            from specjax import distributed
+
+            distributed.initialize(settings)
         return args.fn(args)
     except KeyboardInterrupt:
         if debug:
@@ -63,6 +73,15 @@ def main(argv=None) -> int:
         hint = "" if clean else " (--debug shows the traceback)"
         print(f"specjax: error: {_one_line(e)}{hint}", file=sys.stderr)
         return 2 if isinstance(e, UsageError) else 1
+
+
+def _supervise(settings) -> bool:
+    """Whether this command starts a multi-process run and is not yet its worker: then it
+    runs the command in a child process that it watches (``distributed.supervise``)."""
+    from specjax import distributed
+
+    multi = (settings.num_processes or 0) > 1 if settings.explicit else settings.detected
+    return multi and not os.environ.get(distributed.WORKER_ENV)
 
 
 if __name__ == "__main__":

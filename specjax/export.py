@@ -240,9 +240,11 @@ def place(params: Any, mesh: Mesh | None = None, specs: Any | None = None) -> An
     """Host arrays ``params`` on devices, as ``load_head`` documents."""
     if mesh is None:
         return jax.tree.map(jax.device_put, params)
+    from specjax import sharding
+
     if specs is None:
-        return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), params)
-    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+        return jax.tree.map(lambda x: sharding.place(x, NamedSharding(mesh, P())), params)
+    return jax.tree.map(lambda x, s: sharding.place(x, NamedSharding(mesh, s)), params, specs)
 
 
 def _shapes(tree) -> dict[str, tuple[int, ...]]:

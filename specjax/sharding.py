@@ -15,9 +15,13 @@ bound source (its cross-attention K/V); token buffers over ``data``.
 Sharding never changes a result: XLA's SPMD partitioner runs the same program on the
 mesh, so greedy tokens equal the one-device run (``tests/test_sharding.py``).
 
-Multi-host (a TPU pod slice): call ``jax.distributed.initialize()`` on every host before
-anything else, then build the mesh over ``jax.devices()`` (all hosts' devices) with
-:func:`make_mesh`; every host runs the same program on its own rows.
+Multi-process (a TPU pod slice, a GPU cluster: one JAX process per host): every process
+calls ``specjax.distributed.initialize`` (``jax.distributed.initialize``) before anything
+else, builds the same mesh over ``jax.devices()`` (every process's devices) and runs the
+same program on the same prompts. Host values reach a mesh through :func:`place`, which
+makes on each process only the slices its own devices hold (``jax.make_array_from_callback``;
+``jax.device_put`` of a whole host array refuses devices of other processes), and results
+come back through :func:`gather`, once, after the decoding loop.
 """
 
 from __future__ import annotations
@@ -185,14 +189,14 @@ def shard_params(config, params: Any, mesh: Mesh) -> Any:
         params = {k: v for k, v in params.items() if k != "source"}
     params = split_layout(config, params)
     specs = param_specs(config, params, mesh)
-    placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params,
-                          specs, is_leaf=lambda x: x is None)
+    placed = jax.tree.map(lambda x, s: None if x is None else place(x, NamedSharding(mesh, s)),
+                          params, specs, is_leaf=lambda x: x is None)
     return placed if source is None else {**placed, "source": place_source(source, mesh)}
 
 
 def place_source(source, mesh: Mesh):
     """An encoded source (``T5.encode``) placed on ``mesh`` by :func:`source_spec`."""
-    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), source,
+    return jax.tree.map(lambda x, s: place(x, NamedSharding(mesh, s)), source,
                         source_spec(source, mesh))
 
 
@@ -229,22 +233,56 @@ def constrain_cache(cache, mesh: Mesh | None):
 
 
 def rows(mesh: Mesh | None, x):
-    """``x`` (leading axis: batch rows) placed with its rows over ``data``."""
+    """``x`` (leading axis: batch rows) placed with its rows over ``data`` (:func:`place`)."""
     if mesh is None:
         return x
-    return jax.tree.map(lambda a: jax.device_put(
+    return jax.tree.map(lambda a: place(
         a, NamedSharding(mesh, P(DATA, *([None] * (np.ndim(a) - 1))))), x)
 
 
 def replicated(mesh: Mesh | None, x):
-    """``x`` copied to every device of ``mesh``."""
+    """``x`` copied to every device of ``mesh`` (:func:`place`)."""
     if mesh is None:
         return x
-    return jax.device_put(x, NamedSharding(mesh, P()))
+    return jax.tree.map(lambda a: place(a, NamedSharding(mesh, P())), x)
+
+
+# ----------------------------------------------------------------------------- processes
+
+def place(x, where: jax.sharding.Sharding) -> jax.Array:
+    """``x`` laid out by ``where``. A sharding within this process, or an array already
+    spread over processes (resharded by XLA), is ``jax.device_put``. A host value (numpy,
+    or an array of this process) on a sharding that spans processes is made with
+    ``jax.make_array_from_callback``: each process builds only the slices its own devices
+    hold, so every process must pass the same value. Typed PRNG keys keep their type."""
+    if where.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return jax.device_put(x, where)
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = place(jax.random.key_data(x), where)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, where, lambda idx: host[idx])
+
+
+def gather(tree):
+    """``tree`` with every array that spans processes made whole on every device of its
+    mesh (one jitted copy, an all-gather), so that every process can read all of it with
+    ``np.asarray``. Arrays this process holds whole, and other leaves, pass unchanged."""
+    leaves, treedef = jax.tree.flatten(tree)
+    far = [i for i, x in enumerate(leaves)
+           if isinstance(x, jax.Array) and not x.is_fully_addressable
+           and not x.is_fully_replicated]
+    if not far:
+        return tree
+    whole = [NamedSharding(leaves[i].sharding.mesh, P()) for i in far]
+    got = jax.jit(lambda *xs: xs, out_shardings=tuple(whole))(*(leaves[i] for i in far))
+    for i, x in zip(far, got):
+        leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)
 
 
 __all__ = ["DATA", "MODEL", "make_mesh", "mesh_from_spec", "parse_mesh", "check_model",
            "check_batch", "split_layout", "param_spec", "param_specs", "shard_params",
            "place_source", "source_spec",
            "cache_spec",
-           "constrain_cache", "rows", "replicated"]
+           "constrain_cache", "rows", "replicated", "place", "gather"]

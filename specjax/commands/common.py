@@ -101,7 +101,11 @@ def mesh(args, rows: int | None = 1):
     from specjax import sharding
 
     try:
-        m = sharding.mesh_from_spec(args.mesh)
+        sizes = sharding.parse_mesh(args.mesh)
+        from specjax import distributed
+
+        distributed.check_devices(sizes["data"] * sizes["model"])
+        m = sharding.make_mesh(**sizes)
         if rows is not None:  # generate and bench decode one prompt at a time
             sharding.check_batch(rows, m)
     except ValueError as e:
@@ -230,6 +234,39 @@ def add_mesh(s) -> None:
     s.add_argument("--mesh", help="run on a device mesh, e.g. model=3: weights split by heads "
                    "and MLP columns (data=D needs batches of D rows; these commands decode "
                    "one prompt at a time)")
+    add_distributed(s)
+
+
+def add_distributed(s) -> None:
+    """The multi-process flags of every command that takes ``--mesh``
+    (``specjax.distributed.Settings``)."""
+    g = s.add_argument_group("multi-process runs (one process per host; the mesh spans "
+                             "every process's devices)")
+    g.add_argument("--coordinator", help="HOST:PORT of process 0 (with --num-processes and "
+                   "--process-id); none of the three: JAX detects a TPU pod, SLURM or Open MPI")
+    g.add_argument("--num-processes", type=int, help="processes in the run")
+    g.add_argument("--process-id", type=int, help="this process, 0 .. N-1 (0 prints results "
+                   "and writes files)")
+    g.add_argument("--distributed-timeout", type=int, default=300, help="seconds to wait for "
+                   "every process at start-up, and for a silent one before the run ends "
+                   "(default 300, JAX's own)")
+    g.add_argument("--log-dir", default="specjax-logs", help="each process's log, "
+                   "process-I.log, goes here (default: specjax-logs)")
+
+
+def distributed_settings(args):
+    """The ``specjax.distributed.Settings`` of a command's flags; None for a command without
+    them. ``UsageError`` for flags that cannot describe a run."""
+    if not hasattr(args, "coordinator"):
+        return None
+    from specjax import distributed
+
+    s = distributed.Settings(args.coordinator, args.num_processes, args.process_id,
+                             args.distributed_timeout)
+    try:
+        return s.check()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def add_heads(s) -> None:

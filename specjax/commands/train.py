@@ -778,4 +778,5 @@ def register(sub) -> list:
                        "the target split over model as for decoding, batch rows over data "
                        "(gradients summed by XLA), the optimizer state sharded ZeRO-1 style; "
                        "the one-device result up to float rounding")
+        common.add_distributed(t)
     return [ds, sp, fe, te, tr, tx, to]

@@ -320,14 +320,16 @@ def decode(dec: Decoder, params, prompts: Sequence[Sequence[int]], *,
     cache (prompt + budget + ``dec.scratch``) or the model's context, raise ``ValueError``
     before anything is compiled. Calls with the same decoder, batch size, cache capacity
     and output bucket reuse one compilation; ``compile_s`` of the result says how long this
-    call spent compiling. With ``dec.mesh``, rows are split over its ``data`` axis.
+    call spent compiling. With ``dec.mesh``, rows are split over its ``data`` axis; on a
+    mesh that spans processes, every process passes the same prompts and gets the whole
+    output (``sharding.gather``, once, after the loop).
     """
     params, prompts = dec.bind(params, prompts, source_size, dec.mesh)
     batch = prepare(dec.model, prompts, max_new_tokens, sampler=sampler, key=key,
                     eos_ids=eos_ids, cache_size=cache_size, chunk=dec.chunk, extra=dec.scratch,
                     mesh=dec.mesh)
     out, compile_s = _RUN(params, batch, dec=dec)
-    return out.replace(compile_s=compile_s)
+    return sharding.gather(out).replace(compile_s=compile_s)
 
 
 __all__ = ["Batch", "Decoder", "DecodeOutput", "PAD", "Request", "Stats", "decode", "loop",

@@ -51,10 +51,14 @@ def source_buffer(model, sources: Sequence[Sequence[int]],
     return buf, np.asarray(lens, np.int32)
 
 
-def encode(model, params, sources: Sequence[Sequence[int]], source_size: int | None = None):
-    """The bound parameters of ``model`` for a batch of sources (one jitted encoder run)."""
+def encode(model, params, sources: Sequence[Sequence[int]], source_size: int | None = None,
+           mesh=None):
+    """The bound parameters of ``model`` for a batch of sources (one jitted encoder run;
+    with ``mesh``, the sources' rows over its ``data`` axis)."""
     buf, lens = source_buffer(model, sources, source_size)
-    enc = _ENCODE(model, params, jnp.asarray(buf), jnp.asarray(lens))
+    buf, lens = (jnp.asarray(buf), jnp.asarray(lens)) if mesh is None else (
+        sharding.rows(mesh, buf), sharding.rows(mesh, lens))
+    enc = _ENCODE(model, params, buf, lens)
     return model.bind(params, enc)
 
 
@@ -72,7 +76,7 @@ def bind_sources(model, params, sources: Sequence[Sequence[int]],
     if not is_encoder_decoder(model):
         return params, [list(s) for s in sources]
     start = model.config.decoder_start_token_id
-    bound = encode(model, params, sources, source_size)
+    bound = encode(model, params, sources, source_size, mesh)
     if mesh is not None:
         bound = {**bound, "source": sharding.place_source(bound["source"], mesh)}
     return bound, [[start] for _ in sources]
