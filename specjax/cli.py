@@ -59,7 +59,8 @@ def main(argv=None) -> int:
         if settings is not None:
             from specjax import distributed
 
-            distributed.initialize(settings)
+            if distributed.initialize(settings):
+                distributed.agree(settings, _same_everywhere(args))
         return args.fn(args)
     except KeyboardInterrupt:
         if debug:
@@ -73,6 +74,12 @@ def main(argv=None) -> int:
         hint = "" if clean else " (--debug shows the traceback)"
         print(f"specjax: error: {_one_line(e)}{hint}", file=sys.stderr)
         return 2 if isinstance(e, UsageError) else 1
+
+
+def _same_everywhere(args) -> dict:
+    """The arguments every process of a run must share: all but its own id and log paths."""
+    own = {"process_id", "log_dir", "coordinator", "debug", "fn"}
+    return {k: v for k, v in vars(args).items() if k not in own}
 
 
 def _supervise(settings) -> bool:

@@ -108,6 +108,33 @@ def initialize(settings: Settings = Settings()) -> bool:
     return True
 
 
+def agree(settings: Settings, values: dict) -> None:
+    """``ValueError`` (one line) unless every process of the run was started with the same
+    ``values`` (a command's arguments, its own process id and log paths left out) and the
+    process count that ``settings`` names. Exchanged through the coordination service's
+    key-value store before any weight is read; waits ``settings.timeout`` at most."""
+    import json
+
+    if jax.process_count() == 1:
+        return
+    if settings.explicit and settings.num_processes != jax.process_count():
+        raise ValueError(f"--num-processes {settings.num_processes}, but process 0 started a "
+                         f"run of {jax.process_count()} processes")
+    from jax._src.distributed import global_state
+
+    mine = json.dumps(values, sort_keys=True, default=str)
+    client, me = global_state.client, jax.process_index()
+    client.key_value_set(f"specjax/args/{me}", mine)
+    for other in range(jax.process_count()):
+        theirs = client.blocking_key_value_get(f"specjax/args/{other}", settings.timeout * 1000)
+        if theirs != mine:
+            a, b = json.loads(mine), json.loads(theirs)
+            diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+            raise ValueError(f"process {other} was started with other arguments: "
+                             + ", ".join(f"{k}={b.get(k)!r} there, {a.get(k)!r} here"
+                                         for k in diff[:3]))
+
+
 def process_index() -> int:
     return jax.process_index()
 
@@ -234,7 +261,7 @@ def launch(command: Sequence[str], processes: int, *, devices: int = 2,
     logs.mkdir(parents=True, exist_ok=True)
     procs, files = [], []
     for i in range(processes):
-        argv = [a.format(process_id=i, **values) for a in command]
+        argv = [_fill(a, {**values, "process_id": i}) for a in command]
         f = open(logs / f"process-{i}.log", "w+")
         files.append(f)
         procs.append(subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=base,
@@ -246,6 +273,13 @@ def launch(command: Sequence[str], processes: int, *, devices: int = 2,
         out.append(Result(i, p.returncode, f.read()))
         f.close()
     return out
+
+
+def _fill(arg: str, values: dict) -> str:
+    """``arg`` with each ``{name}`` of ``values`` replaced (other braces kept as they are)."""
+    for k, v in values.items():
+        arg = arg.replace("{" + k + "}", str(v))
+    return arg
 
 
 def _wait(procs: list[subprocess.Popen], timeout: float) -> None:

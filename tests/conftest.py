@@ -69,6 +69,11 @@ SLOW_TESTS = {
         "test_sharding.py::test_sharded_toys_on_8_simulated_cpu_devices",
         "test_compile_cache.py::test_second_process_reads_the_decode_programs_from_the_cache",
         "test_compile_cache.py::test_switched_off_nothing_is_written",
+        "test_multiprocess.py::test_two_processes_decode_as_one",
+        "test_multiprocess.py::test_cli_two_processes_print_what_one_decodes",
+        "test_multiprocess.py::test_a_dead_process_ends_the_other_with_one_line",
+        "test_multiprocess.py::test_impossible_runs_are_refused_before_loading",
+        "test_multiprocess.py::test_processes_started_differently_are_refused",
         "test_compile_cache.py::test_a_directory_in_the_switch_and_the_users_own_directory",
     ),
     # sampling laws: thousands of sampled rows per case, each its own compile
