@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     try:
         check_args(args)
         settings = distributed_settings(args)
-        if settings is not None and _supervise(settings):
+        if settings is not None and _supervise(settings, args):
             from specjax import distributed
 
             return distributed.supervise(sys.argv[1:] if argv is None else list(argv),
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
         if settings is not None:
             from specjax import distributed
 
-            if distributed.initialize(settings):
+            if distributed.initialize(settings, detect=bool(getattr(args, "mesh", None))):
                 distributed.agree(settings, _same_everywhere(args))
         return args.fn(args)
     except KeyboardInterrupt:
@@ -82,12 +82,14 @@ def _same_everywhere(args) -> dict:
     return {k: v for k, v in vars(args).items() if k not in own}
 
 
-def _supervise(settings) -> bool:
-    """Whether this command starts a multi-process run and is not yet its worker: then it
-    runs the command in a child process that it watches (``distributed.supervise``)."""
+def _supervise(settings, args) -> bool:
+    """Whether this command starts a multi-process run (explicit flags of N > 1 processes,
+    or ``--mesh`` in a cluster JAX detects) and is not yet its worker: then it runs the
+    command in a child process that it watches (``distributed.supervise``)."""
     from specjax import distributed
 
-    multi = (settings.num_processes or 0) > 1 if settings.explicit else settings.detected
+    multi = ((settings.num_processes or 0) > 1 if settings.explicit
+             else bool(getattr(args, "mesh", None)) and settings.detected)
     return multi and not os.environ.get(distributed.WORKER_ENV)
 
 

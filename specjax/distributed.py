@@ -75,21 +75,27 @@ class Settings:
 
     @property
     def detected(self) -> bool:
-        """Whether the environment names a cluster JAX can join by itself."""
-        return any(os.environ.get(k) for k in CLUSTER_ENV)
+        """Whether this process runs in a cluster JAX can join by itself (a Cloud TPU VM
+        of a pod slice, SLURM, Open MPI, Kubernetes: JAX's own cluster detection)."""
+        try:
+            from jax._src import clusters
+
+            return any(c.is_env_present() for c in clusters.ClusterEnv._cluster_types)
+        except Exception:  # noqa: BLE001 -- a JAX without that module: its usual variables
+            return any(os.environ.get(k) for k in CLUSTER_ENV)
 
 
-def initialize(settings: Settings = Settings()) -> bool:
+def initialize(settings: Settings = Settings(), detect: bool = True) -> bool:
     """Joins the multi-process run ``settings`` describe, before any other JAX call of this
     process; returns whether it did. Explicit settings of one process, or none outside a
-    detected cluster, start nothing (a single-process run). On CPU, selects the gloo
+    detected cluster (or with ``detect=False``), start nothing (a single-process run). On CPU, selects the gloo
     collectives first. Raises ``ValueError`` for settings that cannot describe a run and
     ``RuntimeError`` (one line, naming the coordinator) when the others do not all join
     within ``settings.timeout``."""
     s = settings.check()
     if s.explicit and s.num_processes == 1:
         return False
-    if not s.explicit and not s.detected:
+    if not s.explicit and not (detect and s.detected):
         return False
     if jax.distributed.is_initialized():
         return True
