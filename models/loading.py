@@ -19,6 +19,7 @@ the files transformers reads (``hf_weight_table``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -195,9 +196,11 @@ class TensorSource:
     def read(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
         raise NotImplementedError
 
-    def read_into(self, name: str, out: np.ndarray) -> None:
-        """Writes tensor ``name`` into ``out`` (its shape), cast to ``out``'s dtype."""
-        out[...] = self.read(name)
+    def read_into(self, name: str, out: np.ndarray,
+                  rows: tuple[int, int] | None = None) -> None:
+        """Writes tensor ``name`` (its rows a..b with ``rows=(a, b)``) into ``out`` (that
+        shape), cast to ``out``'s dtype."""
+        out[...] = self.read(name, rows)
 
 
 # --------------------------------------------------------------------------- streaming assembly
@@ -251,46 +254,93 @@ def _leaves(cfg, found, split: bool, stacked: bool):
                   for g, ps in groups.items()]
 
 
-def _fill(src: TensorSource, cfg, name: str, fn: Transform, out: np.ndarray) -> None:
-    """Tensor ``name`` with ``fn`` applied, written into ``out``. Only a transformed tensor
-    (a norm gain, llama.cpp's Q/K permutation) passes through float32."""
-    if fn is _same:
-        src.read_into(name, out)
+Region = tuple[slice, ...]  # a block of a leaf: one slice(start, stop) per axis
+
+
+def _whole(shape: tuple[int, ...]) -> Region:
+    return tuple(slice(0, n) for n in shape)
+
+
+def local_region(shape: tuple[int, ...], indices) -> Region:
+    """The smallest block of a leaf of ``shape`` that holds each of ``indices`` (tuples of
+    slices, as ``Sharding.devices_indices_map`` gives them): per axis, the lowest start to
+    the highest stop. Every slice in ``indices`` lies inside it; for the slices of all of a
+    sharding's devices it is the whole leaf."""
+    spans = [[ix[ax].indices(n)[:2] for ix in indices] for ax, n in enumerate(shape)]
+    return tuple(slice(min(a for a, _ in s), max(b for _, b in s)) for s in spans)
+
+
+def _fill(src: TensorSource, cfg, name: str, fn: Transform, rows: tuple[int, int],
+          cut: Region, out: np.ndarray) -> None:
+    """Rows ``rows`` = (a, b) of tensor ``name`` with ``fn`` applied, cut to ``cut`` (its
+    other axes), written into ``out``. Only those rows are read, except where ``fn``
+    transforms the tensor (a norm gain, llama.cpp's Q/K permutation: read whole, through
+    float32) or ``cut`` drops columns (``o``, ``down`` split over ``model``: the rows are
+    read whole, then cut)."""
+    whole_cols = cut == _whole(src.shapes[name][1:])
+    if fn is not _same:
+        out[...] = fn(np.asarray(src.read(name), np.float32), cfg)[(slice(*rows),) + cut]
+    elif whole_cols:
+        src.read_into(name, out, rows)
     else:
-        out[...] = fn(np.asarray(src.read(name), np.float32), cfg)
+        out[...] = src.read(name, rows)[(slice(None),) + cut]
 
 
-def _build(src: TensorSource, cfg, parts, stacked: bool, dtype) -> np.ndarray:
-    """One leaf on the host in ``dtype``: each layer's parts concatenated by rows, the
-    layers stacked when ``stacked``; filled in place (no concatenation copies)."""
-    layer_rows = [sum(src.shapes[n][0] for n, _ in p) for p in parts]
-    tail = src.shapes[parts[0][0][0]][1:]
-    shape = ((len(parts), layer_rows[0]) if stacked else (layer_rows[0],)) + tail
-    out = np.empty(shape, dtype)
-    for i, p in enumerate(parts):
-        view, row = (out[i] if stacked else out), 0
-        for name, fn in p:
+def _leaf_shape(src: TensorSource, parts, stacked: bool) -> tuple[int, ...]:
+    """The shape of the leaf ``parts`` make (see :func:`_build`)."""
+    rows = sum(src.shapes[n][0] for n, _ in parts[0])
+    return ((len(parts), rows) if stacked else (rows,)) + tuple(src.shapes[parts[0][0][0]][1:])
+
+
+def _build(src: TensorSource, cfg, parts, stacked: bool, dtype,
+           region: Region | None = None) -> np.ndarray:
+    """Block ``region`` (default: all) of one leaf, on the host in ``dtype``: each layer's
+    parts concatenated by rows, the layers stacked when ``stacked``. Filled in place (no
+    concatenation copies), reading only the parts' rows inside the block (:func:`_fill`);
+    its values equal the same block of the whole leaf."""
+    region = _whole(_leaf_shape(src, parts, stacked)) if region is None else region
+    layers = range(region[0].start, region[0].stop) if stacked else range(1)
+    rows, cut = region[int(stacked)], region[int(stacked) + 1:]
+    out = np.empty(tuple(s.stop - s.start for s in region), dtype)
+    for i in layers:
+        view, at = (out[i - layers.start] if stacked else out), 0
+        for name, fn in parts[i]:
             n = src.shapes[name][0]
-            _fill(src, cfg, name, fn, view[row:row + n])
-            row += n
+            a, b = max(rows.start, at), min(rows.stop, at + n)
+            if a < b:
+                _fill(src, cfg, name, fn, (a - at, b - at), cut,
+                      view[a - rows.start:b - rows.start])
+            at += n
     return out
 
 
-def placer(cfg, mesh=None) -> Callable[[tuple, np.ndarray], jax.Array]:
-    """``place(path, host)``: the host array on the device(s). Without a mesh,
-    ``jax.device_put`` on the default device; with one, sharded by
-    ``specjax.sharding.param_spec`` of its path (``shard_params``' placement), each
-    device receiving only its slice (``jax.make_array_from_callback``)."""
+def _shift(idx: tuple[slice, ...], shape: tuple[int, ...], region: Region) -> tuple:
+    """Index ``idx`` of a leaf of ``shape``, as an index into its block ``region``."""
+    return tuple(slice(s.indices(n)[0] - r.start, s.indices(n)[1] - r.start)
+                 for s, n, r in zip(idx, shape, region))
+
+
+def placer(cfg, mesh=None) -> Callable[[tuple, tuple, Callable[[Region], np.ndarray]],
+                                       jax.Array]:
+    """``place(path, shape, build)``: leaf ``path`` of ``shape`` on the device(s), its host
+    values made by ``build(region)`` (that block of the leaf). Without a mesh, the whole
+    leaf, ``jax.device_put`` on the default device. With one, sharded by
+    ``specjax.sharding.param_spec`` of its path (``shard_params``' placement): ``build`` is
+    asked only for the smallest block holding every slice this process's devices hold
+    (:func:`local_region`; the whole leaf where it is replicated, or in a one-process run),
+    and each device receives its slice of it (``jax.make_array_from_callback``)."""
     if mesh is None:
-        return lambda path, host: jax.device_put(host)
+        return lambda path, shape, build: jax.device_put(build(_whole(shape)))
     from jax.sharding import NamedSharding
 
     from specjax import sharding
 
-    def place(path, host):
-        spec = sharding.param_spec(cfg, path, host.shape, mesh)
-        return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec),
-                                            lambda idx: host[idx])
+    def place(path, shape, build):
+        where = NamedSharding(mesh, sharding.param_spec(cfg, path, shape, mesh))
+        region = local_region(shape, where.addressable_devices_indices_map(shape).values())
+        block = build(region)
+        return jax.make_array_from_callback(shape, where,
+                                            lambda idx: block[_shift(idx, shape, region)])
     return place
 
 
@@ -300,6 +350,10 @@ def stream_params(cfg, src: TensorSource, keys, source: str, dtype=jnp.float32, 
     (:func:`check_names`), then built one leaf at a time, cast to ``dtype`` per tensor and
     placed at once (:func:`placer`), so the host holds about one leaf beyond what is placed:
     one layer's fused matrix, the embedding, or with ``stacked`` one weight of all layers.
+    On a mesh spanning processes, each process builds and reads only the block of each
+    leaf its own devices hold (the whole of replicated leaves; row ranges of safetensors
+    and GGUF tensors, whole tensors where columns are split or a tensor is transformed),
+    so its host memory is its share of the weights plus about one such block.
 
     Layout: without a mesh, ``FUSED``'s (``qkv``, ``gate_up``, ``qkv_b``: row-wise
     concatenations, biases only where present); with one,
@@ -316,16 +370,17 @@ def stream_params(cfg, src: TensorSource, keys, source: str, dtype=jnp.float32, 
     params: dict = {}
     pending = None
     for path, parts in _leaves(cfg, found, split=mesh is not None, stacked=stacked):
-        host = _build(src, cfg, parts, stacked and path[0] == "layers", dtype)
+        st = stacked and path[0] == "layers"
         if path[0] == "layers" and "layers" not in params:
             params["layers"] = {} if stacked else [{} for _ in range(cfg.num_layers)]
         node = params
         for k in path[:-1]:
             node = node[k]
-        node[path[-1]] = place(path, host)
+        node[path[-1]] = place(path, _leaf_shape(src, parts, st),
+                               functools.partial(_build, src, cfg, parts, st, dtype))
         if pending is not None:  # one transfer in flight at most: its host copy is freed
             pending.block_until_ready()
-        pending, host = node[path[-1]], None
+        pending = node[path[-1]]
     return params
 
 
@@ -400,7 +455,9 @@ def _open_gguf(path: str | Path) -> GGUFFile:
 
 
 class GGUFSource(TensorSource):
-    """The tensors of a read ``GGUFFile``, each dequantized to float32 when read."""
+    """The tensors of a read ``GGUFFile``, each dequantized to float32 when read. ``rows``
+    of a matrix dequantize only those rows' bytes (ggml blocks never cross a row, so the
+    values equal those rows of the whole tensor)."""
 
     def __init__(self, reader: GGUFFile):
         self.by_name = {t.name: t for t in reader.tensors}
@@ -409,9 +466,12 @@ class GGUFSource(TensorSource):
     def read(self, name, rows=None):
         import gguf
 
-        t = self.by_name[name]
-        w = np.asarray(gguf.quants.dequantize(t.data, t.qtype), np.float32)
-        w = w.reshape(self.shapes[name])
+        t, shape = self.by_name[name], self.shapes[name]
+        if rows is not None and len(shape) >= 2:  # t.data's first axis is the rows
+            a, b = rows[0], min(rows[1], shape[0])
+            w = np.asarray(gguf.quants.dequantize(t.data[a:b], t.qtype), np.float32)
+            return w.reshape((b - a,) + tuple(shape[1:]))
+        w = np.asarray(gguf.quants.dequantize(t.data, t.qtype), np.float32).reshape(shape)
         return w if rows is None else w[rows[0]:rows[1]]
 
 
@@ -810,15 +870,19 @@ class SafetensorsSource(TensorSource):
             return out
         a, b = rows[0], min(rows[1], t.shape[0])
         out = np.empty((b - a,) + t.shape[1:], t.dtype)
-        self._read_bytes(t, t.start + a * math.prod(t.shape[1:]) * t.dtype.itemsize, out)
+        self._read_bytes(t, self._row_offset(t, a), out)
         return out
 
-    def read_into(self, name, out):
+    def _row_offset(self, t: StoredTensor, row: int) -> int:
+        return t.start + row * math.prod(t.shape[1:]) * t.dtype.itemsize
+
+    def read_into(self, name, out, rows=None):
         t = self.table[name]
         if out.dtype == t.dtype and out.flags.c_contiguous:
-            self._read_bytes(t, t.start, out)
+            self._read_bytes(t, t.start if rows is None or not t.shape
+                             else self._row_offset(t, rows[0]), out)
         else:
-            out[...] = self.read(name)
+            out[...] = self.read(name, rows)
 
 
 def hf_weight_table(path: Path) -> dict[str, StoredTensor]:

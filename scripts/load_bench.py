@@ -1,14 +1,20 @@
 """Host memory and time of loading a sharded bfloat16 HF checkout: specjax without a mesh,
-specjax onto a 1x8 mesh of simulated CPU devices, and transformers, each in a fresh process.
+specjax onto a 1x8 mesh of simulated CPU devices, and transformers, each in a fresh process;
+and specjax onto one mesh of 4 simulated devices, as 1 process or as 2 processes of 2
+devices each (``specjax.distributed.launch``), where each process reads and holds only its
+devices' slices.
 
 Writes a random Llama-shaped checkout (``config.json``, ``model-0000k-of-0000n.safetensors``
 shards and ``model.safetensors.index.json``) to a temporary directory, then in a new
 interpreter per loader records VmRSS once its libraries are imported (VmHWM reset there
 through ``/proc/self/clear_refs``), loads with dtype bfloat16, and reports the peak RSS above
 that baseline (VmHWM) and the wall time. On CPU the devices are host memory, so the loaded
-weights themselves count in the peak: 1.0x the file bytes is the floor.
+weights themselves count in the peak: 1.0x the file bytes is the floor (for one process
+of several: the bytes its own devices hold).
 
     .venv/bin/python scripts/load_bench.py --layers 14 --out docs/results/load_memory_cpu.json
+    .venv/bin/python scripts/load_bench.py --layers 14 --modes multiprocess \
+        --out docs/results/load_memory_multiprocess_cpu.json
 
 ``tests/test_loading_memory.py`` uses ``write_checkout`` and ``measure`` from here.
 """
@@ -26,7 +32,18 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("specjax", "specjax-mesh", "specjax-scan", "transformers")
+#: specjax loads: (processes, simulated CPU devices per process, mesh (data, model) or None,
+#: scan_layers); each process of a multi-process load joins one run over every device
+SETUPS = {"specjax": (1, 1, None, False), "specjax-mesh": (1, 8, (1, 8), False),
+          "specjax-scan": (1, 1, None, True), "specjax-model4": (1, 4, (1, 4), False),
+          "specjax-2proc-model4": (2, 2, (1, 4), False),
+          "specjax-2proc-model4-scan": (2, 2, (1, 4), True),
+          "specjax-2proc-data2-model2": (2, 2, (2, 2), False)}
+MODES = (*SETUPS, "transformers")
+#: the modes ``--modes`` runs by default, and those ``--modes multiprocess`` names
+DEFAULT_MODES = ("specjax", "specjax-mesh", "specjax-scan", "transformers")
+MULTIPROCESS_MODES = ("specjax", "specjax-model4", "specjax-2proc-model4",
+                      "specjax-2proc-model4-scan", "specjax-2proc-data2-model2")
 
 
 def hf_config(layers: int, hidden: int = 1024, intermediate: int = 4096, vocab: int = 32000,
@@ -119,14 +136,19 @@ def vm():
             d[line.split(":")[0]] = int(line.split()[1]) * 1024
     return d
 
-mode, path = sys.argv[1], sys.argv[2]
+mode, path, setup = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 if mode.startswith("specjax"):
+    if len(sys.argv) > 4:  # one process of a multi-process run
+        from specjax import distributed
+        distributed.initialize(distributed.Settings(sys.argv[4], int(sys.argv[5]),
+                                                    int(sys.argv[6])))
     import jax, jax.numpy as jnp, numpy as np
     import specjax.models, specjax.models.loading, specjax.sharding
-    mesh = specjax.sharding.make_mesh(1, 8) if mode == "specjax-mesh" else None
+    _, _, shape, scan = setup
+    mesh = specjax.sharding.make_mesh(*shape) if shape else None
     jax.device_put(np.zeros(8)).block_until_ready()  # the backend is up
     load = lambda: specjax.models.load(path, dtype=jnp.bfloat16, tokenizer=False, mesh=mesh,
-                                       scan_layers=mode == "specjax-scan").params
+                                       scan_layers=scan).params
 else:
     import torch, transformers
     torch.set_num_threads(2)
@@ -147,7 +169,8 @@ if mode.startswith("specjax"):
         for s in leaf.addressable_shards:
             per_device[str(s.device)] = per_device.get(str(s.device), 0) + s.data.nbytes
     out.update(weights_bytes=sum(x.nbytes for x in jax.tree.leaves(loaded)),
-               per_device_bytes=per_device)
+               per_device_bytes=per_device, process_bytes=sum(per_device.values()),
+               process_index=jax.process_index(), process_count=jax.process_count())
 else:  # its weights stay pages of the mapped files until read: read one value per page
     out.update(weights_bytes=sum(p.numel() * p.element_size() for p in loaded.parameters()))
     t = time.perf_counter()
@@ -160,18 +183,26 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def start(path: Path, mode: str) -> subprocess.Popen:
-    """A fresh interpreter loading the checkout at ``path`` the ``mode`` way (``MODES``);
-    ``specjax-mesh`` runs with 8 simulated CPU devices and loads onto a 1x8 mesh,
-    ``specjax-scan`` stacks the layers (``scan_layers=True``)."""
+def _argv(path: Path, mode: str) -> list[str]:
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {MODES}")
+    return [sys.executable, "-c", _CHILD, mode, str(path), json.dumps(SETUPS.get(mode))]
+
+
+def start(path: Path, mode: str) -> subprocess.Popen:
+    """A fresh interpreter loading the checkout at ``path`` the ``mode`` way (a one-process
+    mode of ``MODES``): with ``SETUPS[mode]``'s simulated CPU devices, mesh and
+    ``scan_layers`` (``specjax-mesh``: a 1x8 mesh; ``specjax-scan``: stacked layers)."""
     env = dict(os.environ)
-    if mode == "specjax-mesh":
+    devices = SETUPS.get(mode, (1, 1))[1]
+    if SETUPS.get(mode, (1,))[0] != 1:
+        raise ValueError(f"mode {mode!r} runs several processes: use measure()")
+    argv = _argv(path, mode)
+    if devices > 1:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                            " --xla_force_host_platform_device_count=8").strip()
-    return subprocess.Popen([sys.executable, "-c", _CHILD, mode, str(path)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            f" --xla_force_host_platform_device_count={devices}").strip()
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def result(proc: subprocess.Popen, timeout: float = 300) -> dict:
@@ -184,16 +215,47 @@ def result(proc: subprocess.Popen, timeout: float = 300) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
+def measure_processes(path: Path, mode: str, timeout: float = 300) -> dict:
+    """One load as ``SETUPS[mode]``'s processes of one run (``specjax.distributed.launch``,
+    each reporting as :func:`result` does): process 0's report with ``processes`` (each
+    process's report) and the largest peak of any process."""
+    from specjax import distributed
+
+    processes, devices = SETUPS[mode][:2]
+    runs = distributed.launch(_argv(path, mode) + ["{coordinator}", "{num_processes}",
+                                                   "{process_id}"],
+                              processes, devices=devices, timeout=timeout)
+    reports = []
+    for r in runs:
+        lines = [ln for ln in r.output.splitlines() if ln.startswith("RESULT ")]
+        if r.returncode or not lines:
+            raise RuntimeError(f"loader process {r.process_id} failed ({r.returncode}):\n"
+                               f"{r.output[-3000:]}")
+        reports.append(json.loads(lines[-1][len("RESULT "):]))
+    out = dict(reports[0], processes=reports)
+    for key in ("peak_over_baseline_bytes", "process_bytes", "wall_s"):
+        out[key] = max(r[key] for r in reports)
+    return out
+
+
 def measure(path: Path, mode: str, timeout: float = 300) -> dict:
-    """:func:`start` then :func:`result`: one load in a fresh process."""
+    """One load in fresh processes: :func:`start` then :func:`result`, or
+    :func:`measure_processes` for a mode of several processes."""
+    if SETUPS.get(mode, (1,))[0] > 1:
+        return measure_processes(path, mode, timeout)
     return result(start(path, mode), timeout)
 
 
 def summarize(reps: list[dict], nbytes: int) -> dict:
     """One mode's repeats: the last report, with the median wall time and the largest peak
-    over all repeats, the peaks as multiples of the file bytes, and the largest device's
-    share of the weights."""
+    over all repeats (and over processes), the peaks and the bytes a process's devices hold
+    as multiples of the file bytes, and the largest device's share of the weights."""
     r = dict(reps[-1])
+    if "processes" in r:
+        r["peak_over_baseline_bytes_each_process"] = [
+            max(x["processes"][i]["peak_over_baseline_bytes"] for x in reps)
+            for i in range(len(r["processes"]))]
+        r["process_bytes_each_process"] = [p["process_bytes"] for p in r.pop("processes")]
     r["wall_s_each"] = [x["wall_s"] for x in reps]
     r["wall_s"] = float(np.median(r["wall_s_each"]))
     for key, ratio in (("peak_over_baseline_bytes", "peak_over_file_bytes"),
@@ -202,6 +264,10 @@ def summarize(reps: list[dict], nbytes: int) -> dict:
         if key in r:
             r[key] = max(x[key] for x in reps)
             r[ratio] = round(r[key] / nbytes, 3)
+    if "process_bytes" in r:
+        r["process_bytes_over_file_bytes"] = round(r["process_bytes"] / nbytes, 3)
+        r["peak_over_process_bytes"] = round(r["peak_over_baseline_bytes"]
+                                             / r["process_bytes"], 3)
     if "read_weights_s" in r:
         r["read_weights_s"] = float(np.median([x["read_weights_s"] for x in reps]))
     if "per_device_bytes" in r:
@@ -210,14 +276,42 @@ def summarize(reps: list[dict], nbytes: int) -> dict:
     return r
 
 
+_MESH4 = tuple(m for m in SETUPS if m == "specjax-model4" or "2proc" in m)
+NOTES = [  # (the modes it is about, none for every report; what their numbers mean)
+    ((), "peak = VmHWM above VmRSS after imports (and, for one process of several, after "
+         "joining the run), in a fresh process per loader; on CPU the loaded weights are "
+         "host memory and count in it. load_average_1m: before and after (other work on "
+         "the machine makes wall times noisy)."),
+    (("specjax-mesh",), "specjax-mesh places onto a data=1, model=8 mesh of simulated CPU "
+                        "devices."),
+    (("specjax-scan",), "specjax-scan stacks the layers (scan_layers=True), holding one "
+                        "weight of all layers on the host at a time."),
+    (_MESH4, "specjax-model4 and specjax-2proc-*: one mesh of 4 simulated CPU devices, in 1 "
+             "process or in 2 processes of 2 (gloo collectives); process_bytes is what a "
+             "process's devices hold, peak_over_baseline_bytes the largest of its processes' "
+             "peaks (each one in *_each_process). On data=2,model=2 each process holds "
+             "every model shard, so the whole model."),
+    (("transformers",), "transformers leaves bfloat16 weights as pages of the memory-mapped "
+                        "files, read on first use: its load peak and time exclude reading "
+                        "them; *_after_reading_weights adds reading one value per page of "
+                        "every weight."),
+]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=14, help="decoder layers (14: about 0.6 GB)")
     ap.add_argument("--shards", type=int, default=4)
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated of {MODES}")
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                    help=f"comma-separated of {MODES}, or multiprocess (the modes "
+                         f"{', '.join(MULTIPROCESS_MODES)})")
     ap.add_argument("--repeat", type=int, default=3, help="fresh processes per mode")
     ap.add_argument("--out", type=Path, help="write the report here (JSON)")
     args = ap.parse_args()
+    modes = MULTIPROCESS_MODES if args.modes == "multiprocess" else args.modes.split(",")
+    for mode in modes:
+        if mode not in MODES:
+            ap.error(f"mode {mode!r} is not one of {MODES}")
     from specjax import bench
 
     load_before = os.getloadavg()[0]
@@ -225,31 +319,25 @@ def main() -> None:
         nbytes = write_checkout(Path(tmp), args.layers, args.shards)
         print(f"checkout: {nbytes / 1e9:.3f} GB in {args.shards} shards", file=sys.stderr)
         runs = {}
-        for mode in args.modes.split(","):
+        for mode in modes:
             runs[mode] = summarize([measure(Path(tmp), mode) for _ in range(args.repeat)],
                                    nbytes)
-            print(f"{mode}: peak {runs[mode]['peak_over_file_bytes']}x file bytes, "
-                  f"{runs[mode]['wall_s']} s", file=sys.stderr)
+            print(f"{mode}: peak {runs[mode]['peak_over_file_bytes']}x file bytes "
+                  f"(largest of its processes), {runs[mode]['wall_s']} s", file=sys.stderr)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "models", "specjax",
                             "scripts/load_bench.py"], cwd=ROOT).returncode != 0
     report = {"command": "python scripts/load_bench.py " + " ".join(sys.argv[1:]),
               "git_commit": commit, "uncommitted_loader_changes": dirty,
-              "machine": bench.machine_info(),
+              "machine": f"{os.cpu_count()}-core CPU", "machine_details": bench.machine_info(),
               "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
               "checkout": {"config": hf_config(args.layers), "shards": args.shards,
                            "file_bytes": nbytes, "dtype": "bfloat16"},
-              "note": "peak = VmHWM above VmRSS after imports, in a fresh process per "
-                      "loader; on CPU the loaded weights are host memory and count in it. "
-                      "specjax-mesh places onto a data=1, model=8 mesh of simulated CPU "
-                      "devices; specjax-scan stacks the layers (scan_layers=True), holding "
-                      "one weight of all layers on the host at a time. transformers leaves "
-                      "bfloat16 weights as pages of the memory-mapped files, read on first "
-                      "use: its load peak and time "
-                      "exclude reading them; *_after_reading_weights adds reading one value "
-                      "per page of every weight. load_average_1m: before and after (other "
-                      "work on the machine makes wall times noisy)", "runs": runs}
+              "setups": {m: dict(zip(("processes", "devices_per_process", "mesh_data_model",
+                                      "scan_layers"), SETUPS[m])) for m in modes if m in SETUPS},
+              "note": " ".join(n for ms, n in NOTES if not ms or set(ms) & set(modes)),
+              "runs": runs}
     text = json.dumps(report, indent=1)
     if args.out:
         args.out.write_text(text + "\n")
