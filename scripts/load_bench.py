@@ -277,6 +277,9 @@ def summarize(reps: list[dict], nbytes: int) -> dict:
 
 
 _MESH4 = tuple(m for m in SETUPS if m == "specjax-model4" or "2proc" in m)
+#: the code a load runs here: ``uncommitted_loader_changes`` says whether any differs from HEAD
+LOADER_FILES = ("models", "specjax/sharding.py", "specjax/distributed.py",
+                "scripts/load_bench.py")
 NOTES = [  # (the modes it is about, none for every report; what their numbers mean)
     ((), "peak = VmHWM above VmRSS after imports (and, for one process of several, after "
          "joining the run), in a fresh process per loader; on CPU the loaded weights are "
@@ -326,8 +329,8 @@ def main() -> None:
                   f"(largest of its processes), {runs[mode]['wall_s']} s", file=sys.stderr)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "models", "specjax",
-                            "scripts/load_bench.py"], cwd=ROOT).returncode != 0
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", *LOADER_FILES],
+                           cwd=ROOT).returncode != 0
     report = {"command": "python scripts/load_bench.py " + " ".join(sys.argv[1:]),
               "git_commit": commit, "uncommitted_loader_changes": dirty,
               "machine": f"{os.cpu_count()}-core CPU", "machine_details": bench.machine_info(),
