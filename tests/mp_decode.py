@@ -23,7 +23,7 @@ def main(coordinator: str, n: int, i: int, plan: dict) -> None:
 
     sys.path.insert(0, str(Path(__file__).parent))
     import toys
-    from test_conformance import BUDGETS, OPTIONS, PROMPTS
+    from toys import BUDGETS, OPTIONS, PROMPTS
     from specjax import hlo, methods, sharding
     from specjax.core import decoder
 

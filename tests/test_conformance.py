@@ -29,26 +29,15 @@ import pytest
 import specjax
 import toys
 from laws import exact_pair, pvalue
+from toys import BUDGETS, OPTIONS, PROMPTS, TINY
 from specjax import methods
 from specjax.core import sampling
 from specjax.core.speculative import Speculative
 from specjax.core.verify import Typical
 
-# Tiny specs per registered kind, sized for the 3-layer, 12-token toy. A method registered
-# later without an entry here fails test_every_registered_method_has_a_tiny_spec.
-TINY = {
-    "ar": ("ar",),
-    "sd": ("sd-ngram:4", "sd-early-exit:1"),
-    "eagle2": ("eagle2:3,2,5", "eagle2:3,2,5:vocab=6"),  # vocab=6: a reduced draft vocabulary
-    "eagle3": ("eagle3:3,2,5",),
-    "redrafter": ("redrafter:3,3", "redrafter:3,3:nodedup"),
-    "hsd": ("hsd:1:3,target", "hsd:ngram:3,1:2,target", "hsd:ngram:2,1:2,2:2,target+h2"),
-}
-SPECS = [s for cls in methods.registered() if cls.decodes for s in TINY.get(cls.kind, ())]
-OPTIONS = methods.Options(model_name="toy", layers=(1, 2))  # plain exits, no shipped heads
-# ragged: prompt lengths 5, 3, 20, 1; budgets 20, 7, 33, 12
-PROMPTS = [[1, 5, 2, 7, 5], [3, 3, 1], [1, 5, 2, 7, 5] * 4, [7]]
-BUDGETS = [20, 7, 33, 12]
+# the tiny specs per registered kind, the options and the ragged batch: tests/toys.py
+# (tests/test_multiprocess.py decodes the same ones on two processes)
+SPECS = toys.conformance_specs()
 SAMPLE_PROMPT = [1, 5, 2, 7, 5, 2, 7, 5]  # repeats, so the n-gram drafters draft at once
 
 

@@ -1,7 +1,7 @@
 """The library's imports run one way: each layer imports only the layers before it, at
 module level and inside functions alike (read from the source, nothing imported).
 
-    base (sharding, export, private helpers) -> models -> core -> drafters -> hsd
+    base (sharding, distributed, export, private helpers) -> models -> core -> drafters -> hsd
     -> head_io -> methods, divergence -> the package's API (specjax/__init__) -> bench, demo, train
     -> commands -> cli -> device_check (a shim for scripts/device_check.py)
 """
@@ -12,8 +12,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = [("_cache", "_compile", "_optional", "_timing", "_xla_flags", "sharding", "export",
-           "hlo"),
+LAYERS = [("_cache", "_compile", "_optional", "_timing", "_xla_flags", "sharding", "distributed",
+           "export", "hlo"),
           ("models",), ("core",), ("drafters",), ("hsd",), ("head_io",),
           ("methods", "divergence"), ("__init__",), ("bench", "demo", "train"), ("commands",),
           ("cli",), ("device_check",)]

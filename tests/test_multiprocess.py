@@ -30,13 +30,13 @@ import pytest
 import specjax
 import toys
 from specjax import distributed, methods
-from test_conformance import BUDGETS, OPTIONS, PROMPTS, SPECS
+from toys import BUDGETS, OPTIONS, PROMPTS
 
 HERE = Path(__file__).parent
 PY = sys.executable
 # model=4 by default: test_cli_two_processes_print_what_one_decodes (sd-ngram:4)
 DEFAULT_PLAN = {"data=2,model=2": ["ar", "sd-ngram:4", "eagle2:3,2,5"]}
-FULL_PLAN = {"data=2,model=2": SPECS, "model=4": SPECS}
+FULL_PLAN = {"data=2,model=2": toys.conformance_specs(), "model=4": toys.conformance_specs()}
 
 
 def _results(plan: dict) -> list[dict]:
