@@ -75,6 +75,7 @@ SLOW_TESTS = {
         "test_multiprocess.py::test_impossible_runs_are_refused_before_loading",
         "test_multiprocess.py::test_processes_started_differently_are_refused",
         "test_compile_cache.py::test_a_directory_in_the_switch_and_the_users_own_directory",
+        "test_multiprocess_train.py::test_two_processes_train_eagle_as_one",
     ),
     # sampling laws: thousands of sampled rows per case, each its own compile
     "laws": (

@@ -4,6 +4,13 @@ A run directory holds ``run.json`` (what is being trained: a mismatch is refused
 Orbax ``CheckpointManager`` tree of ``{params, opt_state, step}``. Exported heads (what
 inference loads) are written and read per kind by ``specjax.head_io``, on
 ``specjax.export``'s layout; export's functions are re-exported here.
+
+In a multi-process run (``specjax.distributed``) every process calls the same functions
+with the same arguments: Orbax saves the global arrays together (each process writes the
+shards it holds; process 0 commits the step once all have written, so an unfinished step
+is never ``latest_step``), and the run's own files (``run.json``) are written by process 0
+alone (:func:`is_main`), the others waiting at a :func:`barrier`. The run directory must
+then be one shared filesystem path for every process.
 """
 
 from __future__ import annotations
@@ -34,11 +41,26 @@ def _abstract(tree):
     return jax.tree.map(leaf, tree)
 
 
+def is_main() -> bool:
+    """Whether this process writes a run's own files (process 0; always, in one process)."""
+    return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Waits until every process of a multi-process run reaches the barrier ``name``
+    (``multihost_utils.sync_global_devices``); returns at once in a one-process run."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"specjax:{name}")
+
+
 def check_run(run_dir: Path, meta: dict) -> None:
     """Writes ``run.json``, or refuses a run directory made for a different configuration:
     a field that differs, or that one side records and the other does not (a config field
-    recorded only away from its default, such as ``eagle.run_fields``' ``head_layers``)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    recorded only away from its default, such as ``eagle.run_fields``' ``head_layers``).
+    Every process compares before any writes; process 0 alone writes, and every process
+    returns once it has (:func:`barrier`)."""
     meta = json.loads(json.dumps(meta))  # tuples compare as the lists they are saved as
     f = run_dir / "run.json"
     if f.exists():
@@ -48,8 +70,19 @@ def check_run(run_dir: Path, meta: dict) -> None:
         if diff:
             raise CheckpointError(f"{run_dir} holds a run with a different configuration "
                                   f"(field: (saved, requested)) {diff}; use another directory")
-    else:
-        f.write_text(json.dumps(meta, indent=2, sort_keys=True))
+    barrier("check_run: compared")  # nobody reads run.json while process 0 writes it
+    if is_main():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not f.exists():
+            _write_atomic(f, json.dumps(meta, indent=2, sort_keys=True))
+    barrier("check_run: written")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """``path`` holding ``text``, written under a temporary name and renamed."""
+    tmp = path.with_name(f"tmp_{path.name}")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def manager(run_dir: Path, keep: int = 2) -> ocp.CheckpointManager:

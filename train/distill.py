@@ -23,6 +23,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
+from specjax import sharding
 from specjax._compile import AotCache
 from specjax.core.decoder import PAD, prepare, stops
 from specjax.core.decoding import hidden_features, prefill
@@ -181,6 +182,8 @@ def answer_batch(lm, prompts: Sequence[list[int]], max_new_tokens: int, chunk: i
     (toks, num, hp, hg), _ = _ANSWER(lm.params, x.tokens, x.lengths, x.budgets, x.eos,
                                      model=lm.model, capacity=x.capacity, max_out=x.max_out,
                                      chunk=chunk, layers=layers)
+    # rows on other processes' devices (a multi-process mesh) come here first: a collective
+    toks, num, hp, hg = sharding.gather((toks, num, hp, hg))
     for a in (toks, num, hp, hg):  # the four copies to the host start together
         a.copy_to_host_async()
     toks, num, hp, hg = map(np.asarray, (toks, num, hp, hg))

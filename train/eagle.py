@@ -220,14 +220,16 @@ def make_eval(target, cfg: TrainConfig):
     return evaluate
 
 
-def validate(evaluate, params, tparams, val: Sequence, cfg: TrainConfig, vocab_ids) -> dict:
-    """Token-weighted loss and top-1 agreement over the held-out examples."""
+def validate(evaluate, params, tparams, val: Sequence, cfg: TrainConfig, vocab_ids,
+             mesh=None) -> dict:
+    """Token-weighted loss and top-1 agreement over the held-out examples; with ``mesh``,
+    each batch's rows over its ``data`` axis (``loop.batch_on``; every process calls it)."""
     plan = batch_plan(val, cfg)
     tot = np.zeros(3)
     for k in range(len(plan)):
-        toks, hidden, prev, mask = batch_at(val, plan, k, cfg)
-        tot += np.asarray([float(x) for x in evaluate(params, tparams, toks, hidden, prev, mask,
-                                                      vocab_ids)])
+        batch = loop.batch_on(mesh, batch_at(val, plan, k, cfg))
+        tot += np.asarray([float(x) for x in loop.host(evaluate(params, tparams, *batch,
+                                                                vocab_ids))])
     n = max(tot[2], 1.0)
     return {"val_loss": tot[0] / n, "val_acc": tot[1] / n, "val_tokens": int(tot[2])}
 
@@ -254,6 +256,9 @@ def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Pa
     """Trains (or resumes) the head in ``run_dir`` up to ``cfg.steps``; returns the state.
     With ``mesh``, the target sharded over it, rows over its ``data`` axis and the
     optimizer state sharded (``loop.on_mesh``): the one-device result up to float rounding.
+    A mesh spanning several processes (``specjax.distributed``) gives that result too: every
+    process calls ``train`` with the same arguments, process 0 alone writes ``run.json``
+    and ``log``, and all of them write the checkpoints together.
 
     ``init`` (head parameters) starts a new run from an existing head instead of a random
     one (fine-tuning); a resumed run ignores it. ``cfg.attn_norm`` says whether the head
@@ -274,7 +279,7 @@ def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Pa
     fresh = {"params": params, "opt_state": opt.init(params), "step": jnp.asarray(0, jnp.int32)}
     check_run_layout(run_dir, cfg.attn_norm)
     state, mngr = loop.resume(run_dir, {"kind": "eagle", **(meta or {}), **run_fields(cfg)},
-                              fresh)
+                              fresh, mesh)
     tparams, state = loop.on_mesh(mesh, target, tparams, state)
     step_fn = make_step(target, cfg, opt, mesh)
     corpus, val = split(corpus, cfg)
@@ -282,12 +287,12 @@ def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Pa
     plan = batch_plan(corpus, cfg)
     vocab_ids = None
     if cfg.ce_vocab:
-        vocab_ids = jnp.asarray(vocab_by_frequency(corpus, target.config.vocab_size,
-                                                   min(cfg.ce_vocab, target.config.vocab_size)))
+        vocab_ids = loop.replicated(mesh, vocab_by_frequency(
+            corpus, target.config.vocab_size, min(cfg.ce_vocab, target.config.vocab_size)))
     step = lambda st, s: step_fn(st, tparams, *loop.batch_on(mesh, batch_at(corpus, plan, s, cfg)),
                                  vocab_ids)
     on_save = None if evaluate is None else (
-        lambda st: validate(evaluate, st["params"], tparams, val, cfg, vocab_ids))
+        lambda st: validate(evaluate, st["params"], tparams, val, cfg, vocab_ids, mesh))
     return loop.run_steps(state, step, mngr, steps=cfg.steps, save_every=cfg.save_every,
                           stop_after=stop_after, progress=progress, log=log, on_save=on_save)
 

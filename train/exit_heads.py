@@ -25,7 +25,7 @@ import optax
 
 from specjax.drafters import eagle, exit_heads
 from specjax.train import eagle as train_eagle
-from specjax.train import loop
+from specjax.train import checkpoint, loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,20 +140,23 @@ def train(target, tparams, corpus: Sequence, cfg: ExitConfig, run_dir: str | Pat
           stop_after: int | None = None, progress=None, log=None, mesh=None) -> dict:
     """Trains (or resumes) the adapters of ``cfg.layers`` in ``run_dir``; returns the state.
     ``feats`` are ``layer_features(...)`` of ``corpus``, or a function returning them, called
-    only when steps remain (computed here when omitted). With ``mesh``, data-parallel over
-    its ``data`` axis (``loop.on_mesh``)."""
+    only when steps remain (computed here when omitted, on each process's own device).
+    With ``mesh``, data-parallel over its ``data`` axis (``loop.on_mesh``), also across
+    processes (every process calls ``train`` with the same arguments)."""
     opt = train_eagle.optimizer(cfg)
     params = exit_heads.init_heads(target.config, cfg.layers, jax.random.key(cfg.seed),
                                    cfg.rank)
     fresh = {"params": params, "opt_state": opt.init(params), "step": jnp.asarray(0, jnp.int32)}
     state, mngr = loop.resume(run_dir, {"kind": "exit-heads", **(meta or {}),
-                                        **dataclasses.asdict(cfg)}, fresh)
+                                        **dataclasses.asdict(cfg)}, fresh, mesh)
     if int(state["step"]) >= cfg.steps:  # already trained: no features to compute
+        checkpoint.finish(mngr)
         return state
     feats = feats() if callable(feats) else feats
     feats = layer_features(target, tparams, corpus, cfg) if feats is None else feats
     plan = train_eagle.batch_plan([(f, 0, None) for f in feats], cfg)
     ids = vocab_ids(corpus, target.config.vocab_size, cfg)
+    ids = None if ids is None else loop.replicated(mesh, np.asarray(ids))
     step_fn = make_step(target, cfg, opt, mesh)
     tparams, state = loop.on_mesh(mesh, target, tparams, state)
     step = lambda st, s: step_fn(st, tparams, *loop.batch_on(mesh, batch_at(feats, plan, s, cfg)),

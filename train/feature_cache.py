@@ -15,6 +15,10 @@ a run with the cache trains to the parameters of one without it.
 Size: ``4 x F`` bytes a token (SmolLM2-135M, EAGLE-2: F = 576, 2.3 KB a token, 3.1 GB for
 1.35 M tokens). Read back memory-mapped, the features of a whole store need not fit in
 host memory during the epochs.
+
+In a multi-process run every process asks for the same shards; they read the cache only
+when every one of them finds the file (one agreed answer: the features come from a
+collective prefill, which all or none must run), and process 0 alone writes it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Sequence
 
+import jax
 import numpy as np
 
 from specjax.train.shards import ShardStore
@@ -54,9 +59,10 @@ class FeatureCache:
         not ``[tokens, F]`` float32 for this shard."""
         rows = store.read(which)
         path = self.path(store, which, layers)
-        if not path.is_file():
+        if not _everywhere(path.is_file()):
             out = compute(rows)
-            _save(path, np.concatenate([np.asarray(f, np.float32) for _, _, f in out]))
+            if jax.process_index() == 0:
+                _save(path, np.concatenate([np.asarray(f, np.float32) for _, _, f in out]))
             return out
         flat = np.load(path, mmap_mode="r")
         n = sum(len(t) for t, _ in rows)
@@ -66,6 +72,16 @@ class FeatureCache:
                                     "the features are computed again")
         ends = np.cumsum([len(t) for t, _ in rows])
         return [(t, pl, flat[e - len(t):e]) for (t, pl), e in zip(rows, ends)]
+
+
+def _everywhere(found: bool) -> bool:
+    """Whether ``found`` holds on every process of the run (an all-gather; ``found`` as is
+    in a one-process run)."""
+    if jax.process_count() == 1:
+        return found
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(found))))
 
 
 def _save(path: Path, array: np.ndarray) -> None:

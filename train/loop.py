@@ -12,6 +12,15 @@ each batch's rows are split over ``data`` and the optimizer state is sharded ZeR
 divides); the head's parameters stay replicated. XLA's partitioner runs the same program,
 so a sharded run reaches the one-device parameters up to float rounding
 (``tests/test_sharding.py``). Checkpoints hold whole arrays and resume onto any mesh.
+
+Multi-process (``specjax.distributed``: the mesh spans every process's devices): every
+process runs the same trainer on the same inputs. Host values reach the mesh through
+``specjax.sharding.place`` (each process makes only its own slices), values read back on
+the host pass through :func:`host` first (an all-gather where they span processes), Orbax
+saves and restores the global state with every process taking part, and the run's own
+files (``log.jsonl``, ``run.json``) are written by process 0 alone. The result equals the
+one-process run on the same mesh up to float rounding
+(``tests/test_multiprocess_train.py``).
 """
 
 from __future__ import annotations
@@ -71,7 +80,7 @@ def shard_state(mesh, state: dict) -> dict:
     """``state`` placed on ``mesh`` by :func:`state_specs`; unchanged without a mesh."""
     if mesh is None:
         return state
-    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state,
+    return jax.tree.map(lambda x, s: sharding.place(x, NamedSharding(mesh, s)), state,
                         state_specs(mesh, state))
 
 
@@ -99,10 +108,29 @@ def batch_on(mesh, batch: tuple) -> tuple:
     return tuple(sharding.rows(mesh, np.asarray(x)) for x in batch)
 
 
-def resume(run_dir: str | Path, meta: dict, fresh: dict) -> tuple[dict, Any]:
+def replicated(mesh, x):
+    """``x`` (a host array, or None) copied to every device of ``mesh``
+    (``sharding.replicated``: each process places its own copies); without a mesh, a
+    ``jax.Array`` on the default device."""
+    if x is None:
+        return None
+    return jax.numpy.asarray(x) if mesh is None else sharding.replicated(mesh, np.asarray(x))
+
+
+def host(tree):
+    """``tree`` with every array as numpy, readable on every process: arrays spanning
+    processes are gathered first (``sharding.gather``, a collective: every process must
+    call it, with the same tree)."""
+    return jax.tree.map(np.asarray, sharding.gather(tree))
+
+
+def resume(run_dir: str | Path, meta: dict, fresh: dict, mesh=None) -> tuple[dict, Any]:
     """``(state, manager)``: the latest checkpoint in ``run_dir``, or ``fresh`` (a dict with
-    ``params``, ``opt_state`` and ``step``) if there is none."""
+    ``params``, ``opt_state`` and ``step``) if there is none. With ``mesh``, the state is
+    placed by :func:`shard_state` (restored straight onto those shardings: each process
+    reads only its own slices), whatever mesh or process count saved it."""
     run = Path(run_dir)
+    fresh = shard_state(mesh, fresh)
     checkpoint.check_run(run, meta)
     with checkpoint.quiet_absl():  # a corrupt checkpoint is reported once, by restore_latest
         mngr = checkpoint.manager(run)
@@ -117,18 +145,23 @@ def resume(run_dir: str | Path, meta: dict, fresh: dict) -> tuple[dict, Any]:
 class RunLog:
     """``run_dir/log.jsonl``, one JSON row per call. ``rewind(step)`` drops the rows a killed
     run wrote after its last checkpoint (rows whose ``key``, the step by default, lies past
-    it), so a resumed log matches the checkpoint it continues from."""
+    it), so a resumed log matches the checkpoint it continues from. Only process 0 of a
+    multi-process run writes (``checkpoint.is_main``); elsewhere both are no-ops."""
 
     def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / "log.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.main = checkpoint.is_main()
+        if self.main:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def __call__(self, row: dict) -> None:
+        if not self.main:
+            return
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
 
     def rewind(self, step: int, key: str = "step") -> None:
-        if not self.path.exists():
+        if not self.main or not self.path.exists():
             return
         rows = []
         for line in self.path.read_text().splitlines():
@@ -149,7 +182,7 @@ def run_steps(state: dict, step: Callable[[dict, int], tuple[dict, dict]], mngr,
               on_save: Callable[[dict], dict] | None = None) -> dict:
     """Runs ``state, metrics = step(state, s)`` from the state's step up to ``steps``
     (or ``stop_after`` more), checkpointing; ``on_save(state)`` adds validation metrics to
-    the log at every checkpoint. The manager is closed on return and on any error, after
+    the log at every checkpoint (called on every process: it may run collectives). The manager is closed on return and on any error, after
     its pending writes finish (``checkpoint.closing``): the last checkpoint saved is
     complete on disk."""
     start = int(state["step"])
@@ -162,6 +195,7 @@ def run_steps(state: dict, step: Callable[[dict, int], tuple[dict, dict]], mngr,
     with checkpoint.closing(mngr):
         for s in range(start, end):
             state, m = step(state, s)
+            m = sharding.gather(m) if log is not None or progress is not None else m
             if log is not None:
                 log({"step": s + 1, **{k: float(v) for k, v in m.items()},
                      "seconds": round(time.perf_counter() - t0, 1)})
@@ -171,6 +205,6 @@ def run_steps(state: dict, step: Callable[[dict, int], tuple[dict, dict]], mngr,
                                       ("loss", "acc")})
             if (s + 1) % save_every == 0 or s + 1 == end:
                 mngr.save(s + 1, args=checkpoint.ocp.args.StandardSave(state), force=True)
-                if on_save is not None and log is not None:
+                if on_save is not None and log is not None:  # log: a no-op off process 0
                     log({"step": s + 1, **on_save(state)})
     return state

@@ -134,7 +134,8 @@ def prefill_features(lm, examples: Sequence[tuple[np.ndarray, int]], layers: tup
     sequences of similar length, the last group padded with repeats, so padding costs
     little and few shapes compile): what ``decode_round`` returned for them, up to float
     rounding. With ``mesh`` (``lm`` sharded over it), each group's rows are split over
-    ``data`` (``group`` rounded up to a multiple of it)."""
+    ``data`` (``group`` rounded up to a multiple of it); on a mesh spanning processes,
+    every process calls it with the same sequences and gets every row's features."""
     group += -group % sharding.axis_size(mesh, DATA)
     seqs = [np.asarray(t, np.int32) for t, _ in examples]
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
@@ -145,7 +146,7 @@ def prefill_features(lm, examples: Sequence[tuple[np.ndarray, int]], layers: tup
         x = prepare(lm.model, [seqs[i] for i in rows], 1, chunk=chunk, mesh=mesh)
         h, _ = _PREFILL(lm.params, x.tokens, x.lengths, model=lm.model, capacity=x.capacity,
                         chunk=chunk, layers=tuple(layers))
-        h = np.asarray(h)
+        h = np.asarray(sharding.gather(h))  # rows of other processes: a collective
         for r, i in enumerate(idx):
             n = len(seqs[i])
             feats[i] = np.concatenate([h[r, :n - 1], np.zeros((1, h.shape[-1]), h.dtype)])
@@ -310,8 +311,8 @@ def validate(evaluate, params, tparams, val: Sequence[Example], vocab_ids,
     hits, counts = 0.0, 0.0
     for idx in minibatches(val, batch_tokens, 0):
         batch = loop.batch_on(mesh, batch_arrays(val, idx, answers_only=True))
-        h, c = evaluate(params, tparams, *batch, vocab_ids)
-        hits, counts = hits + np.asarray(h), counts + np.asarray(c)
+        h, c = loop.host(evaluate(params, tparams, *batch, vocab_ids))
+        hits, counts = hits + h, counts + c
     return {"val_top1": [round(float(x), 4) for x in hits / np.maximum(counts, 1)],
             "val_tokens": int(counts[0])}
 
@@ -487,7 +488,10 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
     With ``mesh`` (``specjax.sharding.make_mesh``): the target sharded over it decodes the
     rounds (rows over ``data``) and gives the features, each minibatch's rows are split over
     ``data`` and the optimizer state is sharded (``loop.on_mesh``); the parameters equal
-    the one-device run's up to float rounding (``tests/test_sharding.py``).
+    the one-device run's up to float rounding (``tests/test_sharding.py``). On a mesh
+    spanning processes every process calls ``train`` with the same arguments: each
+    decodes and prefills its rows and receives all of them, process 0 alone writes the
+    store's shards, the feature cache and ``log``, and all write the checkpoints together.
 
     With ``feature_cache``, replayed shards (the held-out one, rounds and epochs) read
     their prefill's features from it, computed and written the first time: the same
@@ -516,11 +520,10 @@ def train(lm, kind: ttt.Kind, cfg: OnPolicyConfig, run_dir: str | Path, store: S
                if k not in ("rounds", "val_every", "epochs")},  # these three may grow
             "mix": mix_digest(mix) if mix else None}  # None: as a run.json without it
     check_run_layout(run_dir, cfg.attn_norm)
-    state, mngr = loop.resume(run_dir, meta, fresh)
-    state = loop.shard_state(mesh, state)
+    state, mngr = loop.resume(run_dir, meta, fresh, mesh)
     step = make_step(kind, target, cfg, opt, mesh)
     evaluate = make_eval(kind, target)
-    vids = jnp.asarray(vocab_ids, jnp.int32)
+    vids = loop.replicated(mesh, np.asarray(vocab_ids, np.int32))
 
     def data(which, prompts):  # a round's examples: replayed (features cached) or decoded
         return _round_data(lm, store, which, prompts, cfg, layers, mesh, feature_cache)

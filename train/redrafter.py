@@ -121,12 +121,13 @@ def draft_vocabulary(corpus, vocab_size: int, n: int) -> tuple[np.ndarray | None
     return ids, index_of
 
 
-def validate(evaluate, params, val: Sequence, cfg: TrainConfig) -> dict:
-    """Held-out loss and per-step agreement, weighted by (position, step) pairs."""
+def validate(evaluate, params, val: Sequence, cfg: TrainConfig, mesh=None) -> dict:
+    """Held-out loss and per-step agreement, weighted by (position, step) pairs; with
+    ``mesh``, each batch's rows over its ``data`` axis (every process calls it)."""
     plan = train_eagle.batch_plan(val, _eagle_cfg(cfg))
     sums: dict[str, float] = {}
     for k in range(len(plan)):
-        m, w = evaluate(params, *_batch(val, plan, k, cfg))
+        m, w = loop.host(evaluate(params, *loop.batch_on(mesh, _batch(val, plan, k, cfg))))
         for name, v in m.items():
             sums[name] = sums.get(name, 0.0) + float(v) * float(w)
         sums["_w"] = sums.get("_w", 0.0) + float(w)
@@ -143,7 +144,8 @@ def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Pa
 
     ``init = (head, vocab_ids)`` fine-tunes an existing head: training starts from its
     parameters (in float32) and keeps its draft vocabulary, whatever ``cfg.draft_vocab``.
-    With ``mesh``, data-parallel over its ``data`` axis (``loop.on_mesh``)."""
+    With ``mesh``, data-parallel over its ``data`` axis (``loop.on_mesh``), also across
+    processes (every process calls ``train`` with the same arguments)."""
     train_set, val = train_eagle.split(corpus, _split_cfg(cfg))
     if init is None:
         ids, index_of = draft_vocabulary(train_set, target.config.vocab_size, cfg.draft_vocab)
@@ -159,10 +161,10 @@ def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Pa
     opt = optimizer(cfg)
     fresh = {"params": params, "opt_state": opt.init(params), "step": jnp.asarray(0, jnp.int32)}
     state, mngr = loop.resume(run_dir, {"kind": "redrafter", **(meta or {}),
-                                        **dataclasses.asdict(cfg)}, fresh)
+                                        **dataclasses.asdict(cfg)}, fresh, mesh)
     tparams, state = loop.on_mesh(mesh, target, tparams, state)
-    vid = None if ids is None else jnp.asarray(ids)
-    idx = jnp.asarray(index_of)
+    vid = loop.replicated(mesh, ids)
+    idx = loop.replicated(mesh, index_of)
     # the target's weights are arguments, not constants captured by the trace: embedded in
     # the program they cost a large model seconds per step on XLA:CPU
     lf = lambda p, tp, *b: loss_fn(p, tp, *b, vid, idx, target=target, cfg=cfg)
@@ -183,7 +185,7 @@ def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Pa
     evaluate = lambda p, *b: evaluate_tp(p, tparams, *b)
     plan = train_eagle.batch_plan(train_set, _eagle_cfg(cfg))
     step = lambda st, s: step_fn(st, tparams, *loop.batch_on(mesh, _batch(train_set, plan, s, cfg)))
-    on_save = None if not val else lambda st: validate(evaluate, st["params"], val, cfg)
+    on_save = None if not val else lambda st: validate(evaluate, st["params"], val, cfg, mesh)
     state = loop.run_steps(state, step, mngr, steps=cfg.steps, save_every=cfg.save_every,
                            stop_after=stop_after, progress=progress, log=log, on_save=on_save)
     return state, ids

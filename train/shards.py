@@ -11,6 +11,10 @@ The manifest names the target by a hash of its configuration and weights
 store refuses a different target or other settings (``ShardError``), so tokens of one model
 never train a head for another. Shards and the manifest are written to temporary names
 and renamed, shard first: a kill leaves either the old store or the new one.
+
+In a multi-process run every process opens the store and appends the same rounds, and
+process 0 alone writes (each shard and the manifest once); the others wait for it and
+read the manifest it wrote, so the store's directory must be one shared path.
 """
 
 from __future__ import annotations
@@ -120,6 +124,11 @@ def _check_settings(root: Path, manifest: dict, header: dict) -> None:
                          f"requested)) {diff}; use another --shards directory")
 
 
+def _main() -> bool:
+    """Whether this process writes the store (process 0; always, in one process)."""
+    return jax.process_index() == 0
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name("tmp_" + path.name)
     tmp.write_bytes(data)
@@ -141,7 +150,8 @@ class ShardStore:
             self.manifest = manifest
             self._check(header)
         else:
-            self.root.mkdir(parents=True, exist_ok=True)
+            if _main():
+                self.root.mkdir(parents=True, exist_ok=True)
             self.manifest = {**header, "token_dtype": np.dtype(self.dtype).name, "shards": []}
             self._save()
 
@@ -167,8 +177,21 @@ class ShardStore:
         _check_settings(self.root, self.manifest, header)
 
     def _save(self) -> None:
-        _write_atomic(self.root / "manifest.json",
-                      json.dumps(self.manifest, indent=1).encode())
+        """Writes the manifest (process 0 only)."""
+        if _main():
+            _write_atomic(self.root / "manifest.json",
+                          json.dumps(self.manifest, indent=1).encode())
+
+    def _sync(self) -> None:
+        """In a multi-process run: waits until process 0 has written, then every other
+        process reads the manifest it wrote (its shards' SHA-256s: a shard's bytes differ
+        from process to process, by the zip's timestamps)."""
+        if jax.process_count() > 1:
+            from specjax.train.checkpoint import barrier
+
+            barrier(f"shard store {self.root}: {len(self)}")
+            if not _main():
+                self.manifest = read_manifest(self.root)
 
     def __len__(self) -> int:
         return len(self.manifest["shards"])
@@ -183,7 +206,8 @@ class ShardStore:
                name: str | None = None) -> dict:
         """Writes ``examples`` (``(tokens, prompt_len)``, answering ``prompt_ids``) as the next
         shard, or as the named extra shard ``name`` (kept apart from the numbered ones, for
-        a held-out set); returns its manifest entry."""
+        a held-out set); returns its manifest entry. In a multi-process run every process
+        calls it with the same examples and process 0 alone writes (:meth:`_sync`)."""
         if len(prompt_ids) != len(examples):
             raise ValueError(f"{len(prompt_ids)} prompt ids for {len(examples)} examples")
         fname = f"{name}.npz" if name else f"shard_{len(self):05d}.npz"
@@ -194,8 +218,10 @@ class ShardStore:
         np.savez_compressed(buf, tokens=toks.astype(self.dtype),
                             lengths=np.asarray([len(t) for t, _ in examples], np.int32),
                             prompt_lens=np.asarray([p for _, p in examples], np.int32))
-        _write_atomic(self.root / fname, buf.getvalue())
-        entry = {"file": fname, "sha256": _sha(self.root / fname), "prompt_ids": list(prompt_ids),
+        if _main():
+            _write_atomic(self.root / fname, buf.getvalue())
+        entry = {"file": fname, "sha256": hashlib.sha256(buf.getvalue()).hexdigest(),
+                 "prompt_ids": list(prompt_ids),
                  "tokens": int(toks.size),
                  "answer_tokens": int(sum(len(t) - p for t, p in examples))}
         if name:
@@ -203,7 +229,8 @@ class ShardStore:
         else:
             self.manifest["shards"].append(entry)
         self._save()
-        return entry
+        self._sync()
+        return self.manifest[name] if name else self.manifest["shards"][-1]
 
     def read(self, which: int | str) -> list[tuple[np.ndarray, int]]:
         """The examples ``(tokens int32, prompt_len)`` of shard ``which`` (its number, or the

@@ -92,6 +92,23 @@ def _load(args, vocab: bool = False, mesh=None):
     return load(args.model, check=_vocab_check(args, mesh)) if vocab else load(args.model)
 
 
+def _main() -> bool:
+    """Whether this process writes the command's files and prints its results: process 0
+    of a multi-process run (``specjax.distributed``), or the only process."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+def _on_host(state: dict) -> dict:
+    """A trained ``state`` without its optimizer moments, as numpy on every process
+    (``loop.host``: gathered where it spans processes; every process calls it), ready
+    for an export that process 0 alone writes."""
+    from specjax.train import loop
+
+    return loop.host({k: v for k, v in state.items() if k != "opt_state"})
+
+
 def RunLog(run_dir: str):
     """``run_dir/log.jsonl`` (``specjax.train.loop.RunLog``; the trainer rewinds it to the
     checkpoint a resumed run starts from). Imported here, not at module level, so the CLI
@@ -209,7 +226,8 @@ def cmd_train_exits(args) -> int:
         state = train_exits.train(lm.model, lm.params, corpus, cfg, args.run, feats=feats,
                                   progress=bar, log=log, mesh=common.mesh(args, rows=None),
                                   meta={"model": args.model, "data": str(Path(args.data))})
-    if args.export:
+    state = _on_host(state)
+    if args.export and _main():
         out = glue.export_exit_heads(state, cfg, args.export, model=args.model, corpus=corpus,
                                      vocab_size=lm.model.config.vocab_size, data_dir=args.data)
         print(f"exported the exit heads (bfloat16) to {out}")
@@ -240,7 +258,8 @@ def cmd_train(args) -> int:
                                   meta={"model": args.model, "data": Path(args.data).name,
                                         "init": args.init and Path(args.init).name},
                                   init=init)
-    if args.export:
+    state = _on_host(state)
+    if args.export and _main():
         out = glue.export_eagle(state, cfg, args.export, model=args.model, corpus=corpus,
                                 vocab_size=lm.model.config.vocab_size,
                                 draft_vocab=args.draft_vocab, data_dir=args.data)
@@ -283,7 +302,8 @@ def cmd_train_redrafter(args) -> int:
                                     meta={"model": args.model,
                                           "data": Path(args.data or args.shards).name,
                                           "init": args.init and Path(args.init).name})
-    if args.export:
+    state = _on_host(state)
+    if args.export and _main():
         out = glue.export_redrafter(state, cfg, ids, args.export, model=args.model,
                                     data_dir=args.data, shards=args.shards, init=args.init)
         print(f"exported the head (bfloat16) to {out}")
@@ -404,9 +424,11 @@ def cmd_train_onpolicy(args) -> int:
         mix.append((s, len(s) if n is None else n))
     head = glue.onpolicy_head(start, lm.model.config, kind)
     vfile = Path(args.run, "vocab_ids.npy")
-    if not vfile.exists():
+    if not vfile.exists() and _main():  # the others hold the same ids (_onpolicy_vocab)
         vfile.parent.mkdir(parents=True, exist_ok=True)
-        np.save(vfile, vocab_ids)
+        tmp = vfile.with_name("tmp_vocab_ids.npy")
+        np.save(tmp, vocab_ids)
+        tmp.replace(vfile)
     print(f"{len(pool)} prompts; the store holds {len(store)} rounds ({store.tokens()} tokens) "
           f"of target {thash}; {cfg}", flush=True)
     with tqdm(total=cfg.rounds + cfg.epochs, desc=f"on-policy {kind.name}",
@@ -416,7 +438,8 @@ def cmd_train_onpolicy(args) -> int:
                                stop_after=args.stop_after, mesh=mesh,
                                feature_cache=FeatureCache(args.feature_cache)
                                if args.feature_cache else None, mix=mix)
-    if args.export:
+    state = _on_host(state)
+    if args.export and _main():
         out = glue.export_onpolicy(state, kind, cfg, args.export, model=args.model,
                                    target_cfg=lm.model.config, start=start,
                                    shards=args.shards, vocab_ids=vocab_ids)
