@@ -9,7 +9,8 @@ toy of ``toy_lm`` (built at the first load, after the run is joined): the 2-laye
 process is the run's worker itself (``SPECJAX_DISTRIBUTED_WORKER=1``): the CLI joins the
 run (``distributed.initialize``) instead of starting a supervised child; the processes'
 arguments are compared (``distributed.agree``) for the first command only. Exits with the
-first non-zero status.
+first non-zero status. ``MP_TRAIN_KILL=P:STEP`` kills process ``P`` after its part of
+checkpoint ``STEP`` (``_kill_after_save``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,29 @@ def toy_lm():
     params = jax.tree.map(lambda x: x * 3.0, init_params(cfg, jax.random.key(4)))
     return LoadedModel("toy", Llama(cfg), params, toys.ByteTokenizer(cfg.vocab_size, limit=10),
                        (0,), Path("toy"))
+
+
+def _kill_after_save(spec: str) -> None:
+    """``MP_TRAIN_KILL=P:STEP``: process ``P`` kills itself (SIGKILL) once its part of the
+    checkpoint of ``STEP`` is written, as a host lost mid-run (nothing when unset)."""
+    if not spec:
+        return
+    import signal
+
+    import jax
+    import orbax.checkpoint as ocp
+
+    who, step = (int(x) for x in spec.split(":"))
+    save = ocp.CheckpointManager.save
+
+    def save_then_die(self, s, *args, **kwargs):
+        out = save(self, s, *args, **kwargs)
+        if s == step and jax.process_index() == who:
+            self.wait_until_finished()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    ocp.CheckpointManager.save = save_then_die
 
 
 def commands(argv: list[str]) -> list[list[str]]:
@@ -70,6 +94,7 @@ def main(argv: list[str]) -> int:
             return once(*args, **kwargs) if len(calls) == 1 else None
 
         distributed.agree = agree
+    _kill_after_save(os.environ.get("MP_TRAIN_KILL", ""))
     from specjax import cli
 
     for cmd in commands(argv):

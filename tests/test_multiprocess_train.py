@@ -185,3 +185,108 @@ def test_two_processes_train_eagle_as_one(toy, tmp_path):
     again = _train_here(toy, from_two, _argv(data, from_two))
     _close(ref["params"], again["params"])
     assert _max_diff(ref["params"], _fresh(toy, _argv(data, mp_run))["params"]) > 1e-3
+
+
+# ----------------------------------------------------------------------------- opt-in
+
+def _restore_any(run: Path) -> dict:
+    """The latest checkpoint of ``run``, whatever tree it holds, restored here onto one
+    device (its shapes and dtypes read from the checkpoint's own metadata)."""
+    import orbax.checkpoint as ocp
+
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    path = (run / "ckpt" / str(checkpoint.latest_step(run)) / "default").absolute()
+    ckptr = ocp.StandardCheckpointer()
+    with checkpoint.quiet_absl():
+        meta = ckptr.metadata(path)
+        meta = getattr(meta, "item_metadata", meta)
+        like = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), meta)
+        return ckptr.restore(path, like)
+
+
+def _onpolicy_argv(tmp: Path, name: str, rounds: int, init: Path, export: bool = False):
+    """``specjax train onpolicy`` on the toy: ``rounds`` rounds of 4 prompts, 4 held out,
+    scored every round, replayed features cached."""
+    d = tmp / name
+    argv = ["train", "onpolicy", "--model", "toy", "--prompts", str(tmp / "prompts"),
+            "--shards", str(d / "shards"), "--run", str(d / "run"), "--rounds", str(rounds),
+            "--batch", "4", "--val-prompts", "4", "--max-new-tokens", "8", "--draft-vocab", "16",
+            "--batch-tokens", "128", "--val-every", "1", "--init", str(init),
+            "--feature-cache", str(d / "features")]
+    return argv + (["--export", str(d / "head")] if export else [])
+
+
+def _heads_argv(data: Path, tmp: Path, name: str):
+    """``train redrafter`` and ``train exit-heads`` on the toy corpus: 3 steps each."""
+    d = tmp / name
+    common = ["--model", "toy", "--data", str(data), "--steps", "3", "--save-every", "1",
+              "--batch-tokens", "256", "--max-len", "64"]
+    return (["train", "redrafter", *common, "--run", str(d / "redrafter"), "--val-examples",
+             "4", "--draft-vocab", "8", "--export", str(d / "redrafter-head")],
+            ["train", "exit-heads", *common, "--run", str(d / "exits"), "--layers", "1",
+             "--rank", "4", "--kl-vocab", "8", "--export", str(d / "exit-heads")])
+
+
+@pytest.mark.extended
+def test_two_processes_train_onpolicy_redrafter_and_exit_heads_as_one(toy, tmp_path):
+    """``train onpolicy`` (2 rounds, then a third that replays the held-out shard from the
+    feature cache), ``train redrafter`` and ``train exit-heads`` (3 steps each) on 2
+    processes x 2 devices and on 1 process of 4 devices (``data=2,model=2`` both): the
+    same shard store, token for token, parameters equal to ``TOL``, one log row per step
+    or round, each store shard, cached feature file and export written once. About a
+    minute and a half on 2 CPU cores."""
+    from specjax import head_io
+
+    lm, _, data = toy
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "gsm8k_train.jsonl").write_text("".join(
+        json.dumps({"question": "ab " * (i % 3 + 1) + f"n{i}"}) + "\n" for i in range(40)))
+    init = head_io.save_eagle(train_eagle.eagle.init_head(lm.model.config, jax.random.key(1)),
+                              tmp_path / "init", vocab_ids=np.arange(16))
+    for name, n in (("two", 2), ("one", 1)):
+        _launch(tmp_path / name, _onpolicy_argv(tmp_path, name, 2, init),
+                _onpolicy_argv(tmp_path, name, 3, init, export=True),
+                *_heads_argv(data, tmp_path, name), processes=n)
+    one, two = tmp_path / "one", tmp_path / "two"
+    m1, m2 = (json.loads((d / "shards" / "manifest.json").read_text()) for d in (one, two))
+    assert [s["prompt_ids"] for s in m2["shards"]] == [s["prompt_ids"] for s in m1["shards"]]
+    for f in ("val.npz", "shard_00000.npz", "shard_00001.npz", "shard_00002.npz"):
+        a, b = (np.load(d / "shards" / f) for d in (one, two))
+        np.testing.assert_array_equal(a["tokens"], b["tokens"])
+    assert not list((two / "shards").glob("tmp_*"))
+    assert len(list((two / "features").rglob("*.npy"))) == 1  # the held-out shard, once
+    assert [r["round"] for r in _log(two / "run")] == [0, 1, 2, 3]
+    assert [r["step"] for r in _log(two / "redrafter")] == [1, 1, 2, 2, 3, 3]
+    assert [r["step"] for r in _log(two / "exits")] == [1, 2, 3]
+    for run in ("run", "redrafter", "exits"):
+        a, b = _restore_any(one / run), _restore_any(two / run)
+        assert int(a["step"]) == int(b["step"]) > 0
+        _close(a["params"], b["params"])
+    for head in ("head", "redrafter-head", "exit-heads"):
+        assert (two / head / "head.json").is_file(), head
+
+
+@pytest.mark.extended
+def test_a_run_killed_in_one_process_resumes_on_both(toy, tmp_path, monkeypatch):
+    """Process 1 of a 6-step run killed (SIGKILL) once its part of checkpoint 4 is
+    written: process 0 fails too, the run directory's latest complete checkpoint is one
+    both processes finished, and the rerun resumes from it to the one-process parameters
+    (to ``TOL``), its log one row per step."""
+    lm, corpus, data = toy
+    argv = lambda run: _argv(data, run, steps=6, save_every=2)  # noqa: E731
+    ref = _train_here(toy, tmp_path / "ref", argv(tmp_path / "ref"))
+    run = tmp_path / "run"
+    monkeypatch.setenv("MP_TRAIN_KILL", "1:4")
+    cmd = [sys.executable, str(HERE / "mp_train_cli.py"), *argv(run), "--mesh",
+           "data=2,model=2", "--distributed-timeout", "20", "--coordinator", "{coordinator}",
+           "--num-processes", "{num_processes}", "--process-id", "{process_id}"]
+    killed = distributed.launch(cmd, 2, devices=2, timeout=240, log_dir=tmp_path / "logs")
+    assert killed[1].returncode == -9, killed[1].output[-3000:]
+    assert killed[0].returncode != 0, killed[0].output[-3000:]
+    assert checkpoint.latest_step(run) in (2, 4)
+    monkeypatch.delenv("MP_TRAIN_KILL")
+    _launch(tmp_path, argv(run))
+    got = _restore(run, _fresh(toy, argv(run)))
+    assert int(got["step"]) == 6
+    _close(ref["params"], got["params"])
+    assert [r["step"] for r in _log(run) if "loss" in r] == [1, 2, 3, 4, 5, 6]
