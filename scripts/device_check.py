@@ -174,14 +174,26 @@ class Budget:
         self.phase_end = min(self.end, time.perf_counter() + seconds)
 
     def left(self) -> float:
-        return min(self.end, self.phase_end) - time.perf_counter()
+        return _agreed(min(self.end, self.phase_end) - time.perf_counter())
 
     def remaining(self) -> float:
         """Of the whole run."""
-        return self.end - time.perf_counter()
+        return _agreed(self.end - time.perf_counter())
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
+
+
+def _agreed(seconds: float) -> float:
+    """``seconds`` as process 0 measured them, in a multi-process run: every process
+    checks its budget at the same points, so all of them take the same decisions."""
+    import jax
+
+    if jax.process_count() == 1:
+        return seconds
+    from jax.experimental import multihost_utils
+
+    return float(multihost_utils.broadcast_one_to_all(np.float32(seconds)))
 
 
 class Report:
@@ -380,21 +392,35 @@ def prepare(lm, settings: MethodSettings, layers: int, ids: list[int], jobs: lis
             extra: dict, workers: int) -> dict:
     """Compiles every ``(method, batch)`` of ``jobs``, and every ``extra`` job (a name and
     a zero-argument function), in a pool of ``workers`` threads: XLA compiles outside the
-    GIL, so a host with many cores compiles a shape's programs at once. Returns the
-    futures by job; each method's ``Prepared`` also goes to ``_PREPARED``."""
+    GIL, so a host with many cores compiles a shape's programs at once. ``workers=0``:
+    one after another in this thread (a mesh over processes, where every process must run
+    its programs in one order). Returns the futures by job; each method's ``Prepared``
+    also goes to ``_PREPARED``."""
     import concurrent.futures as cf
-
-    pool = cf.ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="compile")
 
     def job(m, b):
         prep = _warm(lm, settings, m, layers, ids, b)
         _PREPARED[(id(lm), m, b)] = prep
         return prep
 
+    if workers == 0:
+        return {**{k: _done(fn) for k, fn in extra.items()},
+                **{(m, b): _done(lambda m=m, b=b: job(m, b)) for m, b in jobs}}
+    pool = cf.ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="compile")
+
     futures = {k: pool.submit(fn) for k, fn in extra.items()}  # the first timed
     futures.update({(m, b): pool.submit(job, m, b) for m, b in jobs})
     pool.shutdown(wait=False)
     return futures
+
+
+def _done(fn):
+    """A future already holding ``fn()``."""
+    import concurrent.futures as cf
+
+    f = cf.Future()
+    f.set_result(fn())
+    return f
 
 
 def _wait(future, budget: "Budget"):
@@ -594,6 +620,11 @@ def _check_shape(name: str, shape: dict, opts, budget: Budget, probe: dict, out:
     t = time.perf_counter()
     scan = opts.scan_layers and shape["family"] == "llama"  # Gemma stays unrolled
     lm = random_model(name, shape, scale=3.0 if opts.small else 1.0, scan_layers=scan)
+    if opts.mesh:  # every process made the same weights from one key: each places its slices
+        from specjax import sharding
+
+        lm = lm.on_mesh(sharding.mesh_from_spec(opts.mesh))
+        out["mesh"] = opts.mesh
     out["init_s"] = time.perf_counter() - t
     out["weight_bytes"] = int(sum(x.nbytes for x in jax.tree.leaves(lm.params)))
     _log(f"{name}: {out['weight_bytes'] / 1e6:.0f} MB of random weights in "
@@ -605,20 +636,25 @@ def _check_shape(name: str, shape: dict, opts, budget: Budget, probe: dict, out:
     out["settings"] = {"prompts": opts.prompts, "prompt_len": opts.prompt_len,
                        "max_new_tokens": opts.max_new_tokens, **_settings_of(settings)}
     methods = _methods_of(shape, opts, "methods")
-    batched = _methods_of(shape, opts, "batched") if opts.batch > 1 else []
-    cache, wjobs = width_programs(lm, [int(w) for w in opts.widths.split(",")],
-                                  opts.capacity, opts.filled)
+    batched = _methods_of(shape, opts, "batched") if opts.batch > 1 and not opts.mesh else []
+    widths = [] if opts.mesh else [int(w) for w in opts.widths.split(",")]
+    cache, wjobs = width_programs(lm, widths, opts.capacity, opts.filled)
     t = time.perf_counter()
+    # on a mesh over processes, every process runs its programs in one order: no threads
     futs = prepare(lm, settings, layers, list(questions[0].ids),
                    [(m, 1) for m in methods] + [(m, opts.batch) for m in batched],
-                   {("width", w): job for w, job in wjobs.items()}, opts.workers)
+                   {("width", w): job for w, job in wjobs.items()},
+                   0 if opts.mesh else opts.workers)
     _log(f"{name}: compiling {len(futs)} programs in {opts.workers} threads")
     for f in futs.values():  # timings start once nothing compiles beside them
         _wait(f, budget)
     out["compile_wall_s"] = time.perf_counter() - t  # this shape's programs, at once
     _log(f"{name}: compiled in {out['compile_wall_s']:.1f} s; width curve")
-    width_curve(lm, {w: futs[("width", w)] for w in wjobs}, cache, opts.capacity,
-                opts.repeats, budget, out.setdefault("width_curve", {}), save)
+    if opts.mesh:
+        out["width_curve"] = {"not_run": "a single-device measurement: not on a mesh"}
+    else:
+        width_curve(lm, {w: futs[("width", w)] for w in wjobs}, cache, opts.capacity,
+                    opts.repeats, budget, out.setdefault("width_curve", {}), save)
     out["kernels_forward"] = out["width_curve"].get("kernels_forward")
     ms = out.setdefault("methods", {})
     ref = {"kernels_forward": (out["kernels_forward"] or {}).get("kernels")}
@@ -672,7 +708,7 @@ def _ready(futs: dict, jobs: list, budget: Budget, out: dict) -> list[str]:
 def _hf_phase(lm, shape: dict, opts, questions, budget: Budget, out: dict, save) -> None:
     """transformers on the same device, or why not."""
     ms = out.get("methods", {})
-    if not shape["hf"] or opts.no_hf:
+    if not shape["hf"] or opts.no_hf or opts.mesh:
         return
     if _hf_on_another_device():
         out["hf"] = {"not_applicable": "torch sees no device of JAX's kind here: "
@@ -908,6 +944,11 @@ class Settings:
     scan_layers: bool = False
     capacity: int = 1024
     filled: int = 800
+    mesh: str | None = None  # decode on this mesh (the width curve, transformers, batch off)
+    coordinator: str | None = None  # a multi-process run (specjax.distributed.Settings)
+    num_processes: int | None = None
+    process_id: int | None = None
+    distributed_timeout: int = 300
 
 
 #: each shape's part of the budget, from what a whole phase took on one H200 (2026-11-28,
@@ -983,6 +1024,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--scan-layers", action="store_true",
                    help="Llama shapes run their layers under one lax.scan (one layer "
                         "compiles; Gemma stays unrolled), as `specjax bench --scan-layers`")
+    p.add_argument("--mesh", help="decode every method on this mesh of all processes' "
+                   "devices, e.g. model=8 (the width curve, transformers and the batched "
+                   "phase are skipped there)")
+    p.add_argument("--coordinator", help="HOST:PORT of process 0 of a multi-process run, "
+                   "with --num-processes and --process-id (as every specjax command)")
+    p.add_argument("--num-processes", type=int)
+    p.add_argument("--process-id", type=int)
+    p.add_argument("--distributed-timeout", type=int, help="seconds (default 300)")
     return p
 
 
@@ -993,9 +1042,23 @@ def main(argv=None) -> int:
     opts = settings(**vars(p.parse_args(argv)))
     try:
         _chosen_shapes(opts)
+        _join(opts)
     except ValueError as e:
         p.error(str(e))
     return run_check(opts)
+
+
+def _join(opts: Settings) -> None:
+    """Joins the multi-process run the options name (or, with ``--mesh``, the cluster JAX
+    detects), before any other JAX call; checks the mesh against the run's devices."""
+    from specjax import distributed, sharding
+
+    run = distributed.Settings(opts.coordinator, opts.num_processes, opts.process_id,
+                               opts.distributed_timeout)
+    distributed.initialize(run, detect=bool(opts.mesh))
+    if opts.mesh:
+        sizes = sharding.parse_mesh(opts.mesh)
+        distributed.check_devices(sizes["data"] * sizes["model"])
 
 
 def run_check(opts: Settings) -> int:
@@ -1011,7 +1074,10 @@ def run_check(opts: Settings) -> int:
     info = bench.device_info()
     tag = bench.device_tag(info)
     path = Path(opts.out) / f"device_check_{tag}.json"
+    import jax
+
     data = {"device": info, "machine": bench.machine_info(), "small": opts.small,
+            "mesh": opts.mesh, "processes": jax.process_count(),
             "settings": {k: getattr(opts, k) for k in ("budget", "prompts", "prompt_len",
                                                        "max_new_tokens", "repeats", "widths",
                                                        "capacity", "filled", "precision",
@@ -1093,6 +1159,8 @@ def run_check(opts: Settings) -> int:
     rep.save()
     print(summary(data), flush=True)
     try:
+        if jax.process_index() != 0:  # process 0 writes the results (bench.write_json too)
+            return 1 if data["failed"] else 0
         plot(data, path.with_suffix(".png"))
         _log(f"wrote {path} and {path.with_suffix('.png')}")
     except Exception as e:  # noqa: BLE001 -- the JSON is the result; the plot is a view

@@ -114,6 +114,9 @@ def initialize(settings: Settings = Settings(), detect: bool = True) -> bool:
     return True
 
 
+_AGREED = 0
+
+
 def agree(settings: Settings, values: dict) -> None:
     """``ValueError`` (one line) unless every process of the run was started with the same
     ``values`` (a command's arguments, its own process id and log paths left out) and the
@@ -128,11 +131,14 @@ def agree(settings: Settings, values: dict) -> None:
                          f"run of {jax.process_count()} processes")
     from jax._src.distributed import global_state
 
+    global _AGREED
+    _AGREED += 1  # one key per call: a process may run several commands
     mine = json.dumps(values, sort_keys=True, default=str)
     client, me = global_state.client, jax.process_index()
-    client.key_value_set(f"specjax/args/{me}", mine)
+    client.key_value_set(f"specjax/args/{_AGREED}/{me}", mine)
     for other in range(jax.process_count()):
-        theirs = client.blocking_key_value_get(f"specjax/args/{other}", settings.timeout * 1000)
+        theirs = client.blocking_key_value_get(f"specjax/args/{_AGREED}/{other}",
+                                               settings.timeout * 1000)
         if theirs != mine:
             a, b = json.loads(mine), json.loads(theirs)
             diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
@@ -151,10 +157,10 @@ def is_main() -> bool:
 
 
 def check_devices(need: int) -> None:
-    """``ValueError`` (one line) unless the run's devices, over every process, number at
-    least ``need``; called before any weight is read."""
+    """In a multi-process run, ``ValueError`` (one line) unless the run's devices, over
+    every process, number at least ``need``; called before any weight is read."""
     have, n = jax.device_count(), jax.process_count()
-    if need > have:
+    if n > 1 and need > have:  # one process: make_mesh's own message
         raise ValueError(f"the mesh needs {need} devices, but the {n} process"
                          f"{'es' if n > 1 else ''} of this run have {have} "
                          f"({jax.local_device_count()} here)")
