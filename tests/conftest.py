@@ -74,6 +74,7 @@ SLOW_TESTS = {
         "test_multiprocess.py::test_a_dead_process_ends_the_other_with_one_line",
         "test_multiprocess.py::test_impossible_runs_are_refused_before_loading",
         "test_multiprocess.py::test_processes_started_differently_are_refused",
+        "test_loading_slices.py::test_two_processes_read_their_halves_and_place_the_same_values",
         "test_compile_cache.py::test_a_directory_in_the_switch_and_the_users_own_directory",
         "test_multiprocess_train.py::test_two_processes_train_eagle_as_one",
     ),

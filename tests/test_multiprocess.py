@@ -180,3 +180,21 @@ def test_processes_started_differently_are_refused(tmp_path):
     assert all(r.returncode == 1 for r in runs), [r.output for r in runs]
     assert "process 1 was started with other arguments: max_new_tokens=11 there, 1 here" \
         in runs[0].output, runs[0].output
+
+
+@pytest.mark.extended  # the device check's --small run as two processes: about 2 min
+def test_device_check_runs_as_two_processes(tmp_path):
+    """``scripts/device_check.py --small --mesh model=4`` as 2 processes: every method's
+    greedy tokens equal ``ar``'s on the mesh, no host transfer in any loop, and process 0
+    alone writes the JSON."""
+    runs = distributed.launch([PY, str(HERE.parent / "scripts" / "device_check.py"), "--small",
+                               "--shapes", "tiny-llama", "--mesh", "model=4", "--no-hf",
+                               "--out", str(tmp_path), "--coordinator", "{coordinator}",
+                               "--num-processes", "{num_processes}",
+                               "--process-id", "{process_id}"], 2, timeout=900)
+    assert all(r.returncode == 0 for r in runs), [r.output[-2000:] for r in runs]
+    res = json.loads((tmp_path / "device_check_cpu.json").read_text())
+    assert res["processes"] == 2 and res["mesh"] == "model=4" and res["complete"]
+    ms = res["shapes"]["tiny-llama"]["methods"]
+    assert len(ms) > 5 and all(r["equal_to_ar"] for r in ms.values()), ms
+    assert all(r["host_transfers_in_loop"] == 0 for r in ms.values())
