@@ -925,7 +925,7 @@ class Settings:
     all); ``out``: the directory of the JSON and plot."""
 
     small: bool = False
-    out: str = "docs/results"
+    out: str | None = None  # None: a new temporary directory (never the committed results)
     budget: float = 520.0
     shapes: str | None = None
     methods: str | None = None
@@ -995,7 +995,8 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true",
                    help="tiny shapes and few tokens: the same code path on a CPU in a minute")
-    p.add_argument("--out", default="docs/results", help="directory of the JSON and plot")
+    p.add_argument("--out", help="directory of the JSON and plot (default: a new temporary "
+                   "directory, printed; docs/results only when named)")
     p.add_argument("--budget", type=float, help="seconds for all phases, first compiles "
                                                 "included (default 520; --small 300); a run "
                                                 "cut short keeps its JSON")
@@ -1070,6 +1071,10 @@ def run_check(opts: Settings) -> int:
     from specjax import bench
 
     shapes = _chosen_shapes(opts)
+    if opts.out is None:
+        import tempfile
+
+        opts = dataclasses.replace(opts, out=tempfile.mkdtemp(prefix="specjax-device-check-"))
     budget = Budget(opts.budget)
     info = bench.device_info()
     tag = bench.device_tag(info)

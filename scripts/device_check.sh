@@ -2,7 +2,9 @@
 # The prepared check of a GPU or TPU host (scripts/device_check.py): random weights of real
 # shapes (SmolLM2-135M, Llama-3.1-8B, Gemma-3-270M), offline, within a time budget (default
 # 520 s of phases, first compiles included; a hard stop 90 s later), results rewritten
-# after every measurement to docs/results/device_check_<device>.json with a plot beside it.
+# after every measurement to OUT/device_check_<device>.json with a plot beside it (OUT: --out,
+# else a new temporary directory, printed; committed results change only when --out names
+# docs/results).
 # `complete` is true only when every listed measurement ran; the summary lists the rest.
 #
 #   bash scripts/device_check.sh                       # on the accelerator host
@@ -62,7 +64,7 @@ fi
 # A hard limit above the phases' budget: a compile that overruns its phase still ends, and
 # the JSON written so far stays (SIGINT lets the check record that it was cut short).
 BUDGET=520
-OUT="$HERE/docs/results"
+OUT=
 ARGS=()
 PREV=
 for a in "$@"; do
@@ -76,6 +78,10 @@ for a in "$@"; do
   PREV=$a
 done
 BUDGET=${EXPLICIT:-$BUDGET}
+if [ -z "$OUT" ]; then
+  OUT=$(mktemp -d -t specjax-device-check.XXXXXX)
+  echo "results go to $OUT (--out DIR to choose)" >&2
+fi
 HARD=$(( ${BUDGET%.*} + 90 ))
 cd "$ELSEWHERE"
 timeout --signal=INT --kill-after=30 "$HARD" "$PY" "$HERE/scripts/device_check.py" \

@@ -2,7 +2,7 @@
 alone) as heatmaps, ours next to the printed values; writes ``docs/results/hsd_table9.png``
 and ``docs/results/hsd_table9.json``.
 
-    .venv/bin/python scripts/plot_table9.py [--data ../shared/data/hsd/paper_tables.json]
+    .venv/bin/python scripts/plot_table9.py [--data tests/data/hsd/paper_tables.json]
 
 Setting: target A costs 1024, B costs 256 with alpha(B, A) = 0.5; C's cost varies by
 column, alpha(C, B) by row (0..0.9) and alpha(C, A) = max(0, alpha(C, B) + alpha(B, A) - 1).
@@ -62,7 +62,7 @@ def heatmap(ax, values: np.ndarray, text: list[list[str]], title: str, cols, row
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default=str(ROOT.parent / "shared/data/hsd/paper_tables.json"))
+    ap.add_argument("--data", default=str(ROOT / "tests/data/hsd/paper_tables.json"))
     ap.add_argument("--out", default=str(ROOT / "docs/results/hsd_table9"))
     args = ap.parse_args()
     t9 = json.loads(Path(args.data).read_text())["table9"]

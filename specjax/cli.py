@@ -1,5 +1,5 @@
-"""The ``specjax`` command: demo, generate, bench, calibrate, tune, distill, features,
-train and convert-head. Each command lives in ``specjax.commands``; methods are built by
+"""The ``specjax`` command: demo, generate, bench, calibrate, tune, distill, self-prompts,
+features, train and convert-head. Each command lives in ``specjax.commands``; methods are built by
 ``specjax.methods``; this module only assembles the parser and reports errors."""
 
 from __future__ import annotations

@@ -288,8 +288,8 @@ def _levels(depth: int, topk: int) -> np.ndarray:
 
 @struct.dataclass
 class Tree:
-    """The chosen draft tree: ``tokens``/``parents`` in DESIGN.md's draft format (parents
-    precede children), the ``[N+1, N+1]`` tree-attention mask over ``[root, nodes]``, the
+    """The chosen draft tree: ``tokens``/``parents`` in the drafter protocol's draft format
+    (``specjax.core.drafter``; parents precede children), the ``[N+1, N+1]`` tree-attention mask over ``[root, nodes]``, the
     positions of ``[root, nodes]``, and each node's pool index and value."""
 
     tokens: Int[Array, "B N"]
