@@ -51,6 +51,29 @@ if not os.environ.get("SPECJAX_TESTS_XLA_DEFAULTS") and \
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_OPT_FLAG}".strip()
 
 import specjax  # noqa: E402, F401  (sets XLA flags before JAX picks a backend)
+import specjax.models  # noqa: E402
+import specjax.train  # noqa: E402
+
+
+def _check_checkout() -> None:
+    """The suite tests the checkout it lives in: ``specjax``, ``specjax.models`` and
+    ``specjax.train`` must all resolve inside it. (An editable install of another checkout
+    maps ``specjax.models``/``specjax.train`` onto that checkout's ``models/`` and ``train/``
+    even when ``PYTHONPATH`` puts this one's ``specjax`` first.)"""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    wrong = {m.__name__: Path(m.__file__).resolve().parent
+             for m in (specjax, specjax.models, specjax.train)
+             if not Path(m.__file__).resolve().is_relative_to(root)}
+    if wrong:
+        raise RuntimeError(
+            f"the suite at {root} would test code outside it: "
+            + ", ".join(f"{k} from {v}" for k, v in wrong.items())
+            + f"; install this checkout (pip install -e {root}) or use its scripts/test.sh")
+
+
+_check_checkout()
 
 SMOLLM = "smollm2-135m"
 _SLOW_FIXTURES = {"smollm", "hf_smollm"}
