@@ -88,7 +88,8 @@ LINEAR = dataclasses.replace(TARGET, rope_theta=500000.0, rope_scaling=RopeScali
                          ids=["default-rope", "linear-rope", "two-layers"])
 def test_converted_eagle1_head_equals_the_pytorch_reference(tmp_path, target, layers):
     hp = eagle1_head(target, layers=layers)
-    published.save("eagle", hp, tmp_path, target, dtype="float32")
+    # for SpecForge/SGLang: SafeAILab/EAGLE's code ignores rope_theta under linear scaling
+    published.save("eagle", hp, tmp_path, target, dtype="float32", for_sglang=target is LINEAR)
     sd, cfg = _read(tmp_path)
     assert cfg["torch_dtype"] == "float32" and "layers.0.input_layernorm.weight" not in sd
     assert cfg["num_hidden_layers"] == layers
@@ -220,7 +221,121 @@ def test_heads_without_a_published_layout_are_refused(tmp_path):
         published.save("eagle", hp, tmp_path / "x", TARGET)
 
 
+def test_the_attn_norm_refusal_names_no_attn_norm(tmp_path):
+    """The refusal of a head with ``attn_norm`` says how to train one that exports to the
+    EAGLE-1/2 layout (``--no-attn-norm``), not that every head specjax trains has one."""
+    hp = eagle1_head()
+    with_norm = {**hp, "layer": {**hp["layer"], "attn_norm": np.ones((H,), np.float32)}}
+    with pytest.raises(NoPublishedLayout) as e:
+        published.save("eagle", with_norm, tmp_path / "a", TARGET)
+    msg = str(e.value)
+    assert "--no-attn-norm" in msg and "every head" not in msg, msg
+    assert "by default" in msg and len(msg.splitlines()) == 1, msg
+
+
+# linear RoPE scaling with EAGLE's own base, 10000: EAGLE's code runs it as written
+LINEAR_10K = dataclasses.replace(LINEAR, rope_theta=10000.0)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_linear_rope_with_another_base_is_refused_unless_for_sglang(tmp_path, kind):
+    """SafeAILab/EAGLE builds linear-scaled RoPE with base 10000 whatever ``rope_theta``
+    says: such a head is refused in one line naming ``--for-sglang``, nothing written;
+    with ``for_sglang`` it is written with its ``rope_theta``; base 10000 needs no flag."""
+    def head(cfg):
+        return (eagle1_head(cfg), None) if kind == "eagle" else eagle3_head(cfg)
+
+    hp, ids = head(LINEAR)
+    with pytest.raises(NoPublishedLayout) as e:
+        published.save(kind, hp, tmp_path / "a", LINEAR, vocab_ids=ids)
+    msg = str(e.value)
+    assert "--for-sglang" in msg and "rope_theta 500000" in msg and "base 10000" in msg, msg
+    assert "SpecForge" in msg and len(msg.splitlines()) == 1, msg
+    assert not any(tmp_path.iterdir())
+    published.save(kind, hp, tmp_path / "b", LINEAR, vocab_ids=ids, for_sglang=True)
+    cfg = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert cfg["rope_theta"] == 500000.0
+    assert cfg["rope_scaling"] == {"type": "linear", "factor": 4.0}
+    assert published.load(tmp_path / "b", LINEAR).spec.rope_theta == 500000.0
+    hp, ids = head(LINEAR_10K)
+    published.save(kind, hp, tmp_path / "c", LINEAR_10K, vocab_ids=ids)
+    cfg = json.loads((tmp_path / "c" / "config.json").read_text())
+    assert cfg["rope_theta"] == 10000.0 and cfg["rope_scaling"]["type"] == "linear"
+
+
+def _target_logits(spec, hp, vocab_ids, emb, fused):
+    """Draft logits over the target's vocabulary: draft id i's logit at target id
+    ``vocab_ids[i]`` (every target id covered: a full-size draft vocabulary)."""
+    hp = jax.tree.map(jnp.asarray, hp)
+    out = np.asarray(eagle3.draft_logits(spec, hp, _run(eagle3.apply_head, spec, hp, emb,
+                                                        fused)))
+    full = np.full(out.shape[:-1] + (V,), np.nan, np.float32)
+    full[..., np.asarray(vocab_ids)] = out
+    return full
+
+
+def test_a_full_size_permuted_vocabulary_is_written_in_identity_order(tmp_path):
+    """A draft vocabulary as large as the target's, in another order: SafeAILab/EAGLE drops
+    ``d2t`` at that size and reads ``lm_head`` row j as target id j, so the rows are
+    written permuted into identity order (``d2t`` zeros, ``t2d`` all true, which SpecForge's
+    loader needs); read back, the draft logits over the target's vocabulary are identical,
+    and the reference forward of the file, read as EAGLE reads it, equals them."""
+    hp, ids = eagle3_head(dv=V)
+    assert not np.array_equal(ids, np.arange(V))  # a permutation, not the identity
+    published.save("eagle3", hp, tmp_path, TARGET, vocab_ids=ids, dtype="float32")
+    sd, cfg = _read(tmp_path)
+    assert cfg["draft_vocab_size"] == V == cfg["vocab_size"]
+    assert not sd["d2t"].any() and bool(sd["t2d"].all())  # the identity map
+    lm = sd["lm_head.weight"].numpy()
+    np.testing.assert_array_equal(lm[ids], hp["lm_head"])  # row ids[i] is draft id i's
+    head = published.load(tmp_path, TARGET)
+    np.testing.assert_array_equal(head.vocab_ids, np.arange(V))
+    embed, _, tokens, fused = _inputs(3, 3 * H)
+    spec = eagle3.layer_spec(TARGET)
+    want = _target_logits(spec, hp, ids, embed[tokens].numpy(), fused.numpy())
+    got = _target_logits(head.spec, head.params, head.vocab_ids, embed[tokens].numpy(),
+                         fused.numpy())
+    assert not np.isnan(want).any()
+    np.testing.assert_array_equal(got, want)
+    eagle_reads, _ = torch_eagle3_logits(sd, cfg, embed, tokens, fused)  # row j: target id j
+    assert np.abs(eagle_reads.numpy() - want).max() < 1e-4
+    # the files convert back to the same bytes (identity order stays)
+    published.save("eagle3", head.params, tmp_path / "again", TARGET, spec=head.spec,
+                   vocab_ids=head.vocab_ids, layers=head.layers, dtype="float32")
+    assert ((tmp_path / "again" / "model.safetensors").read_bytes()
+            == (tmp_path / "model.safetensors").read_bytes())
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_rms_norm_eps_is_written_as_its_shortest_float32_decimal(tmp_path, kind):
+    """A target whose eps is a float32 value (a GGUF's 1e-5 reads as
+    9.999999747378752e-06) writes ``"rms_norm_eps": 1e-05``, which rounds to the same
+    float32; an eps that is no float32 value (1e-6 from an HF config) is written as is."""
+    f32 = dataclasses.replace(TARGET, rms_norm_eps=float(np.float32(1e-5)))
+    assert f32.rms_norm_eps == 9.999999747378752e-06
+    for cfg_, want, d in ((f32, 1e-05, "a"), (dataclasses.replace(TARGET, rms_norm_eps=1e-6),
+                                               1e-06, "b")):
+        hp, ids = (eagle1_head(cfg_), None) if kind == "eagle" else eagle3_head(cfg_)
+        published.save(kind, hp, tmp_path / d, cfg_, vocab_ids=ids)
+        text = (tmp_path / d / "config.json").read_text()
+        assert json.loads(text)["rms_norm_eps"] == want
+        assert f'"rms_norm_eps": {want!r}' in text, text
+        assert np.float32(want) == np.float32(cfg_.rms_norm_eps)
+
+
+def test_embedding_note_names_the_embedding_the_head_expects():
+    """Without ``embed`` the written head expects the target's embedding; with one, its own
+    (and SpecForge's default replacement by the target's is named)."""
+    hp, _ = eagle3_head()
+    assert "expects the target's embedding" in published.embedding_note(hp)
+    own = published.embedding_note({**hp, "embed": np.zeros((V, H), np.float32)})
+    assert "its own embedding" in own and "SpecForge" in own
+
+
 # --- 4. the command -------------------------------------------------------------------------
+
+_LAST_OUT = [""]  # the last _cli call's stdout
+
 
 def _cli(argv, capsys):
     try:
@@ -228,6 +343,7 @@ def _cli(argv, capsys):
     except SystemExit as e:  # argparse's own errors
         code = e.code
     out = capsys.readouterr()
+    _LAST_OUT[0] = out.out
     return code, out.err.strip()
 
 
@@ -244,6 +360,7 @@ def test_cli_converts_exported_heads(toy, tmp_path, capsys):
             code, err = _cli(["convert-head", str(tmp_path / src), str(out), "--to", kind,
                               "--model", str(model_dir)], capsys)
             assert code == 0, err
+        assert "embedding: the head carries no embed_tokens.weight" in _LAST_OUT[0]
         head = published.load(out, cfg)
         params, _ = export_params(tmp_path / src, kind)
         jax.tree.map(np.testing.assert_array_equal, head.params, params)  # bf16 both ways
@@ -287,6 +404,27 @@ def test_cli_refusals_are_one_line(toy, tmp_path, capsys):
         assert code == want and len(err.splitlines()) == 1 and msg in err, (argv, code, err)
     assert (tmp_path / "full" / "notes.txt").read_text() == "mine"
     assert not any((tmp_path / o).exists() for o in ("o1", "o2", "o3", "o4"))
+
+
+def test_cli_refuses_linear_rope_with_another_base_unless_for_sglang(toy, tmp_path, capsys):
+    """``convert-head`` against a target with linear RoPE scaling and rope_theta 500000
+    (an HF directory holding only its config.json): refused in one line naming
+    ``--for-sglang``, nothing written; with ``--for-sglang`` written with that base."""
+    lm, model_dir = toy
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg.update(rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 2.0})
+    (tmp_path / "linear").mkdir()
+    (tmp_path / "linear" / "config.json").write_text(json.dumps(cfg))
+    head_io.save_eagle(eagle1_head(lm.model.config, seed=5), tmp_path / "h1")
+    argv = ["convert-head", str(tmp_path / "h1"), str(tmp_path / "o"), "--to", "eagle",
+            "--model", str(tmp_path / "linear")]
+    code, err = _cli(argv, capsys)
+    assert code == 1 and len(err.splitlines()) == 1 and "--for-sglang" in err, err
+    assert not (tmp_path / "o").exists()
+    code, err = _cli([*argv, "--for-sglang"], capsys)
+    assert code == 0, err
+    written = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert written["rope_theta"] == 500000.0 and written["rope_scaling"]["factor"] == 2.0
 
 
 def test_the_shipped_smollm2_head_is_refused_for_its_input_norm(tmp_path, capsys):

@@ -1,6 +1,10 @@
 """``specjax convert-head``: a head specjax exported, written in the layout SafeAILab/EAGLE
 publishes (``specjax.drafters.published.save`` does the work; this module reads the
-arguments, the head and its target's configuration)."""
+arguments, the head and its target's configuration). After writing it prints which token
+embedding the converted head expects (``published.embedding_note``): SpecForge by default
+replaces a head's ``embed_tokens`` with the target's. ``--for-sglang`` writes a head with
+linear RoPE scaling and a base other than 10000, which SafeAILab/EAGLE's code runs with base
+10000 (refused without it: ``published._check_eagle_linear_rope``)."""
 
 from __future__ import annotations
 
@@ -61,11 +65,13 @@ def cmd_convert(args) -> int:
     if not model:
         raise UsageError(f"{args.head_dir}'s head.json names no target: pass --model")
     cfg = target_config(model)
-    out = published.save(kind, jax.tree.map(np.asarray, params), args.out_dir, cfg, vocab_ids=meta.get("vocab_ids"),
+    params = jax.tree.map(np.asarray, params)
+    out = published.save(kind, params, args.out_dir, cfg, vocab_ids=meta.get("vocab_ids"),
                          layers=meta.get("layers"), draft_vocab=meta.get("draft_vocab") or 0,
-                         dtype=args.dtype)
+                         dtype=args.dtype, for_sglang=args.for_sglang)
     layout = "EAGLE-3" if kind == "eagle3" else "EAGLE-1/2"
     print(f"wrote {out}: the {layout} layout (config.json, model.safetensors, {args.dtype})")
+    print(f"embedding: {published.embedding_note(params)}")
     return 0
 
 
@@ -78,7 +84,8 @@ def register(sub) -> list:
         description="Writes the head in HEAD_DIR (exported by specjax) to OUT_DIR as "
                     "SafeAILab/EAGLE publishes heads: config.json and model.safetensors "
                     "(with d2t/t2d for EAGLE-3). OUT_DIR must be absent, empty or an "
-                    "earlier conversion. A head the layout cannot express is refused.")
+                    "earlier conversion. A head the layout cannot express is refused. "
+                    "It prints which token embedding the written head expects.")
     c.add_argument("head_dir", metavar="HEAD_DIR", help="an exported eagle or eagle3 head")
     c.add_argument("out_dir", metavar="OUT_DIR", help="the published head's directory")
     c.add_argument("--to", required=True, choices=KINDS,
@@ -89,5 +96,9 @@ def register(sub) -> list:
                         "read for its configuration only; default: head.json's model")
     c.add_argument("--dtype", default="bfloat16", choices=SAVE_DTYPES,
                    help="the weights' dtype in model.safetensors (published heads: bfloat16)")
+    c.add_argument("--for-sglang", action="store_true",
+                   help="write a head with linear RoPE scaling and rope_theta other than 10000 "
+                        "for SpecForge/SGLang, which pass rope_theta (SafeAILab/EAGLE's code "
+                        "uses 10000 and drafts wrongly with it; refused without this flag)")
     c.set_defaults(fn=cmd_convert)
     return [c]

@@ -21,7 +21,9 @@ values of the types transformers reads, its RoPE read as transformers reads it
 ``save`` writes the other way: a specjax head (``eagle.apply_head``'s or
 ``eagle3.apply_head``'s pytree) as a directory of that layout (``config.json`` and
 ``model.safetensors``), which ``load`` reads back to the same parameters; a head the
-layout cannot express is refused in one line (``NoPublishedLayout``).
+layout cannot express is refused in one line (``NoPublishedLayout``), as is, unless the
+caller says the files are for SpecForge/SGLang (``for_sglang``), a head that SafeAILab/EAGLE's
+own code would run differently (linear RoPE scaling with a base other than 10000).
 """
 
 from __future__ import annotations
@@ -297,6 +299,7 @@ def drafter_and_params(head: PublishedHead, target, dtype, **sizes) -> tuple[Any
 SAVED_FILES = ("config.json", "model.safetensors")  # what ``save`` writes, and nothing else
 SAVE_DTYPES = ("bfloat16", "float16", "float32")
 _LAYER_KEYS = {"qkv", "o", "mlp_norm", "gate_up", "down"}
+EAGLE_LINEAR_ROPE_BASE = 10000.0  # the base EAGLE's linear-scaling RoPE always uses
 
 
 class NoPublishedLayout(ValueError):
@@ -311,19 +314,46 @@ def _np_dtype(name: str):
     return {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}[name]
 
 
-def _rope_fields(spec: blocks.LayerSpec) -> dict:
+def _rope_fields(spec: blocks.LayerSpec, for_sglang: bool = False) -> dict:
     """``rope_theta`` and, for linear scaling, ``rope_scaling`` as SafeAILab/EAGLE's heads
     read it (``{"type": "linear", "factor": f}``; ``hf_rope`` reads it back to the same
     ``spec``). ``NoPublishedLayout`` for llama3 scaling, which EAGLE's head code does not
-    apply (it knows linear and dynamic only)."""
+    apply (it knows linear and dynamic only), and ``_check_eagle_linear_rope``'s refusal."""
     rs = spec.rope_scaling
     out: dict = {"rope_theta": float(spec.rope_theta)}
     if rs.rope_type == "linear":
+        _check_eagle_linear_rope(spec, for_sglang)
         out["rope_scaling"] = {"type": "linear", "factor": float(rs.factor)}
     elif rs.rope_type != "default":
         raise NoPublishedLayout(f"the head's RoPE has {rs.rope_type} scaling; SafeAILab/EAGLE's "
                                 "head layers apply linear or dynamic scaling only")
     return out
+
+
+def _check_eagle_linear_rope(spec: blocks.LayerSpec, for_sglang: bool) -> None:
+    """``NoPublishedLayout`` for linear RoPE scaling with a base other than 10000, unless
+    ``for_sglang``. SafeAILab/EAGLE (``cnets.py``, ``cnets1.py``) builds its linear-scaling
+    rotary embedding without ``base=``, so it runs such a head with base 10000 whatever
+    ``rope_theta`` says and drafts wrongly (measured: top-1 agreement 83% and 24% with the
+    head's own forward); SpecForge and SGLang pass ``rope_theta`` and run it as trained.
+    Refused by default rather than warned about, because the files load without error in
+    EAGLE and only the acceptance rate shows the mistake."""
+    if for_sglang or float(spec.rope_theta) == EAGLE_LINEAR_ROPE_BASE:
+        return
+    raise NoPublishedLayout(
+        f"the head's RoPE has linear scaling with rope_theta {float(spec.rope_theta):g}, but "
+        f"SafeAILab/EAGLE's code builds linear-scaled RoPE with base "
+        f"{EAGLE_LINEAR_ROPE_BASE:g} whatever rope_theta says, so it would draft wrongly; "
+        "SpecForge and SGLang pass rope_theta: to write the head for them, pass --for-sglang "
+        "(convert-head) or for_sglang=True (published.save)")
+
+
+def _float32_decimal(x: float) -> float:
+    """``x``, or, when ``x`` is exactly a float32 value (a GGUF's metadata, read as float32:
+    ``9.999999747378752e-06``), the shortest decimal that rounds to that float32 (``1e-05``);
+    either way a number whose float32 rounding is ``x``'s."""
+    f = np.float32(x)
+    return float(str(f)) if float(f) == float(x) else float(x)
 
 
 def _check_target_and_spec(kind: str, spec: blocks.LayerSpec, target_cfg) -> None:
@@ -342,15 +372,17 @@ def _check_target_and_spec(kind: str, spec: blocks.LayerSpec, target_cfg) -> Non
             "head_dim to say so")
 
 
-def _config(kind: str, spec: blocks.LayerSpec, target_cfg, dtype: str, extra: dict) -> dict:
-    """The head's ``config.json`` object, keys in the published configs' order."""
+def _config(kind: str, spec: blocks.LayerSpec, target_cfg, dtype: str, extra: dict,
+            for_sglang: bool = False) -> dict:
+    """The head's ``config.json`` object, keys in the published configs' order;
+    ``rms_norm_eps`` as ``_float32_decimal`` writes it."""
     arch = "LlamaForCausalLMEagle3" if kind == "eagle3" else "LlamaForCausalLM"
     cfg = {"architectures": [arch], "hidden_act": "silu", "hidden_size": spec.width,
            "intermediate_size": spec.intermediate_size,
            "max_position_embeddings": int(target_cfg.max_position_embeddings),
            "model_type": "llama", "num_attention_heads": spec.num_heads,
            "num_hidden_layers": 1, "num_key_value_heads": spec.num_kv_heads,
-           "rms_norm_eps": float(spec.rms_norm_eps), **_rope_fields(spec),
+           "rms_norm_eps": _float32_decimal(spec.rms_norm_eps), **_rope_fields(spec, for_sglang),
            "tie_word_embeddings": False, "torch_dtype": dtype,
            "vocab_size": int(target_cfg.vocab_size)}
     return {**cfg, **extra}
@@ -383,9 +415,10 @@ def _check_keys(params: dict, top: set, optional: set, layer_optional: set, kind
     got_layer = set(layer) if isinstance(layer, dict) else set()
     if "attn_norm" in got_layer and kind == "eagle":
         raise NoPublishedLayout(
-            "the head's layer normalizes its attention input (attn_norm, as every head "
-            "specjax trains); EAGLE-1/2's layer 0 has no input_layernorm, so no EAGLE-1/2 "
-            "layout computes this head")
+            "the head's layer normalizes its attention input (attn_norm, as heads specjax "
+            "trains do by default); EAGLE-1/2's layer 0 has no input_layernorm, so no EAGLE-1/2 "
+            "layout computes this head: train with --no-attn-norm (train eagle, or train "
+            "onpolicy --kind eagle) for a head that exports to it")
     extra = sorted((set(params) - top - optional)
                    | {f"layer/{k}" for k in got_layer - _LAYER_KEYS - layer_optional})
     missing = sorted((top - set(params)) | {f"layer/{k}" for k in _LAYER_KEYS - got_layer})
@@ -446,13 +479,14 @@ def _eagle3_tensors(hp: dict, spec: blocks.LayerSpec, target_cfg, vocab_ids, lay
     if ids.shape != (dv,) or ids.min() < 0 or ids.max() >= v or len(np.unique(ids)) != dv:
         raise NoPublishedLayout(f"the head's vocabulary does not map its {dv} draft ids to "
                                 f"distinct target ids in [0, {v})")
+    lm_head, ids = _identity_order(np.asarray(hp["lm_head"]), ids, v)
     t2d = np.zeros((v,), np.bool_)
     t2d[ids] = True
     t = {"fc.weight": np.asarray(hp["fc"]),
          "midlayer.input_layernorm.weight": np.asarray(hp["embed_norm"]),
          "midlayer.hidden_norm.weight": np.asarray(hp["hidden_norm"]),
          **_split_layer(hp["layer"], "midlayer.", spec),
-         "norm.weight": np.asarray(hp["norm"]), "lm_head.weight": np.asarray(hp["lm_head"]),
+         "norm.weight": np.asarray(hp["norm"]), "lm_head.weight": lm_head,
          "d2t": (ids - np.arange(dv)).astype(np.int64), "t2d": t2d}
     if "embed" in hp:
         t["embed_tokens.weight"] = np.asarray(hp["embed"])
@@ -460,17 +494,46 @@ def _eagle3_tensors(hp: dict, spec: blocks.LayerSpec, target_cfg, vocab_ids, lay
     return extra, t
 
 
+def _identity_order(lm_head: np.ndarray, ids: np.ndarray, v: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """``(lm_head, ids)`` as written: unchanged for a reduced draft vocabulary; for a
+    full-size one (``v`` rows, any order), the rows permuted into target-id order and the
+    identity map, exactly (row ``j`` is the one that drafted target id ``j``). SafeAILab/EAGLE
+    discards ``d2t``/``t2d`` when the draft vocabulary is as large as the target's, so it
+    reads row ``j`` as target id ``j``: only identity order drafts right there. ``d2t``
+    (zeros) and ``t2d`` (all true) are still written, because SpecForge's loader refuses a
+    head missing any tensor but its embedding."""
+    if len(ids) != v or np.array_equal(ids, np.arange(v)):
+        return lm_head, ids
+    return lm_head[np.argsort(ids)], np.arange(v)
+
+
+def embedding_note(params: dict) -> str:
+    """One line saying which token embedding the head written from ``params`` expects: its
+    own (``embed_tokens.weight`` is written) or the target's (none is written)."""
+    if "embed" in params:
+        return ("the head carries its own embedding (embed_tokens.weight) and drafts with it; "
+                "SpecForge by default replaces a head's embed_tokens with the target's: keep "
+                "the head's own")
+    return ("the head carries no embed_tokens.weight: it expects the target's embedding, "
+            "which SafeAILab/EAGLE and SpecForge load from the target")
+
+
 def to_published(kind: str, params: dict, target_cfg, *, spec: blocks.LayerSpec | None = None,
-                 vocab_ids=None, layers=None, draft_vocab: int = 0, dtype: str = "bfloat16"
-                 ) -> tuple[dict, dict[str, np.ndarray]]:
+                 vocab_ids=None, layers=None, draft_vocab: int = 0, dtype: str = "bfloat16",
+                 for_sglang: bool = False) -> tuple[dict, dict[str, np.ndarray]]:
     """``(config.json object, {tensor name: array})`` of the published layout of the head
     ``params`` of ``kind`` (``"eagle"``: EAGLE-1/2, ``"eagle3"``) for a target of
     ``target_cfg``; floating tensors cast to ``dtype`` (``SAVE_DTYPES``). ``spec``: the
     head layer's sizes (default the target's: ``LayerSpec.of`` for ``eagle``,
     ``eagle3.layer_spec`` for ``eagle3``). ``vocab_ids`` (eagle3): the target id of each
-    draft id (default the identity); ``layers`` (eagle3): the fused layers (must be EAGLE's
-    own); ``draft_vocab`` (eagle): a reduced vocabulary the head drafts over (0: none).
-    ``NoPublishedLayout`` (one line) for a head the layout cannot express."""
+    draft id (default the identity; a full-size vocabulary in another order is written in
+    identity order, ``_identity_order``); ``layers`` (eagle3): the fused layers (must be
+    EAGLE's own); ``draft_vocab`` (eagle): a reduced vocabulary the head drafts over (0:
+    none). ``for_sglang``: the files are for SpecForge/SGLang, so linear RoPE scaling with
+    a base other than 10000 is written rather than refused (``_check_eagle_linear_rope``).
+    ``rms_norm_eps`` is written as ``_float32_decimal`` says. ``NoPublishedLayout`` (one
+    line) for a head the layout cannot express."""
     from specjax.drafters import eagle3
 
     np_dtype = _np_dtype(dtype)
@@ -485,7 +548,7 @@ def to_published(kind: str, params: dict, target_cfg, *, spec: blocks.LayerSpec 
         extra, t = _eagle3_tensors(params, spec, target_cfg, vocab_ids, layers)
     t = {k: np.ascontiguousarray(a.astype(np_dtype) if k not in ("d2t", "t2d") else a)
          for k, a in sorted(t.items())}
-    return _config(kind, spec, target_cfg, dtype, extra), t
+    return _config(kind, spec, target_cfg, dtype, extra, for_sglang), t
 
 
 def check_out_dir(out: Path) -> None:
@@ -502,14 +565,18 @@ def check_out_dir(out: Path) -> None:
 
 
 def save(kind: str, params: dict, out_dir: str | Path, target_cfg, *, spec=None,
-         vocab_ids=None, layers=None, draft_vocab: int = 0, dtype: str = "bfloat16") -> Path:
+         vocab_ids=None, layers=None, draft_vocab: int = 0, dtype: str = "bfloat16",
+         for_sglang: bool = False) -> Path:
     """Writes the head ``params`` of ``kind`` in its published layout (``to_published``) to
     ``out_dir`` (absent, empty, or a previous ``save``: ``FileExistsError`` otherwise):
     ``config.json`` (2-space JSON) and ``model.safetensors`` (metadata ``format: pt``);
     returns the absolute directory. Deterministic: the same head writes the same bytes.
     The files are checked with ``load`` against ``target_cfg`` before they replace
     ``out_dir``'s, so a directory ``save`` returns is one ``load`` reads back to ``params``
-    (cast to ``dtype``)."""
+    (cast to ``dtype``; a full-size draft vocabulary with its ``lm_head`` rows in identity
+    order, the same draft logits over the target's vocabulary). The head drafts with the
+    embedding ``embedding_note`` names: its own if ``params`` has ``embed``, else the
+    target's."""
     import json
     import os
     import shutil
@@ -519,7 +586,8 @@ def save(kind: str, params: dict, out_dir: str | Path, target_cfg, *, spec=None,
     out = Path(out_dir).absolute()
     check_out_dir(out)
     cfg, tensors = to_published(kind, params, target_cfg, spec=spec, vocab_ids=vocab_ids,
-                                layers=layers, draft_vocab=draft_vocab, dtype=dtype)
+                                layers=layers, draft_vocab=draft_vocab, dtype=dtype,
+                                for_sglang=for_sglang)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -537,4 +605,5 @@ def save(kind: str, params: dict, out_dir: str | Path, target_cfg, *, spec=None,
 
 __all__ = ["PublishedHead", "WEIGHT_FILES", "NoPublishedLayout", "drafter_and_params",
            "is_published", "load", "read_config", "read_tensors", "layer_spec", "save",
-           "to_published", "check_out_dir", "SAVED_FILES", "SAVE_DTYPES"]
+           "to_published", "check_out_dir", "SAVED_FILES", "SAVE_DTYPES", "embedding_note",
+           "EAGLE_LINEAR_ROPE_BASE"]
