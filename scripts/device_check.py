@@ -96,8 +96,14 @@ def _shapes(small: bool) -> dict[str, dict]:
     }
 
 
-ALL_METHODS = ("ar", "sd-ngram:7", "eagle2:3,4,7", "eagle2:2,2,3", "eagle3:2,2,3",
-               "redrafter:1,3", "redrafter:4,4", "hsd")
+def _all_methods() -> tuple[str, ...]:
+    """Every registered method's ``Method.device`` specs, in registration order."""
+    from specjax import methods
+
+    return tuple(t for cls in methods.registered() if cls.decodes for t in cls.device)
+
+
+ALL_METHODS = _all_methods()
 
 
 def random_model(name: str, shape: dict, seed: int = 0, scale: float = 1.0,

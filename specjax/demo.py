@@ -18,13 +18,11 @@ from pathlib import Path
 from specjax import methods
 
 
-# Verification widths 4 and 8 (root included): the cheapest wide forwards on XLA:CPU
-# (docs/results/width_cost_cpu.json). Each is lossless. ``redrafter:1,3`` runs only where a
-# ReDrafter head ships for the model (``available``); none ships now, since both trained
-# heads were slower than ar.
-CANDIDATES = tuple(methods.parse(t) for t in (
-    "sd-ngram:3", "sd-ngram:7", "redrafter:1,3", "eagle2:2,2,3", "eagle2:3,4,7",
-    "eagle2:4,4,7"))
+# The candidates: every registered method's ``Method.demo`` specs (verification widths 4
+# and 8, root included: the cheapest wide forwards on XLA:CPU, docs/results/width_cost_cpu.json).
+# Each is lossless. ``redrafter:1,3`` runs only where a ReDrafter head ships for the model
+# (``available``); none ships now, since both trained heads were slower than ar.
+CANDIDATES = tuple(methods.parse(t) for cls in methods.registered() for t in cls.demo)
 
 
 def available(model: str, candidates=CANDIDATES) -> tuple:

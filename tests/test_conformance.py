@@ -29,14 +29,14 @@ import pytest
 import specjax
 import toys
 from laws import exact_pair, pvalue
-from toys import BUDGETS, OPTIONS, PROMPTS, TINY
+from toys import BUDGETS, OPTIONS, PROMPTS
 from specjax import methods
 from specjax.core import sampling
 from specjax.core.speculative import Speculative
 from specjax.core.verify import Typical
 
-# the tiny specs per registered kind, the options and the ragged batch: tests/toys.py
-# (tests/test_multiprocess.py decodes the same ones on two processes)
+# every registered method's tiny specs (``Method.tiny``), the options and the ragged batch:
+# tests/toys.py (tests/test_multiprocess.py decodes the same ones on two processes)
 SPECS = toys.conformance_specs()
 SAMPLE_PROMPT = [1, 5, 2, 7, 5, 2, 7, 5]  # repeats, so the n-gram drafters draft at once
 
@@ -63,9 +63,11 @@ def built(lm):
 
 
 def test_every_registered_method_has_a_tiny_spec():
-    kinds = {cls.kind for cls in methods.registered() if cls.decodes}
-    assert kinds <= set(TINY), f"registered methods without a tiny spec: {kinds - set(TINY)}"
-    assert {methods.parse(s).kind for s in SPECS} == kinds
+    decoding = [cls for cls in methods.registered() if cls.decodes]
+    bare = [cls.__name__ for cls in decoding if not cls.tiny]
+    assert not bare, f"registered methods without tiny specs (Method.tiny): {bare}"
+    assert [methods.parse(s).kind for s in SPECS] == [c.kind for c in decoding for _ in c.tiny]
+    kinds = {cls.kind for cls in decoding}
     assert {methods.parse(s).kind for s in SAMPLED} == kinds - {"ar"}  # every one that drafts
 
 

@@ -66,8 +66,9 @@ def test_registered_class_parses_splits_and_lists(chain):
 
 
 def test_unregistered_registry_is_the_builtins():
-    assert methods.registered() == (methods.AR, methods.SD, methods.Eagle, methods.Eagle3,
-                                    methods.Redrafter, methods.HSD, methods.Peer)
+    assert methods.registered() == methods.BUILTINS
+    assert [c.kind for c in methods.BUILTINS] == ["ar", "sd", "eagle2", "eagle3", "redrafter",
+                                                  "hsd", "peer"]
     with pytest.raises(methods.SpecError, match="use sd-ngram"):  # SD's sd- prefix again
         methods.parse("sd-chain:3")
     assert "sd-chain:N" not in methods.FORMS
@@ -116,3 +117,21 @@ def test_device_check_runs_it_equal_to_ar(chain):
                              device_check.Budget(300.0), out, {}, lambda: None)
     assert "error" not in out["sd-chain:3"], out["sd-chain:3"]
     assert out["sd-chain:3"]["equal_to_ar"] and out["sd-chain:3"]["spec"] == "sd-chain:3"
+
+
+def test_the_readme_method_table_is_the_registry():
+    """README.md's method table and the registry name the same methods: every row's spec
+    form is a registered method's, and every registered class has a row."""
+    import re
+    from pathlib import Path
+
+    from specjax.methods import registry
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = text[text.index("| method | spec form |"):].split("\n\n")[0]
+    forms = [f for row in table.splitlines()[2:] for f in re.findall(r"`([^`]+)`",
+                                                                     row.split("|")[2])]
+    names = [re.split(r"[\[:]", f)[0] for f in forms]
+    classes = {registry._class_of(n) for n in names}
+    assert None not in classes, [n for n in names if registry._class_of(n) is None]
+    assert classes == set(methods.registered()), set(methods.registered()) - classes

@@ -213,17 +213,6 @@ def device_check():
     return sys.modules[name]
 
 # ----------------------------------------------------------------------------- conformance
-# Tiny specs per registered kind, sized for the 3-layer, 12-token toy (``llama``). A method
-# registered later without an entry here fails
-# test_conformance.py::test_every_registered_method_has_a_tiny_spec.
-TINY = {
-    "ar": ("ar",),
-    "sd": ("sd-ngram:4", "sd-early-exit:1"),
-    "eagle2": ("eagle2:3,2,5", "eagle2:3,2,5:vocab=6"),  # vocab=6: a reduced draft vocabulary
-    "eagle3": ("eagle3:3,2,5",),
-    "redrafter": ("redrafter:3,3", "redrafter:3,3:nodedup"),
-    "hsd": ("hsd:1:3,target", "hsd:ngram:3,1:2,target", "hsd:ngram:2,1:2,2:2,target+h2"),
-}
 # ragged: prompt lengths 5, 3, 20, 1; budgets 20, 7, 33, 12
 PROMPTS = [[1, 5, 2, 7, 5], [3, 3, 1], [1, 5, 2, 7, 5] * 4, [7]]
 BUDGETS = [20, 7, 33, 12]
@@ -239,7 +228,8 @@ OPTIONS = _options()
 
 
 def conformance_specs() -> list[str]:
-    """Every registered decoding method's tiny specs, in registry order."""
+    """Every registered decoding method's tiny specs (``Method.tiny``, sized for ``llama``'s
+    3 layers and 12 tokens), in registry order."""
     from specjax import methods
 
-    return [s for cls in methods.registered() if cls.decodes for s in TINY.get(cls.kind, ())]
+    return [s for cls in methods.registered() if cls.decodes for s in cls.tiny]

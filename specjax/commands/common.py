@@ -310,11 +310,24 @@ def method_help() -> str:
     from specjax import methods
 
     decoding = [c for c in methods.registered() if c.decodes]
-    bare = [c.cli.bare if c.cli else c.prefixes[0].rstrip("-") for c in decoding]
+    bare = [c.cli.bare if c.cli else _bare(c) for c in decoding]
     flags = [c.cli.flag for c in decoding if c.cli]
     examples = [c.example for c in decoding if c.example]
     return (f"{' | '.join(bare)}, completed by {', '.join(flags)}; or a full method spec "
             f"such as {', '.join(examples)}. Forms: {'; '.join(c.usage for c in decoding)}")
+
+
+def _bare(cls) -> str:
+    """What ``--method`` takes for a registered class without a completion flag: its name
+    where that parses alone, else its first text form (e.g. ``sd-repeat:K``)."""
+    from specjax import methods
+
+    name = cls.prefixes[0].rstrip("-")
+    try:
+        cls.parse(name)
+        return name
+    except methods.SpecError:
+        return cls.forms[0]
 
 
 def add_method(s) -> None:

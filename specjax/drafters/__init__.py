@@ -4,12 +4,13 @@ drafter: ``ngram`` (prompt lookup), ``early_exit`` (the target's first layers),
 ``eagle3`` (EAGLE-3's fused-feature head on the same tree), ``published`` (EAGLE-1/2 and
 EAGLE-3 heads in SafeAILab/EAGLE's layout),
 ``redrafter`` (ReDrafter's recurrent head and beams) and ``exit_heads`` (trained early-exit
-adapters); ``blocks`` holds the layers draft heads are built from. Method specs
+adapters); ``blocks`` holds the layers draft heads are built from. A drafter that proposes
+a chain from the context alone subclasses ``StatelessChain`` (``ngram`` does). Method specs
 (``sd-ngram:7``, ``eagle2:3,4,7``) and loading heads from disk live in ``specjax.methods``."""
 
 from __future__ import annotations
 
-from specjax.drafters.base import Context, Drafter, tree_parents
+from specjax.drafters.base import Context, Drafter, StatelessChain, tree_parents
 from specjax.drafters.eagle import EagleDrafter
 from specjax.drafters.eagle3 import Eagle3Drafter
 from specjax.drafters.early_exit import EarlyExitDrafter, target_head
@@ -18,6 +19,6 @@ from specjax.drafters.ngram import NGramDrafter, bigram_table
 from specjax.drafters.redrafter import RedrafterDrafter
 
 
-__all__ = ["Context", "Drafter", "ModelDrafter", "EarlyExitDrafter", "NGramDrafter",
+__all__ = ["Context", "Drafter", "StatelessChain", "ModelDrafter", "EarlyExitDrafter", "NGramDrafter",
            "EagleDrafter", "Eagle3Drafter", "RedrafterDrafter",
            "bigram_table", "tree_parents", "target_head"]

@@ -14,7 +14,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from specjax.core import sampling
+from specjax.core import sampling, tree
 from specjax.core.verify import Draft
 from specjax.core.drafter import Context, Drafter  # noqa: F401  (re-exported)
 
@@ -98,6 +98,45 @@ def _check_sizes(depth: int, width: int) -> None:
     if depth < 1 or width < 1:
         raise ValueError(f"draft depth and width must be >= 1, got depth={depth}, "
                          f"width={width}")
+
+
+class StatelessChain:
+    """The base of a drafter that proposes a chain of ``depth`` tokens from the context
+    alone: no state, no weights of its own, no target features, no draft model. A subclass
+    is a frozen dataclass with a ``depth`` field and defines ``chain_tokens(dparams, ctx)
+    -> (tokens [B, depth], valid [B, depth])``; ``propose`` makes the chain's ``Draft``
+    (deterministic: ``probs`` None) and ``commit`` keeps the empty state. A round without
+    a valid token runs as one plain decoding step (``verify_widths``: 1 or ``depth + 1``)."""
+
+    chain = True  # drafts are chains: Speculative commits the cache without a gather
+    needs_features = False
+    feature_layers = ()
+    draft_model = None
+
+    @property
+    def num_nodes(self) -> int:
+        return self.depth
+
+    @property
+    def verify_widths(self) -> tuple[int, ...]:
+        return (1, self.depth + 1)
+
+    def check(self, target) -> None:
+        _check_sizes(self.depth, 1)
+
+    def init(self, dparams, ctx, chunk):
+        return ()
+
+    def chain_tokens(self, dparams, ctx: Context):
+        raise NotImplementedError
+
+    def propose(self, dparams, state, ctx: Context, key, sampler):
+        toks, valid = self.chain_tokens(dparams, ctx)
+        parents = tree.chain(toks.shape[0], self.depth)
+        return Draft(tokens=toks.astype(jnp.int32), parents=parents, valid=valid), state, ctx.cache
+
+    def commit(self, dparams, state, ctx, result):
+        return state
 
 
 class OnTarget:

@@ -11,13 +11,11 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Int
 
-from specjax.core import tree
-from specjax.core.verify import Draft
-from specjax.drafters.base import Context, _check_sizes, take_tokens
+from specjax.drafters.base import Context, StatelessChain, _check_sizes, take_tokens
 
 
 @dataclasses.dataclass(frozen=True)
-class NGramDrafter:
+class NGramDrafter(StatelessChain):
     """Prompt lookup (Max-Gram): the longest suffix of the context, up to ``max_ngram``
     tokens and at least ``min_ngram``, that occurred before (the latest such occurrence)
     proposes the ``depth`` tokens that followed it, repeating periodically when the match
@@ -36,15 +34,6 @@ class NGramDrafter:
     per_match_token: int = 0  # > 0: propose at most this many tokens per matched token
     over_source: bool = True
 
-    chain = True  # drafts are chains: Speculative commits the cache without a gather
-    needs_features = False
-    feature_layers = ()
-    draft_model = None
-
-    @property
-    def num_nodes(self) -> int:
-        return self.depth
-
     @property
     def verify_widths(self) -> tuple[int, ...]:
         """A round without a match runs as one plain decoding step (width 1); shorter
@@ -59,9 +48,6 @@ class NGramDrafter:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, "
                              f"{self.max_ngram}")
-
-    def init(self, dparams, ctx, chunk):
-        return ()
 
     def _lookup(self, hist: Int[Array, "C"], length: Array):
         c = hist.shape[0]
@@ -81,7 +67,9 @@ class NGramDrafter:
             count = jnp.minimum(self.depth, self.per_match_token * match[best])
         return hist[idx], jnp.any(ok), count
 
-    def propose(self, table, state, ctx: Context, key, sampler):
+    def chain_tokens(self, table, ctx: Context):
+        """The longest-match continuation (else the bigram chain from the root, with a
+        ``table``), and which of its tokens are valid."""
         hist, length = ctx.tokens, ctx.length
         src = ctx.source  # an encoder-decoder target's source ids (-1, never matched, past
         if self.over_source and src is not None:  # its end), searched before the decoded ones
@@ -100,12 +88,7 @@ class NGramDrafter:
             chain = chain.T
             toks = jnp.where(found[:, None], toks, jnp.maximum(chain, 0))
             valid = jnp.where(found[:, None], valid, jnp.cumprod(chain >= 0, axis=1) > 0)
-        b = toks.shape[0]
-        parents = tree.chain(b, self.depth)
-        return Draft(tokens=jnp.maximum(toks, 0).astype(jnp.int32), parents=parents, valid=valid), state, ctx.cache
-
-    def commit(self, table, state, ctx, result):
-        return state
+        return jnp.maximum(toks, 0), valid
 
 
 def bigram_table(sequences, vocab_size: int) -> np.ndarray:

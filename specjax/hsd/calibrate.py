@@ -355,7 +355,32 @@ def format_hierarchy(sigma: Sequence[int], T: Sequence[int], layers: Sequence[in
     return HierarchySpec.from_sigma(sigma, T, layers, temperatures, horizontal).format()
 
 
-__all__ = ["names", "agreement", "forward_costs", "decode_position", "round_overhead",
+def tuned_spec(calib: dict, layers: Sequence[int], t_max: int = 8, max_levels: int = 4,
+               horizontal: Sequence[int] = (0,)) -> tuple[HierarchySpec, str | None]:
+    """The hierarchy ``tune`` predicts fastest from ``calib`` over exit ``layers``, as a
+    ``HierarchySpec`` with the calibration's draft temperatures, and a note: where the
+    target alone is predicted fastest, the best hierarchy instead, and the note says so
+    (None otherwise)."""
+    lat, sigma, T, h, table = tune(calib, t_max, max_levels, horizontal=horizontal)
+    note = None
+    if len(sigma) == 1:  # the target alone is predicted fastest: run the best hierarchy
+        row = min(table, key=lambda r: r["latency_ms"])
+        sigma, T, h = row["sigma"], row["T"], row["horizontal"]
+        note = (f"the target alone is predicted faster ({lat:.1f} ms/token) than any "
+                f"hierarchy (best {row['latency_ms']:.1f}); running that best one")
+    return HierarchySpec.from_sigma(sigma, T, layers, draft_temperatures(calib, len(sigma)),
+                                    h), note
+
+
+def draft_temperatures(calib: dict, n_levels: int) -> tuple | None:
+    """The draft levels' own temperature a calibration was measured at (None: the
+    target's), for ``HierarchySpec.from_sigma``, which applies it to exit levels only."""
+    t = calib.get("draft_temperature")
+    return None if t is None else tuple([t] * (n_levels - 1) + [None])
+
+
+__all__ = ["names", "tuned_spec", "draft_temperatures", "agreement", "forward_costs",
+           "decode_position", "round_overhead",
            "ngram_hit_rate",
            "level_costs", "horizontal_cost",
            "predicted_latency", "tune",
