@@ -57,17 +57,21 @@ REGISTRY: dict[str, Callable[[], Path]] = {
 END_OF_TURN = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>")
 
 
-def encode(tokenizer, text: str, chat: bool = False) -> list[int]:
+def encode(tokenizer, text: str | Sequence[dict], chat: bool = False) -> list[int]:
     """Token ids of ``text``, wrapped in the chat template when ``chat`` (a ``ValueError``
-    if the tokenizer has none: base models take plain text)."""
+    if the tokenizer has none: base models take plain text). ``text`` may be a message list
+    (``[{"role": "user" | "assistant", "content": str}, ...]``, ending with a user turn):
+    with ``chat`` the template renders it whole, then the generation prompt, as it renders
+    a single ``text`` as one user turn; without, its contents joined by blank lines."""
     if chat and not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template (a base model): give "
                          "the prompt as plain text, without --chat")
+    msgs = [{"role": "user", "content": text}] if isinstance(text, str) else list(text)
     if chat:
         return list(tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
-            return_dict=False))
-    return list(tokenizer.encode(text, add_special_tokens=True))
+            msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+    plain = text if isinstance(text, str) else "\n\n".join(m["content"] for m in msgs)
+    return list(tokenizer.encode(plain, add_special_tokens=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +95,9 @@ class LoadedModel:
                                                                       self.params, mesh),
                                    mesh=mesh)
 
-    def encode(self, text: str, chat: bool = False) -> list[int]:
-        """Token ids of ``text``, wrapped in the chat template when ``chat``."""
+    def encode(self, text: str | Sequence[dict], chat: bool = False) -> list[int]:
+        """Token ids of ``text`` (or a message list: :func:`encode`), wrapped in the chat
+        template when ``chat``."""
         if self.tokenizer is None:
             raise ValueError(f"{self.name} has no tokenizer files: give prompts as token ids")
         return encode(self.tokenizer, text, chat)

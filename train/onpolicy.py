@@ -58,7 +58,11 @@ Example = tuple  # (tokens int32 [n], prompt_len, feats float32 [n, F]; the last
 
 # ----------------------------------------------------------------------------- prompts
 
-SOURCES = ("gsm8k", "self_instruct", "t0", "self_written")
+SOURCES = ("gsm8k", "self_instruct", "t0", "self_written", "sharegpt")
+DEFAULT_SOURCES = SOURCES[:4]
+"""The sources of ``sources=None``: ``sharegpt`` (an optional package,
+``specjax.train.sharegpt``) only when named, so the pool of a store that records no sources
+is what it was before ``sharegpt`` existed."""
 
 
 def check_sources(sources: Sequence[str] | None) -> None:
@@ -69,32 +73,59 @@ def check_sources(sources: Sequence[str] | None) -> None:
                          f"{', '.join(SOURCES)}")
 
 
-def prompt_pool(data_dir: str | Path, exclude: Sequence[str] = (), seed: int = 0,
-                sources: Sequence[str] | None = None) -> list[tuple[str, str]]:
-    """Every training prompt as ``(id, text)`` in one seeded order, GSM8K, self-instruct and
-    T0 in turn (until each runs out), without any that shares a 13-word span with
-    ``exclude`` (Spec-Bench). An id is ``source#line`` and never changes. ``sources``: only these of ``SOURCES``, in turn
-    (None: all; the order of the others' prompts is the same either way); ``ValueError``
-    for another name."""
+def prompt_pool(data_dir: str | Path | None, exclude: Sequence[str] = (), seed: int = 0,
+                sources: Sequence[str] | None = None, max_prompt_tokens: int | None = None
+                ) -> list[tuple[str, str | list]]:
+    """Every training prompt as ``(id, text)`` in one seeded order, the sources in turn in
+    ``SOURCES`` order (until each runs out), without any that shares a 13-word span with
+    ``exclude`` (Spec-Bench). An id is ``source#line`` and never changes. ``sources``: only
+    these of ``SOURCES`` (None: ``DEFAULT_SOURCES``); each source's prompts come in the same
+    order whichever others are chosen. ``ValueError`` for another name.
+
+    ``sharegpt`` (read from the installed package; ``data_dir`` is not read when no other
+    source is chosen): its items' message lists (``sharegpt.items``: ids
+    ``sharegpt#<conversation>.<turn>``, every item of an overlapping conversation left out,
+    ordered by the seed and the id alone), those of more than ``sharegpt.CHARS_PER_TOKEN``
+    characters a token of ``max_prompt_tokens`` left out."""
     check_sources(sources)
+    chosen = DEFAULT_SOURCES if sources is None else tuple(sources)
     banned = set().union(*(distill.ngrams(t) for t in exclude)) if exclude else set()
+    groups = _text_groups(data_dir, seed) if set(chosen) - {"sharegpt"} else {}
+    if "sharegpt" in chosen:
+        groups["sharegpt"] = _sharegpt_prompts(exclude, seed, max_prompt_tokens)
+    out, iters = [], [iter(groups[k]) for k in SOURCES if k in chosen]
+    while iters:  # round-robin over the sources until each runs out
+        for it in list(iters):
+            row = next(it, None)
+            if row is None:
+                iters.remove(it)
+            elif not (banned and isinstance(row[1], str) and distill.ngrams(row[1]) & banned):
+                out.append(row)
+    return out
+
+
+def _text_groups(data_dir: str | Path, seed: int) -> dict[str, list]:
+    """``(id, text)`` of ``DEFAULT_SOURCES``' prompts files under ``data_dir``, by source, each
+    in an order drawn from ``seed`` (every source shuffled, in turn, from one generator)."""
     src = distill.read_prompts(data_dir)
-    groups: dict[str, list] = {g: [] for g in SOURCES}
+    groups: dict[str, list] = {g: [] for g in DEFAULT_SOURCES}
     for name, texts in sorted(src.items()):
         g = "t0" if name.startswith("t0/") else name
         groups[g] += [(f"{name}#{i}", t) for i, t in enumerate(texts)]
     rng = random.Random(seed)
     for g in groups.values():
         rng.shuffle(g)
-    out, iters = [], [iter(g) for k, g in groups.items() if sources is None or k in sources]
-    while iters:  # round-robin over the sources until each runs out
-        for it in list(iters):
-            row = next(it, None)
-            if row is None:
-                iters.remove(it)
-            elif not (banned and distill.ngrams(row[1]) & banned):
-                out.append(row)
-    return out
+    return groups
+
+
+def _sharegpt_prompts(exclude: Sequence[str], seed: int, max_prompt_tokens: int | None
+                      ) -> list[tuple[str, list]]:
+    """``(id, messages)`` of ShareGPT's items (``prompt_pool``)."""
+    from specjax.train import sharegpt
+
+    limit = None if max_prompt_tokens is None else sharegpt.CHARS_PER_TOKEN * max_prompt_tokens
+    its, _ = sharegpt.load_items(exclude, seed, limit)
+    return [(i, msgs) for i, msgs, _ in its]
 
 
 # ----------------------------------------------------------------------------- decoding

@@ -5,9 +5,10 @@ Self-distillation (``specjax.train.distill``) costs one target decoding step per
 token; the features of existing text cost one wide forward per text, orders of magnitude
 less on a CPU, which is how EAGLE itself trains (on a fixed corpus). Texts are the training
 prompts of ``../shared/data/train_prompts`` (GSM8K, self-instruct, T0) with their reference
-answers, in the chat template, truncated to ``max_len`` tokens from the left. Shards use the
-distilled corpus's format (``distill.load_shards`` reads both), are written as they finish,
-and a rerun skips them (resume).
+answers, or ShareGPT's conversations (``specjax.train.sharegpt``: multi-turn prefixes
+rendered as messages), in the chat template, truncated to ``max_len`` tokens from the
+left. Shards use the distilled corpus's format (``distill.load_shards`` reads both), are
+written as they finish, and a rerun skips them (resume).
 """
 
 from __future__ import annotations
@@ -27,11 +28,63 @@ import numpy as np
 from specjax.train import distill
 
 
-def reference_pairs(data_dir: str | Path, exclude: Iterable[str] = (),
-                    seed: int = 0) -> tuple[list[tuple[str, str]], dict]:
-    """``(prompt, answer)`` pairs from GSM8K, self-instruct and T0, interleaved by source in
-    a seeded order, without those whose prompt overlaps ``exclude`` (13-word spans).
-    GSM8K's calculator annotations (``<<48/2=24>>``) are removed from its answers."""
+SOURCES = ("gsm8k", "self_instruct", "t0", "sharegpt")
+DEFAULT_SOURCES = SOURCES[:3]
+"""``reference_pairs``' sources (``sources=None``: the first three; ``sharegpt``, an optional
+package, only when named, so a corpus built without sources is what it was)."""
+
+
+def check_sources(sources: Sequence[str] | None) -> None:
+    """``ValueError`` unless ``sources`` is None or a non-empty subset of ``SOURCES``."""
+    unknown = sorted(set(sources or ()) - set(SOURCES))
+    if unknown or (sources is not None and not sources):
+        raise ValueError(f"sources {unknown or '(none)'}: choose from {', '.join(SOURCES)}")
+
+
+def reference_pairs(data_dir: str | Path | None, exclude: Iterable[str] = (),
+                    seed: int = 0, sources: Sequence[str] | None = None,
+                    max_prompt_chars: int | None = None) -> tuple[list[tuple], dict]:
+    """``(prompt, answer)`` pairs from GSM8K, self-instruct and T0 (``sources``: these of
+    ``SOURCES``; None: those three), interleaved by source in a seeded order, without those
+    whose prompt overlaps ``exclude`` (13-word spans). GSM8K's calculator annotations
+    (``<<48/2=24>>``) are removed from its answers. Each source's pairs come in the same
+    order whichever others are chosen.
+
+    ``sharegpt``: ShareGPT's items (``sharegpt.load_items``), the prompt a message list
+    (earlier turns as context) and the answer ShareGPT's; every item of a conversation that
+    overlaps ``exclude`` left out, and prompts of more than ``max_prompt_chars`` characters.
+    The counts of its file and items are under ``"sharegpt"``. ``data_dir`` is not read
+    when no other source is chosen."""
+    check_sources(sources)
+    chosen = DEFAULT_SOURCES if sources is None else tuple(sources)
+    groups = _text_pairs(data_dir, seed) if set(chosen) - {"sharegpt"} else {}
+    banned = set().union(*(distill.ngrams(t) for t in exclude)) if exclude else set()
+    info: dict = {}
+    if "sharegpt" in chosen:
+        from specjax.train import sharegpt
+
+        its, info["sharegpt"] = sharegpt.load_items(list(exclude), seed, max_prompt_chars)
+        groups["sharegpt"] = [(msgs, answer) for _, msgs, answer in its]
+    pairs, dropped = [], 0
+    iters = {k: iter(groups[k]) for k in SOURCES if k in chosen}
+    while iters:
+        for k in list(iters):
+            pair = next(iters[k], None)
+            if pair is None:
+                del iters[k]
+            elif banned and isinstance(pair[0], str) and distill.ngrams(pair[0]) & banned:
+                dropped += 1
+            else:
+                pairs.append(pair)
+    return pairs, {"pairs": len(pairs), "dropped_overlapping_exclude": dropped,
+                   **{f"available_{k}": len(groups[k]) for k in SOURCES if k in chosen},
+                   **info}
+
+
+def _text_pairs(data_dir: str | Path, seed: int) -> dict[str, list[tuple[str, str]]]:
+    """GSM8K's, self-instruct's and T0's ``(prompt, answer)`` pairs under ``data_dir``, by
+    source, each in an order drawn from ``seed`` (every source shuffled, in turn, from one
+    generator)."""
     d = Path(data_dir)
     load = distill.read_jsonl  # a malformed line: ValueError naming it
     groups: dict[str, list[tuple[str, str]]] = {
@@ -48,28 +101,16 @@ def reference_pairs(data_dir: str | Path, exclude: Iterable[str] = (),
     for p in sorted((d / "t0").glob("*.jsonl")):
         groups["t0"] += [(r["prompt"], r["completion"]) for r in load(p, ["prompt"])
                          if r.get("completion")]
-    banned = set().union(*(distill.ngrams(t) for t in exclude)) if exclude else set()
     rng = random.Random(seed)
     for g in groups.values():
         rng.shuffle(g)
-    pairs, dropped = [], 0
-    iters = {k: iter(v) for k, v in groups.items()}
-    while iters:
-        for k in list(iters):
-            pair = next(iters[k], None)
-            if pair is None:
-                del iters[k]
-            elif banned and distill.ngrams(pair[0]) & banned:
-                dropped += 1
-            else:
-                pairs.append(pair)
-    return pairs, {"pairs": len(pairs), "dropped_overlapping_exclude": dropped,
-                   **{f"available_{k}": len(v) for k, v in groups.items()}}
+    return groups
 
 
-def encode_pair(lm, prompt: str, answer: str, max_len: int) -> tuple[np.ndarray, int]:
-    """Chat-templated prompt, then the answer and EOS; the last ``max_len`` tokens, and how
-    many of them belong to the prompt."""
+def encode_pair(lm, prompt: str | list, answer: str, max_len: int) -> tuple[np.ndarray, int]:
+    """Chat-templated prompt (a text, or a message list rendered whole: ``lm.encode``), then
+    the answer and EOS; the last ``max_len`` tokens, and how many of them belong to the
+    prompt."""
     p = lm.encode(prompt, chat=lm.has_chat_template)
     a = list(lm.tokenizer.encode(answer.strip(), add_special_tokens=False)) + list(lm.eos_ids[:1])
     toks = np.asarray(p + a, np.int32)

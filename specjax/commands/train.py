@@ -55,11 +55,28 @@ def _input_dir(path: str, flag: str) -> Path:
     return Path(path)
 
 
-def _check_prompts(path: str) -> None:
+def _sources(args, check) -> tuple[str, ...] | None:
+    """``--sources`` as a tuple (None when not given), checked by ``check`` (a module's
+    ``check_sources``: ``UsageError`` naming the unknown ones); ``--prompts`` required
+    unless the sources are ``sharegpt`` alone (it reads no prompt files)."""
+    sources = None if args.sources is None else tuple(args.sources.split(","))
+    try:
+        check(sources)
+    except ValueError as e:
+        raise UsageError(f"--sources: {e}") from None
+    if args.prompts is None and set(sources or ("text",)) != {"sharegpt"}:
+        raise UsageError("--prompts DIR is required (the training prompt files) unless "
+                         "--sources is sharegpt alone")
+    return sources
+
+
+def _check_prompts(path: str | None) -> None:
     """``--prompts`` names a directory holding training prompt files
-    (``distill.read_prompts``)."""
+    (``distill.read_prompts``); nothing to check without it (``--sources sharegpt``)."""
     from specjax.train import distill
 
+    if path is None:
+        return
     if not distill.prompt_files(_input_dir(path, "--prompts")):
         raise UsageError(f"--prompts {path} holds no prompt files: give the directory of "
                          "training prompt files (gsm8k_train.jsonl, self_instruct_*.jsonl, "
@@ -182,18 +199,28 @@ def cmd_distill(args) -> int:
 def cmd_features(args) -> int:
     from tqdm import tqdm
 
-    from specjax.train import text_corpus
+    from specjax.train import sharegpt, text_corpus
 
     common.writable(args.out, "--out", directory=True)
+    sources = _sources(args, text_corpus.check_sources)
     _check_prompts(args.prompts)
     exclude = _spec_bench_texts(args.exclude)
-    pairs, info = text_corpus.reference_pairs(args.prompts, exclude, args.seed)
+    # sharegpt: prompts of at most about half the --max-len window
+    pairs, info = text_corpus.reference_pairs(
+        args.prompts, exclude, args.seed, sources,
+        max_prompt_chars=sharegpt.CHARS_PER_TOKEN * args.max_len // 2)
     if not pairs:
-        raise UsageError(f"--prompts {args.prompts} holds no (prompt, answer) pairs")
+        have = f"--prompts {args.prompts}" if args.prompts else f"--sources {args.sources}"
+        raise UsageError(f"{have} holds no (prompt, answer) pairs")
+    if sources is not None:
+        info["sources"] = list(sources)
     lm = _load(args)
+    sg = info.get("sharegpt")
+    sg = "" if sg is None else (f", and {sg['dropped_conversations_overlapping_exclude']} "
+                                f"ShareGPT conversations of {sg['conversations']}")
     print(f"{info['pairs']} (prompt, reference answer) pairs "
           f"({info['dropped_overlapping_exclude']} dropped for overlapping "
-          f"{args.exclude or 'nothing'}); taking {args.tokens} tokens", flush=True)
+          f"{args.exclude or 'nothing'}{sg}); taking {args.tokens} tokens", flush=True)
     with tqdm(total=args.tokens, desc="features", unit="tok", unit_scale=True) as bar:
         summary = text_corpus.build(lm, pairs, args.out, max_tokens=args.tokens,
                                     max_len=args.max_len, progress=bar)
@@ -366,21 +393,18 @@ def _onpolicy_settings(args):
     common.writable(args.run, "--run", directory=True)
     common.writable(args.shards, "--shards", directory=True)
     _check_export(args.export)
+    sources = _sources(args, onpolicy.check_sources)
     _check_prompts(args.prompts)
-    sources = None if args.sources is None else tuple(args.sources.split(","))
     cfg = glue.from_args(onpolicy.OnPolicyConfig, args, sources=sources,
                          loss=glue.from_args(ttt.LossConfig, args, k=args.ttt))
-    try:
-        onpolicy.check_sources(sources)
-    except ValueError as e:
-        raise UsageError(f"--sources: {e}") from None
     pool = onpolicy.prompt_pool(args.prompts, _spec_bench_texts(args.exclude), args.seed,
-                                sources)
+                                sources, cfg.max_prompt_tokens)
     need = cfg.val_prompts + cfg.rounds * cfg.batch
     if need > len(pool):
+        have = f"--prompts {args.prompts}" if args.prompts else f"--sources {args.sources}"
         raise UsageError(f"--rounds {cfg.rounds} of --batch {cfg.batch} prompts and "
                          f"--val-prompts {cfg.val_prompts} need {need} prompts; "
-                         f"--prompts {args.prompts} has {len(pool)}")
+                         f"{have} has {len(pool)}")
     return cfg, pool, mesh
 
 
@@ -602,7 +626,8 @@ def _add_onpolicy(tsub):
                                           "target's own batched answers (self-distillation)")
     to.add_argument("--model", default="smollm2-135m")
     to.add_argument("--kind", choices=["eagle", "eagle3"], default="eagle")
-    to.add_argument("--prompts", required=True, help="directory of training prompt files")
+    to.add_argument("--prompts", help="directory of training prompt files (required unless "
+                                      "--sources sharegpt alone)")
     to.add_argument("--exclude", help="Spec-Bench question.jsonl: overlapping prompts are dropped")
     to.add_argument("--shards", required=True,
                     help="token shard store (manifest.json): replayed, then extended")
@@ -619,8 +644,10 @@ def _add_onpolicy(tsub):
                     help="longer prompts are skipped (the store records it: a store "
                          "decoded with another limit is refused)")
     to.add_argument("--sources", help="comma-separated prompt sources to draw from, in turn "
-                                      "(gsm8k, self_instruct, t0, self_written; default "
-                                      "all; the store records it)")
+                                      "(gsm8k, self_instruct, t0, self_written, sharegpt; "
+                                      "default all but sharegpt; the store records it). "
+                                      "sharegpt: ShareGPT's chat prompts, multi-turn ones "
+                                      "as messages (pip install 'specjax[data]')")
     to.add_argument("--passes", type=int, default=1, help="optimizer passes over each round")
     to.add_argument("--epochs", type=int, default=0,
                     help="after the rounds, epochs over every round's answers together, "
@@ -702,8 +729,14 @@ def register(sub) -> list:
     fe = sub.add_parser("features", help="a fixed training corpus: reference (prompt, answer) "
                                           "texts and the target's features, one prefill each")
     fe.add_argument("--model", default="smollm2-135m")
-    fe.add_argument("--prompts", required=True, help="directory of training prompt files")
-    fe.add_argument("--exclude", help="Spec-Bench question.jsonl: overlapping prompts are dropped")
+    fe.add_argument("--prompts", help="directory of training prompt files (required unless "
+                                      "--sources sharegpt alone)")
+    fe.add_argument("--sources", help="comma-separated sources, in turn (gsm8k, self_instruct, "
+                                      "t0, sharegpt; default all but sharegpt). sharegpt: "
+                                      "ShareGPT's conversations and answers, multi-turn "
+                                      "prefixes as messages (pip install 'specjax[data]')")
+    fe.add_argument("--exclude", help="Spec-Bench question.jsonl: overlapping prompts are "
+                                      "dropped (sharegpt: whole conversations)")
     fe.add_argument("--tokens", type=int, default=2_000_000, help="corpus size in tokens")
     fe.add_argument("--max-len", type=int, default=512, help="tokens per text (left-truncated)")
     fe.add_argument("--seed", type=int, default=0)
