@@ -17,8 +17,6 @@ import specjax
 import toys
 from specjax import sharding
 from specjax.core import tree
-from specjax.drafters import EarlyExitDrafter, NGramDrafter, eagle, redrafter
-from specjax.hsd import Exit, Hierarchy, NGram, hsd_generate
 from specjax.models.llama import Llama, stack_layers, unstack_layers
 
 V = toys.V
@@ -105,27 +103,11 @@ def test_layout_mismatches_are_refused(toy):
         scanned.forward(sp, toks, pos, unrolled.init_cache(1, 8))
 
 
-def _methods(scanned, sp):
-    ed = eagle.draft_params(eagle.init_head(TOY, jax.random.key(2)), scanned, sp)
-    rd = redrafter.draft_params(redrafter.init_head(TOY.hidden_size, V, jax.random.key(3)))
-    spec = lambda d, dp: (lambda: specjax.speculative_generate(
-        scanned, sp, d, dp, PROMPTS, max_new_tokens=BUDGETS))
-    h = Hierarchy((NGram(NGramDrafter(depth=4, min_ngram=1)), Exit(1), Exit()), T=(2, 2))
-    return {
-        "ar": lambda: specjax.generate(scanned, sp, PROMPTS, max_new_tokens=BUDGETS),
-        "sd-ngram": spec(NGramDrafter(depth=4, min_ngram=1), None),
-        "early-exit": spec(EarlyExitDrafter(scanned, 1, depth=3, width=2), None),
-        "eagle2": spec(eagle.EagleDrafter(scanned, depth=3, topk=2, total_tokens=6), ed),
-        "redrafter": spec(redrafter.RedrafterDrafter(scanned, width=3, length=2), rd),
-        "hsd": lambda: hsd_generate(scanned, sp, h, PROMPTS, max_new_tokens=BUDGETS),
-    }
-
-
-@pytest.mark.parametrize("method", ["ar", "sd-ngram", "early-exit", "eagle2", "redrafter",
-                                    "hsd"])
-def test_greedy_methods_equal_unrolled_ar(toy, method):
+# every registered method (its first tiny spec) and the early exit, on the scanned layers
+@pytest.mark.parametrize("spec", toys.sweep_specs(extra=("sd-early-exit:1",)))
+def test_greedy_methods_equal_unrolled_ar(toy, spec):
     _, _, scanned, sp, ar = toy
-    assert _methods(scanned, sp)[method]().to_lists() == ar
+    assert toys.run_spec(spec, scanned, sp, PROMPTS, BUDGETS).to_lists() == ar
 
 
 def test_stacked_weights_shard_by_heads(toy):

@@ -27,8 +27,7 @@ from jax.sharding import PartitionSpec as P
 import toys
 import specjax
 from specjax import methods, sharding
-from specjax.drafters import eagle, redrafter
-from specjax.hsd import Exit, Hierarchy, NGram
+from specjax.drafters import eagle
 from specjax.models import Llama
 from specjax.models.llama import init_params
 
@@ -118,27 +117,6 @@ if jax.device_count() < N_DEVICES:
         cores, so opt-in (``pytest -m slow`` or ``-m extended``, see tests/conftest.py)."""
         _run_on_8_devices("slow")
 else:
-    def _methods(model, tp):
-        """name -> run(prompts, mesh) for every method, greedy."""
-        kw = dict(max_new_tokens=NEW)
-        ed = eagle.EagleDrafter(model, depth=3, topk=2, total_tokens=6)
-        edp = eagle.draft_params(eagle.init_head(TOY, jax.random.key(2)), model, tp)
-        rd = redrafter.RedrafterDrafter(model, width=2, length=3)
-        rdp = redrafter.draft_params(redrafter.init_head(TOY.hidden_size, V, jax.random.key(3)))
-        h = Hierarchy((NGram(specjax.NGramDrafter(depth=4, min_ngram=1)), Exit(1), Exit()),
-                      T=(2, 2))
-        ng = specjax.NGramDrafter(depth=4, min_ngram=1)
-        return {
-            "ar": lambda p, m: specjax.generate(model, tp, p, mesh=m, **kw),
-            "sd-ngram": lambda p, m: specjax.speculative_generate(model, tp, ng, None, p, mesh=m,
-                                                                  **kw),
-            "eagle2": lambda p, m: specjax.speculative_generate(model, tp, ed, edp, p, mesh=m,
-                                                                **kw),
-            "redrafter": lambda p, m: specjax.speculative_generate(model, tp, rd, rdp, p, mesh=m,
-                                                                   **kw),
-            "hsd": lambda p, m: specjax.hsd_generate(model, tp, h, p, mesh=m, **kw),
-        }
-
     @pytest.fixture(scope="module")
     def unsharded(toy):
         """Greedy AR on one device: every lossless method's tokens (tests/test_speculative.py
@@ -146,18 +124,24 @@ else:
         model, tp = toy
         return specjax.generate(model, tp, PROMPTS, max_new_tokens=NEW).to_lists()
 
-    @pytest.mark.parametrize("mesh, methods", [  # one mesh by default, the 1-D ones opt-in
-        # (the n-gram drafter sharded: the Gemma and T5 toys below)
-        ("data=2,model=4", ("ar", "eagle2", "redrafter", "hsd")),
-        pytest.param("data=8", ("ar", "eagle2"), marks=pytest.mark.slow),
-        pytest.param("model=8", ("ar", "eagle2"), marks=pytest.mark.slow)],
-        ids=lambda x: str(x))
-    def test_sharded_methods_equal_one_device(toy, unsharded, mesh, methods):
+    # every registered method (its first tiny spec) on one mesh by default, ar and EAGLE-2 on
+    # the 1-D meshes opt-in; the n-gram drafter sharded: the Gemma and T5 toys below
+    SHARDED = toys.sweep_specs(skip={
+        "sd": "sharded on the Gemma and T5 toys below",
+        "eagle3": "fuses the features of three layers: this 2-layer toy has too few"})
+
+    @pytest.mark.parametrize("mesh, specs", [
+        ("data=2,model=4", SHARDED),
+        pytest.param("data=8", ("ar", "eagle2:3,2,5"), marks=pytest.mark.slow),
+        pytest.param("model=8", ("ar", "eagle2:3,2,5"), marks=pytest.mark.slow)],
+        ids=lambda x: x if isinstance(x, str) else None)
+    def test_sharded_methods_equal_one_device(toy, unsharded, mesh, specs):
         model, tp = toy
         m = sharding.make_mesh(*MESHES[mesh])
-        runs = _methods(model, tp)
-        for name in methods:
-            assert runs[name](PROMPTS, m).to_lists() == unsharded, (mesh, name)
+        for spec in specs:
+            out = toys.run_spec(spec, model, tp, PROMPTS, NEW, mesh=m)
+            assert out.to_lists() == unsharded, (mesh, spec)
+
 
     def test_parameter_and_cache_shardings_follow_the_spec(toy):
         model, tp = toy

@@ -233,3 +233,28 @@ def conformance_specs() -> list[str]:
     from specjax import methods
 
     return [s for cls in methods.registered() if cls.decodes for s in cls.tiny]
+
+
+def sweep_specs(skip: dict | None = None, extra: tuple = ()) -> list[str]:
+    """The per-family sweeps' specs (scan layers, bfloat16, a mesh): every registered
+    decoding method's first tiny spec (``Method.tiny[0]``), without the kinds in ``skip``
+    (kind -> why that family cannot run it, said where the sweep calls this), then
+    ``extra``. A method registered later joins every sweep."""
+    from specjax import methods
+
+    skip = skip or {}
+    return [cls.tiny[0] for cls in methods.registered()
+            if cls.decodes and cls.tiny and cls.kind not in skip] + list(extra)
+
+
+def run_spec(spec: str, model, params, prompts, budgets, mesh=None):
+    """``spec`` built through the registry on ``model`` (random heads from one key, as the
+    conformance test builds them; on ``mesh``, the weights placed first) and decoded
+    greedily."""
+    from specjax import methods, sharding
+
+    if mesh is not None:
+        params = sharding.shard_params(model.config, params, mesh)
+    lm = ToyLM(model, params, eos_ids=(), mesh=mesh)
+    built = methods.parse(spec).random(lm, OPTIONS, jax.random.key(3))
+    return built(prompts, max_new_tokens=budgets)
