@@ -56,8 +56,8 @@ if [ "${1:-}" = "--specbench" ]; then
   (cd "$ELSEWHERE" && "$PY" -m specjax.cli bench --methods "ar,hf,sd-ngram:7,eagle2:3,4,7" \
       --questions "$HERE/../shared/data/spec_bench/question.jsonl" --limit "$N" \
       --max-new-tokens 128 --out "$HERE/docs/results/specbench_${TAG}.json")
-  "$PY" scripts/plot_bench.py "docs/results/specbench_${TAG}.json" "docs/results/specbench_${TAG}"
-  "$PY" scripts/dtype_bench.py --limit 12 --out "docs/results/bf16_${TAG}.json"
+  "$PY" benchmarks/plot_bench.py "docs/results/specbench_${TAG}.json" "docs/results/specbench_${TAG}"
+  "$PY" benchmarks/dtype_bench.py --limit 12 --out "docs/results/bf16_${TAG}.json"
   exit 0
 fi
 

@@ -3,7 +3,7 @@
 forward equal to one-token steps on a toy model in both compute dtypes, and every method's
 greedy output equal to AR there with bfloat16 products, token for token. (On SmolLM2-135M the bfloat16
 products leave AR on some prompts; float32 products on bfloat16 weights do not on the
-measured ones: docs/guide.md, "bfloat16", and scripts/dtype_bench.py.)"""
+measured ones: docs/guide.md, "bfloat16", and benchmarks/dtype_bench.py.)"""
 
 from __future__ import annotations
 

@@ -114,7 +114,7 @@ def test_target_alone():
 
 
 def test_dp_solves_81_models():
-    """Early-exit pool of scripts/hsd_solver_bench.py without prompt lookup; its speed is
+    """Early-exit pool of benchmarks/hsd_solver_bench.py without prompt lookup; its speed is
     measured by that benchmark, not here."""
     L = 81
     p = 1 - (1 - np.arange(1, L + 1) / L) ** 4

@@ -1,4 +1,5 @@
-"""Every script in ``scripts/`` imports as a module (its imports resolve, nothing runs at
+"""Every script in ``scripts/`` (the user's tools) and ``benchmarks/`` (what regenerates the
+figures in docs/results/) imports as a module (its imports resolve, nothing runs at
 import time but definitions), so a renamed module cannot leave a script stale unnoticed."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
+SCRIPTS = sorted([*(ROOT / "scripts").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")])
 
 # Imports each script by path under a module name other than "__main__" (so its main
 # block does not run), in one fresh interpreter isolated from the test session (scripts
@@ -33,6 +34,8 @@ print(json.dumps(failed))
 
 def test_there_are_scripts():
     assert len(SCRIPTS) >= 10, SCRIPTS
+    tools = {p.name for p in (ROOT / "scripts").iterdir()}
+    assert {"env.sh", "demo.sh", "test.sh", "device_check.sh", "device_check.py"} <= tools
 
 
 def test_every_script_guards_its_work_under_main():

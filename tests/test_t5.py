@@ -115,7 +115,7 @@ def test_greedy_generate_equals_transformers(hf_dirs, name):
 
 def test_flan_t5_base_config_reads_as_its_shape(tmp_path):
     """The third public shape, from the config transformers writes (its weights are 1 GB:
-    scripts/t5_bench.sh builds and runs them)."""
+    benchmarks/t5_bench.sh builds and runs them)."""
     from transformers import T5Config as HFConfig
 
     from specjax.models import FLAN_T5_BASE

@@ -33,7 +33,7 @@ printed Table 1 10.89 10.64 10.63 10.61 and Table 8 15.45 14.61 14.46 14.40:
 15.52 (+10.7 +6.7 +7.3 +7.8 %); ``"exact"`` gives 10.67 10.11 10.09 10.07 (-2.0 -4.9 -5.1
 -5.1 %) and 16.02 14.23 14.13 14.13 (+3.7 -2.6 -2.3 -1.9 %). The paper estimated gamma
 empirically for these tables; its Table 9 (three models, analytic setting) is reproduced by
-``"paper"`` in 85 of 90 cells to the printed 0.01 (``scripts/plot_table9.py``).
+``"paper"`` in 85 of 90 cells to the printed 0.01 (``benchmarks/plot_table9.py``).
 
 Optimisers (:func:`optimal_hierarchy`), all exact for the model they optimise:
 ``"dp"`` (Bellman recursion over ``(model, T)`` states, ``O(K^2 t^2)``, ``"paper"`` only),
@@ -42,7 +42,7 @@ reconstruction of Section 3.3, nodes ``(model, T)`` with multipliers ``gamma`` a
 ``1/E``, see :func:`_gsp_arcs`; the paper's Table 2 was not available to compare) and
 ``"brute"`` (enumeration, both models; the only exact optimiser of ``"exact"``, whose value
 depends on the whole chain below a level, not on ``(model, T)`` alone). With ``t_max =
-15`` on a busy 2-core CPU (``scripts/hsd_solver_bench.py``): K = 42, dp 0.016 s, lp 2.5 s;
+15`` on a busy 2-core CPU (``benchmarks/hsd_solver_bench.py``): K = 42, dp 0.016 s, lp 2.5 s;
 K = 80, dp 0.07 s, lp 10 s.
 """
 

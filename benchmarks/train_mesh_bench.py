@@ -9,7 +9,7 @@ width: throughput does not depend on their values. Tokens/s counts the trained (
 tokens of the steps after the first (which compiles). On a CPU the simulated devices share
 the same cores, so this measures the cost of partitioning and collectives, not a speedup.
 
-    .venv/bin/python scripts/train_mesh_bench.py --out docs/results/train_mesh_cpu.json
+    .venv/bin/python benchmarks/train_mesh_bench.py --out docs/results/train_mesh_cpu.json
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def main() -> int:
               "target": "random Llama: vocab 8192, hidden 512, MLP 1536, 4 layers, 8/4 heads",
               "machine": MACHINE, "note": "the CPU was shared with other jobs while this ran",
               "jax": jax.__version__, "commit": commit,
-              "command": "python scripts/train_mesh_bench.py " + " ".join(sys.argv[1:]),
+              "command": "python benchmarks/train_mesh_bench.py " + " ".join(sys.argv[1:]),
               "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

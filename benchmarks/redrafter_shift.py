@@ -6,7 +6,7 @@ is teacher-forced through the head with the training loss (``specjax.train.redra
 the answer positions. Compare with the held-out agreement in the head's training log: a
 large gap means the training text differs from what the target writes.
 
-    python scripts/redrafter_shift.py --limit 12 --out docs/results/redrafter_shift_cpu.json
+    python benchmarks/redrafter_shift.py --limit 12 --out docs/results/redrafter_shift_cpu.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Times the HSD hierarchy optimisers on early-exit candidate pools of K = 42 and K = 80
 and writes ``docs/results/hsd_solver.json``.
 
-    .venv/bin/python scripts/hsd_solver_bench.py [--lp-time-limit 120] [--out PATH]
+    .venv/bin/python benchmarks/hsd_solver_bench.py [--lp-time-limit 120] [--out PATH]
 
 Instance generator (:func:`early_exit_pool`), for an ``L``-layer target (``K = L``):
 model 0 is prompt lookup (cost 1e-3, acceptance half that of layer 1), model ``l`` for

@@ -6,7 +6,7 @@ process and interleaved, checks that every mesh's tokens equal the one-device ru
 writes tok/s and the ratio to one device. On a 2-core machine the simulated devices share
 the same cores, so this measures the cost of partitioning and collectives, not a speedup.
 
-    .venv/bin/python scripts/sharding_bench.py --out docs/results/sharding_cpu.json
+    .venv/bin/python benchmarks/sharding_bench.py --out docs/results/sharding_cpu.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Bar chart of held-out top-1 at draft step 1 (solid) and 3 (hatched) per prompt group,
-one bar per head, from ``scripts/heldout_by_source.py`` reports.
+one bar per head, from ``benchmarks/heldout_by_source.py`` reports.
 
-    python scripts/plot_heldout_by_source.py shipped=A.json long=B.json --out P.png
+    python benchmarks/plot_heldout_by_source.py shipped=A.json long=B.json --out P.png
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ compiled, for ms per round and per token. Executables are dropped between
 configurations. EAGLE-2 uses the shipped head when it loads (else a random one, noted);
 ReDrafter a random head (none ships), so its tau is not meaningful, only its costs.
 
-    .venv/bin/python scripts/compile_times.py --out docs/results/compile_times_cpu.json
+    .venv/bin/python benchmarks/compile_times.py --out docs/results/compile_times_cpu.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Why a wide forward costs so much on XLA:CPU: the target's two kinds of matrix product,
 timed alone at the widths a speculative round uses (median of repeats). Writes JSON.
 
-    .venv/bin/python scripts/profile_matmul.py --out docs/results/profile_matmul_cpu.json
+    .venv/bin/python benchmarks/profile_matmul.py --out docs/results/profile_matmul_cpu.json
 
 - ``lm_head``: ``[T,576] x [49152,576]^T``, the tied LM head (113 MB of float32 weights);
 - ``mlp``: 30 layers of ``[T,576] x [576,1536]`` up and back (the decoder's MLP shapes),

@@ -6,7 +6,7 @@ are compared with the target's next token: a draft token is accepted when it is 
 Depth 1 reads the target's true feature of the previous position; depth 2 reads the head's
 own predicted feature, as the second level of a draft tree does.
 
-    python scripts/eagle_calibration.py --questions ../shared/data/spec_bench/question.jsonl \
+    python benchmarks/eagle_calibration.py --questions ../shared/data/spec_bench/question.jsonl \
         --limit 30 --out docs/results/eagle_calibration
 """
 

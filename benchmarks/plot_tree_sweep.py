@@ -2,7 +2,7 @@
 tau and acceptance at each draft position against the tree's draft tokens, with the speed
 relative to ``ar`` of the same run.
 
-    .venv/bin/python scripts/plot_tree_sweep.py docs/results/onpolicy_bench/tree_sweep.json \\
+    .venv/bin/python benchmarks/plot_tree_sweep.py docs/results/onpolicy_bench/tree_sweep.json \\
         docs/results/tree_sweep.png
 """
 

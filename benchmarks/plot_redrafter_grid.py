@@ -1,7 +1,7 @@
 """Plot a ReDrafter W x L ablation from a `specjax bench` JSON: speedup vs ar, tau and tokens
 per verification forward for every `redrafter:W,L` method in it.
 
-    python scripts/plot_redrafter_grid.py docs/results/redrafter_grid_cpu.json \
+    python benchmarks/plot_redrafter_grid.py docs/results/redrafter_grid_cpu.json \
         docs/results/redrafter_grid_cpu.png
 """
 

@@ -1,7 +1,7 @@
 """Plots a ``specjax bench`` JSON: speedup vs ar by category, and acceptance by draft
 position for the speculative methods.
 
-    .venv/bin/python scripts/plot_bench.py docs/results/sd_cpu.json docs/results/sd_cpu
+    .venv/bin/python benchmarks/plot_bench.py docs/results/sd_cpu.json docs/results/sd_cpu
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Markdown tables from a ``specjax bench`` JSON: overall, and per category.
 
-    .venv/bin/python scripts/bench_table.py docs/results/sd_cpu.json
+    .venv/bin/python benchmarks/bench_table.py docs/results/sd_cpu.json
 
 An interrupted bench (``"complete": false``) is summarized over the questions every method
 finished, and says so.

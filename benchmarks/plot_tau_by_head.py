@@ -2,7 +2,7 @@
 its tau on the 12 Spec-Bench questions, in log order, with a target line: how far each
 training variant moved tau at a fixed tree.
 
-    python scripts/plot_tau_by_head.py docs/results/onpolicy_train_log.jsonl \\
+    python benchmarks/plot_tau_by_head.py docs/results/onpolicy_train_log.jsonl \\
         --method eagle2:3,4,6:vocab=8192 --target 2.0 --rename shipped="shipped (11-26)" \\
         --rename ttt-e2="ttt-e2 (shipped)" --out docs/results/tau_by_head.png
 """

@@ -5,7 +5,7 @@ tokens); compile time excluded (each shape runs
 once before it is timed). Plain ``ar`` (``specjax.generate``, no features) at batch 1 is
 the reference.
 
-    python scripts/onpolicy_throughput.py --batches 1,8,32 --out docs/results/onpolicy_throughput_cpu.json
+    python benchmarks/onpolicy_throughput.py --batches 1,8,32 --out docs/results/onpolicy_throughput_cpu.json
 """
 
 from __future__ import annotations

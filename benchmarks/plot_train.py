@@ -1,6 +1,6 @@
 """Training curve of a ``specjax train`` run: loss and top-1 agreement per step.
 
-    .venv/bin/python scripts/plot_train.py runs/eagle/log.jsonl docs/results/eagle_train.png
+    .venv/bin/python benchmarks/plot_train.py runs/eagle/log.jsonl docs/results/eagle_train.png
 
 ReDrafter runs (logs with ``acc1``..``accL``) may be compared: pass several logs, then the
 output; each run's loss and held-out agreement by draft step are drawn side by side.

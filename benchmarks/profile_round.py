@@ -4,8 +4,8 @@ timed alone (median of repeats) at one cache capacity. With ``--eagle SPEC``, al
 EAGLE-2 tree draft with the shipped head (its first head pass over the pending features,
 then ``depth`` levels). Writes JSON.
 
-    .venv/bin/python scripts/profile_round.py --capacity 1024 --out docs/results/profile_round_cpu.json
-    .venv/bin/python scripts/profile_round.py --widths 1,7 --eagle eagle2:3,4,6:vocab=8192
+    .venv/bin/python benchmarks/profile_round.py --capacity 1024 --out docs/results/profile_round_cpu.json
+    .venv/bin/python benchmarks/profile_round.py --widths 1,7 --eagle eagle2:3,4,6:vocab=8192
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 alone) as heatmaps, ours next to the printed values; writes ``docs/results/hsd_table9.png``
 and ``docs/results/hsd_table9.json``.
 
-    .venv/bin/python scripts/plot_table9.py [--data tests/data/hsd/paper_tables.json]
+    .venv/bin/python benchmarks/plot_table9.py [--data tests/data/hsd/paper_tables.json]
 
 Setting: target A costs 1024, B costs 256 with alpha(B, A) = 0.5; C's cost varies by
 column, alpha(C, B) by row (0..0.9) and alpha(C, A) = max(0, alpha(C, B) + alpha(B, A) - 1).

@@ -8,7 +8,7 @@ answer positions, exactly as ``specjax train onpolicy`` scores its held-out set
 (``onpolicy.validate``). It says where a head's acceptance is lost to the prompts it
 was trained on.
 
-    python scripts/heldout_by_source.py --head shipped --out docs/results/heldout_by_source.json
+    python benchmarks/heldout_by_source.py --head shipped --out docs/results/heldout_by_source.json
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ and prints the largest absolute difference. Exact arithmetic gives 0; a large ga
 near-ties can make speculative greedy output leave `ar`'s. ``--dtype`` stores weights and
 cache, ``--compute-dtype`` is what the products take.
 
-    .venv/bin/python scripts/width_gap.py --dtype bfloat16
-    .venv/bin/python scripts/width_gap.py --dtype bfloat16 --compute-dtype bfloat16
+    .venv/bin/python benchmarks/width_gap.py --dtype bfloat16
+    .venv/bin/python benchmarks/width_gap.py --dtype bfloat16 --compute-dtype bfloat16
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """HSD on a real model: predicted vs measured latency per token, one point per hierarchy
 that ``specjax bench`` ran (``ar`` is the target alone); writes ``OUT.png`` and ``OUT.json``.
 
-    .venv/bin/python scripts/plot_hsd.py --calibration docs/results/hsd_calibration_cpu.json \\
+    .venv/bin/python benchmarks/plot_hsd.py --calibration docs/results/hsd_calibration_cpu.json \\
         --bench docs/results/hsd_cpu.json --out docs/results/hsd_predicted_vs_measured
 
 Predictions come from ``specjax.hsd.calibrate.predicted_latency`` under the calibration JSON, with

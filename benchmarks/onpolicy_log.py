@@ -3,7 +3,7 @@ draft step on the target's own answers, and tau and speed on a fixed 12-question
 Spec-Bench subset (greedy, 128 new tokens, ``ar`` and the head's method in one
 interleaved ``specjax bench`` run on this machine).
 
-    python scripts/onpolicy_log.py --run RUN --head HEAD --method eagle2:3,4,6:vocab=8192 \\
+    python benchmarks/onpolicy_log.py --run RUN --head HEAD --method eagle2:3,4,6:vocab=8192 \\
         --label plain --out docs/results/onpolicy_train_log.jsonl
 
 ``--head shipped`` scores the shipped head (no run: tokens seen 0). The bench report goes

@@ -3,7 +3,7 @@ answers against training tokens (error bars: one binomial standard error over th
 held-out positions), one panel per draft step, one line per run, with each
 run's tau on the 12-question Spec-Bench subset (from the training log) in the legend.
 
-    python scripts/plot_onpolicy.py --runs plain=RUN1 ttt=RUN2 ttt+fused=RUN3 \\
+    python benchmarks/plot_onpolicy.py --runs plain=RUN1 ttt=RUN2 ttt+fused=RUN3 \\
         --start-of plain=RUN2 --log docs/results/onpolicy_train_log.jsonl \\
         --out docs/results/onpolicy_scaling.png
 

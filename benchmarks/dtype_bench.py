@@ -9,7 +9,7 @@ Reports tok/s and the ratio to float32 per method, which questions' `eagle2` out
 each bfloat16 `ar` agrees with float32 `ar` (identical outputs, and the mean share of tokens
 before the first difference). Exits 1 when a default configuration leaves `ar`.
 
-    .venv/bin/python scripts/dtype_bench.py --limit 12 --out docs/results/bf16_cpu.json
+    .venv/bin/python benchmarks/dtype_bench.py --limit 12 --out docs/results/bf16_cpu.json
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ is the reference for decoding. A round's throughput is its answer tokens over de
 of training. Results are rewritten after every measurement; what the ``--budget`` left
 out is listed under ``not_run`` and ``complete`` is false.
 
-    python scripts/onpolicy_device.py --out docs/results/onpolicy_device_h200.json
-    python scripts/onpolicy_device.py --small --out /tmp/op.json   # the same path on a CPU
+    python benchmarks/onpolicy_device.py --out docs/results/onpolicy_device_h200.json
+    python benchmarks/onpolicy_device.py --small --out /tmp/op.json   # the same path on a CPU
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     deadline = time.perf_counter() + args.budget
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the device check beside this
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # the device check
     from device_check import Report, _shapes, random_model
 
     name = "tiny-llama" if args.small else args.shape

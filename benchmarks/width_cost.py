@@ -8,7 +8,7 @@ profile of the forward and sums device time per kind of operation (products with
 weights, LM head included; attention over the cache; the rest), which is where a wide round's time goes. Writes JSON and
 a plot.
 
-    .venv/bin/python scripts/width_cost.py --out docs/results/width_cost_cpu.json \
+    .venv/bin/python benchmarks/width_cost.py --out docs/results/width_cost_cpu.json \
         --plot docs/results/width_cost_cpu.png
 """
 
