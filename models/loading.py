@@ -386,6 +386,52 @@ def stream_params(cfg, src: TensorSource, keys, source: str, dtype=jnp.float32, 
 
 # --------------------------------------------------------------------------- GGUF
 
+_ABSENT = object()
+
+
+class _GGUFFields:
+    """Typed reads of ``{arch}.*`` metadata keys of a GGUF file: a missing key without a
+    default, or a value of the wrong type or range, is one ``WeightLoadError`` naming the
+    file and the key (never a ``TypeError`` or ``ZeroDivisionError`` further on)."""
+
+    def __init__(self, reader: GGUFFile, arch: str):
+        self.reader, self.arch = reader, arch
+
+    def fail(self, key: str, what: str) -> NoReturn:
+        raise WeightLoadError(f"{self.reader.path or 'GGUF file'}: metadata key "
+                              f"'{self.arch}.{key}' {what}")
+
+    def raw(self, key: str, default=_ABSENT):
+        v = self.reader.get(f"{self.arch}.{key}", default)
+        if v is _ABSENT:
+            self.fail(key, "is missing")
+        return v
+
+    def integer(self, key: str, default=_ABSENT, minimum: int = 1) -> int:
+        v = self.raw(key, default)
+        if isinstance(v, np.integer):
+            v = int(v)
+        if not _is_int(v) or v < minimum:
+            self.fail(key, f"must be an integer >= {minimum}, got {v!r}")
+        return v
+
+    def number(self, key: str, default=_ABSENT) -> float:
+        v = self.raw(key, default)
+        if isinstance(v, (np.integer, np.floating)):
+            v = v.item()
+        if not _is_number(v) or not math.isfinite(v) or v <= 0:
+            self.fail(key, f"must be a finite number > 0, got {v!r}")
+        return float(v)
+
+    def rope_scaling(self) -> RopeScaling:
+        kind = self.raw("rope.scaling.type", None)
+        if kind == "linear":
+            return RopeScaling("linear", factor=self.number("rope.scaling.factor"))
+        if kind not in (None, "none"):
+            self.fail("rope.scaling.type", f"is {kind!r}, which is not supported (linear only)")
+        return RopeScaling()
+
+
 def gguf_config(reader: GGUFFile) -> Config:
     """The architecture recorded in a GGUF file's metadata (``llama`` or ``gemma3``)."""
     arch = reader.get("general.architecture")
@@ -393,50 +439,48 @@ def gguf_config(reader: GGUFFile) -> Config:
         return _gguf_gemma3_config(reader)
     if arch != "llama":
         raise WeightLoadError(f"GGUF architecture {arch!r} is not supported (llama, gemma3)")
-    g = lambda k, d=None: reader.get(f"llama.{k}", d)  # noqa: E731
-    heads = int(g("attention.head_count"))
-    hidden = int(g("embedding_length"))
+    g = _GGUFFields(reader, "llama")
+    heads = g.integer("attention.head_count")
+    hidden = g.integer("embedding_length")
     names = {t.name for t in reader.tensors}
-    vocab = g("vocab_size") or len(reader.get("tokenizer.ggml.tokens", ()))
-    scaling = RopeScaling()
-    kind = g("rope.scaling.type")
-    if kind == "linear":
-        scaling = RopeScaling("linear", factor=float(g("rope.scaling.factor")))
-    elif kind not in (None, "none"):
-        raise WeightLoadError(f"GGUF rope.scaling.type {kind!r} is not supported (linear only)")
+    vocab = g.integer("vocab_size", len(reader.get("tokenizer.ggml.tokens", ())) or _ABSENT)
     return LlamaConfig(
-        vocab_size=int(vocab), hidden_size=hidden,
-        intermediate_size=int(g("feed_forward_length")), num_layers=int(g("block_count")),
-        num_heads=heads, num_kv_heads=int(g("attention.head_count_kv", heads)),
-        head_dim=int(g("rope.dimension_count", hidden // heads)),
-        rope_theta=float(g("rope.freq_base", 10000.0)), rope_scaling=scaling,
-        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=g.integer("feed_forward_length"),
+        num_layers=g.integer("block_count"),
+        num_heads=heads, num_kv_heads=g.integer("attention.head_count_kv", heads),
+        head_dim=g.integer("rope.dimension_count", hidden // heads),
+        rope_theta=g.number("rope.freq_base", 10000.0), rope_scaling=g.rope_scaling(),
+        rms_norm_eps=g.number("attention.layer_norm_rms_epsilon", 1e-5),
         tie_embeddings="output.weight" not in names,
-        max_position_embeddings=int(g("context_length", 4096)))
+        max_position_embeddings=g.integer("context_length", 4096))
 
 
 def _gguf_gemma3_config(reader: GGUFFile) -> GemmaConfig:
     """Gemma 3 from GGUF metadata. The local RoPE base, the 5-local-1-global layer pattern
     and ``query_pre_attn_scalar`` are not recorded in the file; transformers' Gemma 3
     defaults apply (10000, 6, 256), as in the reference it loads from the same file."""
-    g = lambda k, d=None: reader.get(f"gemma3.{k}", d)  # noqa: E731
-    heads, n = int(g("attention.head_count")), int(g("block_count"))
+    g = _GGUFFields(reader, "gemma3")
+    heads, n = g.integer("attention.head_count"), g.integer("block_count")
     names = {t.name for t in reader.tensors}
-    scaling = RopeScaling()
-    if g("rope.scaling.type") == "linear":
-        scaling = RopeScaling("linear", factor=float(g("rope.scaling.factor")))
+    vocab = len(reader.get("tokenizer.ggml.tokens", ()))
+    if vocab < 1:
+        raise WeightLoadError(f"{reader.path or 'GGUF file'}: metadata key "
+                              "'tokenizer.ggml.tokens' is missing or empty (the vocabulary)")
     return GemmaConfig(
-        vocab_size=len(reader.get("tokenizer.ggml.tokens", ())),
-        hidden_size=int(g("embedding_length")), intermediate_size=int(g("feed_forward_length")),
-        num_layers=n, num_heads=heads, num_kv_heads=int(g("attention.head_count_kv", heads)),
-        head_dim=int(g("attention.key_length")), layer_types=gemma3_layer_types(n),
-        sliding_window=int(g("attention.sliding_window", 512)),
-        rope_theta=float(g("rope.freq_base", 1_000_000.0)),
-        rope_local_theta=float(g("rope.freq_base_swa", 10_000.0)), rope_scaling=scaling,
-        query_pre_attn_scalar=256.0, qk_norm=True,
-        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        vocab_size=vocab,
+        hidden_size=g.integer("embedding_length"),
+        intermediate_size=g.integer("feed_forward_length"),
+        num_layers=n, num_heads=heads,
+        num_kv_heads=g.integer("attention.head_count_kv", heads),
+        head_dim=g.integer("attention.key_length"), layer_types=gemma3_layer_types(n),
+        sliding_window=g.integer("attention.sliding_window", 512),
+        rope_theta=g.number("rope.freq_base", 1_000_000.0),
+        rope_local_theta=g.number("rope.freq_base_swa", 10_000.0),
+        rope_scaling=g.rope_scaling(), query_pre_attn_scalar=256.0, qk_norm=True,
+        rms_norm_eps=g.number("attention.layer_norm_rms_epsilon", 1e-6),
         tie_embeddings="output.weight" not in names,
-        max_position_embeddings=int(g("context_length", 32768)))
+        max_position_embeddings=g.integer("context_length", 32768))
 
 
 def gguf_file_config(path: str | Path) -> Config:
@@ -491,8 +535,6 @@ def load_gguf(path: str | Path, dtype=jnp.float32, mesh=None,
 
 
 # --------------------------------------------------------------------------- HF config.json
-
-_ABSENT = object()
 
 
 def _is_int(v) -> bool:
@@ -817,14 +859,16 @@ def safetensors_header(f: Path) -> dict[str, StoredTensor]:
     """Every tensor of the safetensors file ``f`` (in header order), from its header alone
     (8-byte little-endian length, then JSON). ``WeightLoadError`` naming ``f`` for a file
     that is not complete safetensors: a bad header, an unknown dtype, or a byte range that
-    does not match the shape or lies past the end of the file."""
+    does not match the shape or lies past the end of the file; and, as the ``safetensors``
+    package refuses them, a name (or any key) given twice in the header, two tensors over
+    the same bytes, bytes no tensor covers, or bytes after the last tensor."""
     size = f.stat().st_size
     try:
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             if n > min(size - 8, 100 << 20):
                 raise ValueError(f"header length {n} exceeds the file")
-            header = json.loads(fh.read(n))
+            header = json.loads(fh.read(n), object_pairs_hook=_unique_keys)
         out = {}
         for name, e in header.items():
             if name == "__metadata__":
@@ -837,9 +881,44 @@ def safetensors_header(f: Path) -> dict[str, StoredTensor]:
                 raise ValueError(f"tensor {name!r}: bytes {a}..{b} of a {size}-byte file do "
                                  f"not hold {e['dtype']} {list(shape)}")
             out[name] = StoredTensor(f, dtype, shape, a, b)
+        _check_coverage(out, 8 + n, size)
         return out
     except (ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
         raise WeightLoadError(f"{f}: not a readable safetensors file ({e})") from None
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object's pairs as a dict; ``ValueError`` for a key given twice (which
+    ``json`` would otherwise resolve silently to the last value)."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"{k!r} is named twice in the header")
+        out[k] = v
+    return out
+
+
+def _check_coverage(table: dict[str, StoredTensor], start: int, size: int) -> None:
+    """``ValueError`` unless the tensors' byte ranges tile ``[start, size)`` exactly, as
+    the ``safetensors`` package requires: no two over the same bytes (reported first: a
+    tensor pointed at another's bytes also leaves its own uncovered), no bytes between two
+    tensors, none after the last. Messages give data offsets (``data_offsets``' terms)."""
+    ranges = sorted(table.items(), key=lambda kv: (kv[1].start, kv[1].end))
+    for (p, a), (name, t) in zip(ranges, ranges[1:]):
+        if t.start < a.end:
+            raise ValueError(f"tensor {name!r} (data bytes {t.start - start}..{t.end - start}) "
+                             f"overlaps tensor {p!r} ({a.start - start}..{a.end - start})")
+    at, last = start, None
+    for name, t in ranges:
+        if t.start > at:
+            where = f"after tensor {last!r}" if last else "before the first tensor"
+            raise ValueError(f"data bytes {at - start}..{t.start - start} {where} belong to "
+                             f"no tensor (next: tensor {name!r})")
+        at, last = t.end, name
+    if at != size:
+        after = f"tensor {last!r}" if last else "the header"
+        raise ValueError(f"data bytes {at - start}..{size - start} after {after} belong to "
+                         "no tensor (data past the end of the header's tensors)")
 
 
 class SafetensorsSource(TensorSource):
