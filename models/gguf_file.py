@@ -7,12 +7,18 @@ a second for the same file) and keeps each tensor's bytes as a view into that ma
 weight is read before it is asked for. Dequantization stays ``gguf.quants``'.
 
 The format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md (versions 2 and 3,
-little-endian).
+little-endian). The header is checked as ggml's ``gguf.cpp`` checks it, each failure one
+``GGUFFormatError`` naming the tensor or key: at most 4 dimensions (checked before they are
+read), an element count within int64, rows of whole blocks, a power-of-2
+``general.alignment``, each tensor's data where the one before it ends (aligned), and no
+bytes after the last tensor's padding; so a flipped type, offset or dimension is refused
+rather than read as other weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import struct
 from pathlib import Path
 from typing import Any
@@ -23,6 +29,8 @@ _MAGIC = b"GGUF"
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
             10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+#: GGML's bounds (``ggml.h``): dimensions of a tensor, and the elements of one (int64)
+_MAX_DIMS, _MAX_ELEMENTS = 4, (1 << 63) - 1
 # the stored element types of unquantized tensors; every other type is kept as raw bytes
 _PLAIN = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32,
           27: np.int64, 28: np.float64}
@@ -52,6 +60,7 @@ class GGUFFile:
 
     metadata: dict[str, Any]
     tensors: tuple[GGUFTensor, ...]
+    path: str = ""  # the file read, for messages
 
     def get(self, key: str, default=None):
         return self.metadata.get(key, default)
@@ -117,30 +126,68 @@ def read_gguf(path: str | Path) -> GGUFFile:
         infos = []
         for _ in range(n_tensors):
             name, ndim = c.string(), c.take("<I")
+            if ndim > _MAX_DIMS:  # checked before reading them: 2^32-1 would read the file
+                raise GGUFFormatError(f"tensor {name!r} has {ndim} dimensions; GGML allows "
+                                      f"at most {_MAX_DIMS}")
             dims = [c.take("<Q") for _ in range(ndim)]
             infos.append((name, tuple(reversed(dims)), c.take("<I"), c.take("<Q")))
     except struct.error as e:
         raise GGUFFormatError(f"the header ends early ({e})") from e
-    align = int(metadata.get("general.alignment", 32))
+    align = _alignment(metadata)
     start = -(-c.pos // align) * align
-    tensors, seen = [], set()
+    tensors, seen, expected = [], set(), 0
     for name, shape, qtype, offset in infos:
         if name in seen:
             raise GGUFFormatError(f"tensor {name!r} appears twice")
         seen.add(name)
-        qtype = gguf.GGMLQuantizationType(qtype)
+        try:
+            qtype = gguf.GGMLQuantizationType(qtype)
+        except ValueError:
+            raise GGUFFormatError(f"tensor {name!r} has unknown type {qtype}") from None
+        nbytes = _nbytes(name, shape, qtype)
+        if offset != expected:  # as ggml's gguf.cpp: tensors follow each other, aligned
+            raise GGUFFormatError(f"tensor {name!r} has data offset {offset}, expected "
+                                  f"{expected} (the tensors before it end there)")
+        expected += -(-nbytes // align) * align
         tensors.append(GGUFTensor(name, shape, qtype, _tensor_data(mm, start + offset,
-                                                                 shape, qtype, name)))
-    return GGUFFile(metadata, tuple(tensors))
+                                                                 shape, qtype, name, nbytes)))
+    if tensors and mm.shape[0] > start + expected:  # writers pad the last tensor, no more
+        raise GGUFFormatError(f"{mm.shape[0] - start - expected} bytes after the last tensor "
+                              f"({tensors[-1].name!r}) belong to no tensor")
+    return GGUFFile(metadata, tuple(tensors), str(path))
 
 
-def _tensor_data(mm: np.ndarray, at: int, shape: tuple[int, ...], qtype, name: str):
-    """The view of one tensor's bytes, shaped as ``gguf.GGUFReader`` shapes it."""
+def _alignment(metadata: dict) -> int:
+    """``general.alignment`` (32 when absent): as ggml requires, a uint32 power of 2."""
+    align = metadata.get("general.alignment", 32)
+    if (not isinstance(align, int) or isinstance(align, bool) or align <= 0
+            or align & (align - 1)):
+        raise GGUFFormatError(f"metadata key 'general.alignment' is {align!r}; it must be a "
+                              "power of 2 (32 when absent)")
+    return align
+
+
+def _nbytes(name: str, shape: tuple[int, ...], qtype) -> int:
+    """The stored size of tensor ``name``; ``GGUFFormatError`` naming it where GGML would
+    refuse its dimensions (an element count past int64, rows not whole blocks)."""
     import gguf
 
     block, size = gguf.GGML_QUANT_SIZES[qtype]
-    n = int(np.prod(shape, dtype=np.int64))
-    nbytes = n * size // block
+    n = math.prod(shape)  # Python ints: no overflow to wrap around
+    if n > _MAX_ELEMENTS:
+        raise GGUFFormatError(f"tensor {name!r} has dimensions {list(shape)}, whose product "
+                              "overflows int64")
+    if shape and shape[-1] % block:
+        raise GGUFFormatError(f"tensor {name!r} has rows of {shape[-1]} values, not a whole "
+                              f"number of {qtype.name}'s {block}-value blocks")
+    return n * size // block
+
+
+def _tensor_data(mm: np.ndarray, at: int, shape: tuple[int, ...], qtype, name: str,
+                 nbytes: int):
+    """The view of one tensor's ``nbytes`` bytes, shaped as ``gguf.GGUFReader`` shapes it."""
+    import gguf
+
     if at + nbytes > mm.shape[0]:
         raise GGUFFormatError(f"tensor {name!r} ends at byte {at + nbytes}, past the end of "
                               f"the file ({mm.shape[0]} bytes): a truncated file")
