@@ -54,12 +54,14 @@ def main() -> None:
         t = seq.shape[1]
         _, hid, _ = m.forward(tp, seq, jnp.arange(t)[None], m.init_cache(1, t))
         f = eagle.features(m, tp, hid[m.config.num_layers])
-        out1 = fwd(seq, eagle.shift_features(f))
-        out2 = fwd(seq, eagle.shift_features(out1))  # the previous feature is predicted
-        nxt = np.asarray(seq[0, 1:])
-        lo = len(ids) - 1
+        toks, prev = eagle.head_inputs(seq, f)  # entry j: token j + 1 beside feature j
+        out1 = fwd(toks, prev)  # entry j predicts feature j + 1, and so token j + 2
+        # the previous feature predicted: entry j reads entry j - 1's output
+        out2 = fwd(toks, jnp.pad(out1, ((0, 0), (1, 0), (0, 0)))[:, :-1])
+        nxt = np.asarray(seq[0, 2:])
+        lo = len(ids) - 2  # the entry that predicts the first answer token
         for depth, out in ((1, out1), (2, out2)):
-            q_ = jax.nn.softmax(out[0, lo:t - 1] @ emb.T.astype(out.dtype), -1)
+            q_ = jax.nn.softmax(out[0, lo:t - 2] @ emb.T.astype(out.dtype), -1)
             p, k = jax.lax.top_k(q_, args.topk)
             k = np.asarray(k if ids_map is None else ids_map[k])
             conf[depth].append(np.asarray(p).ravel())

@@ -173,13 +173,14 @@ def test_drafter_matches_the_teacher_forced_head(toy):
         parent the first of those 3, its input feature the head's own output)."""
         _, hid, _ = model.forward(tparams, seq, jnp.arange(p + 1)[None],
                                   model.init_cache(1, cap))
-        prev = eagle.shift_features(eagle.features(model, tparams, hid[TOY.num_layers]))
-        out = eagle.training_forward(model, head, tparams, seq, prev)
+        toks, prev = eagle.head_inputs(seq, eagle.features(model, tparams,
+                                                           hid[TOY.num_layers]))
+        out = eagle.training_forward(model, head, tparams, toks, prev)
         emb = eagle.output_embedding(model, tparams)
         level1 = jax.lax.top_k(out[0, -1] @ emb.T, 3)[1]
-        seq2 = jnp.concatenate([seq, level1[None, :1]], axis=1)
+        toks2 = jnp.concatenate([toks, level1[None, :1]], axis=1)
         prev2 = jnp.concatenate([prev, out[:, -1:]], axis=1)
-        out2 = eagle.training_forward(model, head, tparams, seq2, prev2)
+        out2 = eagle.training_forward(model, head, tparams, toks2, prev2)
         return level1, jax.lax.top_k(out2[0, -1] @ emb.T, 3)[1]
 
     ctx = toys.start_context(model, tparams, prompt, cap, chunk=64)

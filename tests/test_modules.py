@@ -136,7 +136,8 @@ def test_optax_trains_the_head_through_the_module():
     hp = eagle.init_head(TINY_L, jax.random.key(6))
     toks = TOKENS
     target = jax.random.normal(jax.random.key(7), toks.shape + (32,))
-    prev = eagle.shift_features(target)
+    toks, prev = eagle.head_inputs(toks, target)
+    target = target[:, 1:]
 
     def loss(hp):
         return jnp.mean((eagle.training_forward(arch, hp, params, toks, prev) - target) ** 2)

@@ -88,15 +88,18 @@ def test_ttt_at_k1_is_the_plain_loss(lm, examples):
     got3, _ = ttt.loss_fn(h3, tp, toks, full, mask, key, vids, kind=ttt.EAGLE3, target=target,
                           cfg=ttt.LossConfig(k=1, noise=0.0))
     spec = eagle3.layer_spec(target.config)
-    b, t = toks.shape
+    # EAGLE's sequence: entry t pairs token t + 1 with the fused features of position t
+    tin, fin = eagle.head_inputs(toks, full[..., :-d])
+    b, t = tin.shape
     zk, zv = blocks.empty_kv(spec, b, t, jnp.float32)
-    out, _, _ = eagle3.apply_head(spec, h3, target.embed(tp, toks), ttt.shift(full[..., :-d], -1),
+    out, _, _ = eagle3.apply_head(spec, h3, target.embed(tp, tin), fin,
                                   jnp.broadcast_to(jnp.arange(t), (b, t)), zk, zv,
                                   jnp.zeros((b,), jnp.int32), blocks.causal(b, t))
-    tl = jnp.einsum("btd,vd->btv", blocks.features(target, tp, full[..., -d:]),
+    tl = jnp.einsum("btd,vd->btv", blocks.features(target, tp, full[:, 1:, -d:]),
                     target.output_head(tp)[vids])
     ce = -jnp.sum(jax.nn.softmax(tl) * jax.nn.log_softmax(eagle3.draft_logits(spec, h3, out)), -1)
-    np.testing.assert_allclose(float(got3), float(jnp.sum(ce * mask) / mask.sum()), rtol=1e-5)
+    m = mask[:, 1:]
+    np.testing.assert_allclose(float(got3), float(jnp.sum(ce * m) / m.sum()), rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind,layers", [(ttt.EAGLE2, 1), (ttt.EAGLE2, 2), (ttt.EAGLE3, 1)],

@@ -175,6 +175,9 @@ def loss_fn(hp, tparams, toks, hidden, prev_hidden, mask, key, vocab_ids, *, tar
 
     ``prev_hidden[:, i]`` is the target's hidden state at position ``i - 1`` (zero at a
     sequence's true start)."""
+    # the head's sequence (``eagle.head_inputs``): entry t pairs token t + 1 with feature t
+    # and predicts feature t + 1, so position 0 of the batch has no entry
+    toks, hidden, prev_hidden, mask = toks[:, 1:], hidden[:, 1:], prev_hidden[:, 1:], mask[:, 1:]
     f = eagle.features(target, tparams, hidden)
     prev = eagle.features(target, tparams, prev_hidden)
     rms = jnp.sqrt(jnp.mean(prev * prev, axis=-1, keepdims=True))

@@ -153,7 +153,9 @@ def loss_fn(hp, tparams, tokens: Int[Array, "B T"], feats: Float[Array, "B T F"]
 
     ``feats[:, i]`` holds the target's residual streams at position ``i`` after
     ``kind.layers`` (concatenated); ``mask[:, i]`` marks positions whose feature and next
-    token are known. Step ``s``'s entry ``p`` is scored against position ``p + s``.
+    token are known. The head's sequence is ``eagle.head_inputs``' (entry ``p``: token
+    ``p + 1`` beside feature ``p``); step ``s``'s entry ``p`` is scored against position
+    ``p + s + 1``.
     ``vocab_ids``: the draft vocabulary (EAGLE-3: the head's rows; EAGLE-2: the rows its
     cross-entropy is taken over), or None for the whole vocabulary."""
     d = target.config.hidden_size
@@ -161,7 +163,9 @@ def loss_fn(hp, tparams, tokens: Int[Array, "B T"], feats: Float[Array, "B T F"]
         inp = blocks.features(target, tparams, feats[..., -d:])
     else:
         inp = feats[..., :-d]
-    prev0 = _noised(shift(inp, -1), key, cfg.noise)
+    # the head's sequence (``eagle.head_inputs``): entry p pairs token p + 1 with feature p
+    prev0 = _noised(inp[:, :-1], key, cfg.noise)
+    tokens, feats, mask = tokens[:, 1:], feats[:, 1:], mask[:, 1:]
     outs = unroll(kind, target, hp, tparams, tokens, prev0, cfg.k)
     total, wsum, metrics = 0.0, 0.0, {}
     for s, out in enumerate(outs):

@@ -194,9 +194,16 @@ def training_forward(target, hp, tparams, tokens: Int[Array, "B T"],
     return out
 
 
-def shift_features(feats: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
-    """``prev[:, i] = feats[:, i - 1]``, zero at ``i = 0``: the head's feature input."""
-    return jnp.pad(feats, ((0, 0), (1, 0), (0, 0)))[:, :-1]
+def head_inputs(tokens: Int[Array, "B T"], feats: Float[Array, "B T D"]
+                ) -> tuple[Int[Array, "B T-1"], Float[Array, "B T-1 D"]]:
+    """The head's input sequence over a context of ``T`` tokens, in EAGLE's layout: entry
+    ``t`` (at position ``t``) pairs token ``t + 1`` with the target's feature at ``t``, for
+    ``t < T - 1``; token 0 has no entry. It is the sequence SafeAILab/EAGLE's draft layer and
+    trainers and SpecForge's build (``input_ids[:, 1:]`` beside the hidden states), so a
+    published head drafts here on the context it was trained on, and a head trained here on
+    the context EAGLE gives it. Entry ``t``'s output predicts feature ``t + 1`` and token
+    ``t + 2``."""
+    return tokens[:, 1:], feats[:, :-1]
 
 
 # ----------------------------------------------------------------------------- the tree
@@ -348,10 +355,10 @@ def draft_params(head: dict, target, tparams, vocab_ids=None) -> dict:
 
 @struct.dataclass
 class EagleState:
-    """The head's cache (every head layer's K/V heads side by side, slot = position;
-    ``length`` positions processed) and the
-    target features of the positions ``length - 1 ...`` still to feed it (with ``Context``,
-    the pending positions are ``[length, ctx.length)``)."""
+    """The head's cache (every head layer's K/V heads side by side; slot = position =
+    entry of ``head_inputs``, ``length`` entries processed) and the target features of the
+    entries still to feed it (with ``Context``, the pending entries are
+    ``[length, ctx.length - 1)``: entry ``t`` pairs token ``t + 1`` with feature ``t``)."""
 
     cache: KVCache
     feats: Float[Array, "B M D"]
@@ -436,36 +443,36 @@ class EagleDrafter(base.OnTarget):
                               spec.num_kv_heads * num_layers(dparams["head"]), spec.head_dim,
                               dtype)
         feats = self._features(tp, ctx.hidden)  # [B, C, F] over the prompt
-        prev = shift_features(feats)
-        plen = ctx.prompt_len
+        toks, prev = head_inputs(jnp.pad(ctx.tokens, ((0, 0), (0, 1))), feats)  # C entries
+        n = ctx.prompt_len - 1  # entries of the prompt: the last prompt feature is pending
 
         def body(start, pos, kv):
             k, v = kv
             sl = lambda x: lax.dynamic_slice_in_dim(x, start, chunk, axis=1)
-            _, k, v = self._head(dparams, tp, sl(ctx.tokens), sl(prev), pos, k, v,
+            _, k, v = self._head(dparams, tp, sl(toks), sl(prev), pos, k, v,
                                  jnp.full((b,), start, jnp.int32), blocks.causal(b, chunk))
             return k, v
 
-        k, v = over_chunks(body, (cache.k[0], cache.v[0]), plen, chunk)
-        pending = jnp.take_along_axis(feats, (plen - 1)[:, None, None], axis=1)
+        k, v = over_chunks(body, (cache.k[0], cache.v[0]), n, chunk)
+        pending = jnp.take_along_axis(feats, n[:, None, None], axis=1)
         pending = jnp.pad(pending, ((0, 0), (0, self.depth), (0, 0)))
-        return EagleState(cache=KVCache(k=(k,), v=(v,), length=plen.astype(jnp.int32)),
+        return EagleState(cache=KVCache(k=(k,), v=(v,), length=n.astype(jnp.int32)),
                           feats=pending.astype(dtype))
 
     def propose(self, dparams, state: EagleState, ctx, key, sampler):
         tp = ctx.params
         b, m = state.feats.shape[:2]
         L = state.cache.length
-        count = ctx.length - L  # pending positions, the root last
+        count = ctx.length - 1 - L  # pending entries (``head_inputs``), the root's last
         pos = L[:, None] + jnp.arange(m)[None]
-        toks = jnp.take_along_axis(ctx.tokens, jnp.minimum(pos, ctx.tokens.shape[1] - 1), 1)
+        toks = jnp.take_along_axis(ctx.tokens, jnp.minimum(pos + 1, ctx.tokens.shape[1] - 1), 1)
         mask = blocks.causal(b, m)
         out, k, v = self._head(dparams, tp, toks, state.feats, pos, state.cache.k[0],
                                state.cache.v[0], L, mask)
         f_root = jnp.take_along_axis(out, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
-        base = L + count  # == ctx.length: first scratch slot
+        base = L + count  # == ctx.length - 1: first scratch slot
         kk, n_scr = self.topk, (self.depth - 1) * self.topk
-        root_pos = ctx.length - 1
+        root_pos = base - 1  # the root's entry; level d's nodes lie at root_pos + d
 
         def step(inner, d, tokens, parent):
             k, v, f_prev, anc = inner
