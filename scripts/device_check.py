@@ -23,8 +23,14 @@ it measures, in priority order and within a time budget per phase:
   forward's, loops and conditionals per round, and host transfers (infeed/outfeed,
   send/recv, host callbacks), which must be none inside the decoding loop.
 
-Results go to ``OUT/device_check_<device>.json`` (``h100``, ``cpu``, ...), rewritten after
-every measurement, so a run cut short keeps what it measured, and a plot beside it.
+Results go to ``OUT/device_check_<device>.json`` (``h100``, ``cpu``, ...) and a plot beside
+it. While the run goes on, the JSON is rewritten after every measurement in the staging
+directory ``OUT/.device_check_<device>.tmp-PID``; at the end (also when a hard time limit
+interrupts it with SIGINT) the JSON and plot replace the previous run's pair as one
+(``specjax._atomic.replace_files``), so a run killed outright leaves the previous results
+whole, and the next run names and removes its staging directory. The options are checked
+before any weights are made: ``--methods`` must name methods a chosen shape lists (one that
+some chosen shapes do not list is recorded as skipped for them: not ``complete``).
 Methods are built as ``specjax bench`` builds them (``specjax.methods``; EAGLE and
 ReDrafter with random heads, since no trained head fits a random target), from plain
 settings (``Settings``, ``MethodSettings``), not from a command line.
@@ -49,6 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from specjax import _xla_flags  # noqa: F401  (before JAX picks a backend)
+from specjax import _atomic
 from specjax.hlo import hlo_stats
 
 
@@ -213,6 +220,7 @@ class Report:
         from specjax import bench
 
         bench.write_json(self.path, self.data)
+        _atomic.kill_point("device-check-saved")  # a test hook: a kill mid-run
 
 
 def _log(msg: str) -> None:
@@ -623,6 +631,8 @@ def _check_shape(name: str, shape: dict, opts, budget: Budget, probe: dict, out:
     cfg = shape["cfg"]
     out.update(config=dataclasses.asdict(cfg), dtype=np.dtype(shape["dtype"]).name,
                compute_dtype=np.dtype(shape["compute"]).name)
+    if not_listed(shape, opts):
+        out["not_listed"] = not_listed(shape, opts)
     t = time.perf_counter()
     scan = opts.scan_layers and shape["family"] == "llama"  # Gemma stays unrolled
     lm = random_model(name, shape, scale=3.0 if opts.small else 1.0, scan_layers=scan)
@@ -690,6 +700,12 @@ def _check_shape(name: str, shape: dict, opts, budget: Budget, probe: dict, out:
     gc.collect()
 
 
+def _listed(shape: dict) -> list[str]:
+    """The methods a shape lists (its ``methods``: ``all`` is ``ALL_METHODS``)."""
+    spec = shape.get("methods") or ""
+    return list(ALL_METHODS) if spec == "all" else _split(spec) if spec else []
+
+
 def _methods_of(shape: dict, opts, key: str) -> list[str]:
     """A shape's methods (``ar`` first: the reference), narrowed by ``--methods``."""
     spec = shape.get(key) or ""
@@ -697,6 +713,13 @@ def _methods_of(shape: dict, opts, key: str) -> list[str]:
     if opts.methods:
         methods = [m for m in methods if m in _split(opts.methods)]
     return (["ar"] if methods else []) + [m for m in methods if m != "ar"]
+
+
+def not_listed(shape: dict, opts) -> list[str]:
+    """The methods ``--methods`` names that ``shape`` does not list: recorded as skipped
+    for it (the run is then not complete)."""
+    listed = _listed(shape)
+    return [m for m in _split(opts.methods or "") if m not in listed]
 
 
 def _ready(futs: dict, jobs: list, budget: Budget, out: dict) -> list[str]:
@@ -820,6 +843,8 @@ def incomplete(res: dict, batch: int) -> tuple[list[str], list[str]]:
     for name, s in res["shapes"].items():
         skipped += [f"{name}: width {w} (not compiled within the budget)"
                     for w in s.get("width_curve", {}).get("skipped", [])]
+        skipped += [f"{name}: {m} (named by --methods, not listed for this shape)"
+                    for m in s.get("not_listed", [])]
         for group, tag in (("methods", ""), ("batched", f" at batch {batch}")):
             for m, r in (s.get(group) or {}).items():
                 if m == "skipped":
@@ -996,6 +1021,61 @@ def _chosen_shapes(opts: Settings) -> dict[str, dict]:
     return {k: v for k, v in shapes.items() if k in opts.shapes.split(",")}
 
 
+#: the smallest value of each numeric option (``check_settings``)
+_AT_LEAST = {"batch": 1, "workers": 1, "law_rows": 0, "prompts": 1, "prompt_len": 1,
+             "max_new_tokens": 1, "repeats": 1, "capacity": 2, "filled": 1}
+
+
+def check_settings(opts: Settings) -> dict[str, dict]:
+    """The shapes ``opts`` runs, after every check that needs no weights: the numbers'
+    ranges, ``--widths``, ``--out`` (a directory that can be written), and ``--methods``
+    (each a method spec that a chosen shape lists). ``ValueError`` (one line) on the first
+    problem."""
+    from specjax import _atomic, methods
+
+    if not opts.budget > 0:
+        raise ValueError(f"--budget must be a positive number of seconds, got {opts.budget}")
+    for name, low in _AT_LEAST.items():
+        v = getattr(opts, name)
+        if v < low:
+            hint = " (1 skips the batched phase)" if name == "batch" else ""
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}{hint}, got {v}")
+    try:
+        widths = [int(w) for w in opts.widths.split(",")]
+    except ValueError:
+        widths = []
+    if not widths or min(widths) < 1:
+        raise ValueError(f"--widths must be comma-separated positive ints, got {opts.widths!r}")
+    if opts.out is not None:
+        try:
+            _atomic.check_writable(opts.out, f"--out {opts.out}")
+        except _atomic.OutputError as e:
+            raise ValueError(str(e)) from None
+    shapes = _chosen_shapes(opts)
+    if opts.methods is not None:
+        names = _split(opts.methods)
+        if not names:
+            raise ValueError("--methods names no method")
+        for m in names:
+            try:
+                methods.parse(m)
+            except ValueError as e:  # SpecError: a malformed spec
+                raise ValueError(f"--methods {m}: {e}") from None
+        listed = {m for s in shapes.values() for m in _listed(s)}
+        missing = [m for m in names if m not in listed]
+        if missing:
+            raise ValueError(f"--methods names {', '.join(missing)}, which no shape run here "
+                             f"({', '.join(shapes)}) lists; they run "
+                             f"{', '.join(sorted(listed, key=_order(shapes)))}")
+    return shapes
+
+
+def _order(shapes: dict):
+    """Sort key of method names: the order the shapes list them in."""
+    seen = list(dict.fromkeys(m for s in shapes.values() for m in _listed(s)))
+    return seen.index
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python scripts/device_check.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1005,7 +1085,7 @@ def _parser() -> argparse.ArgumentParser:
                    "directory, printed; docs/results only when named)")
     p.add_argument("--budget", type=float, help="seconds for all phases, first compiles "
                                                 "included (default 520; --small 300); a run "
-                                                "cut short keeps its JSON")
+                                                "cut short by SIGINT keeps its JSON")
     p.add_argument("--shapes", help="comma-separated subset of the shapes")
     p.add_argument("--methods", help="subset of the methods (default: all)")
     p.add_argument("--widths", help="width curve (default 1,8,16,32,64)")
@@ -1048,7 +1128,7 @@ def main(argv=None) -> int:
     p = _parser()
     opts = settings(**vars(p.parse_args(argv)))
     try:
-        _chosen_shapes(opts)
+        check_settings(opts)
         _join(opts)
     except ValueError as e:
         p.error(str(e))
@@ -1076,7 +1156,7 @@ def run_check(opts: Settings) -> int:
 
     from specjax import bench
 
-    shapes = _chosen_shapes(opts)
+    shapes = check_settings(opts)
     if opts.out is None:
         import tempfile
 
@@ -1084,8 +1164,16 @@ def run_check(opts: Settings) -> int:
     budget = Budget(opts.budget)
     info = bench.device_info()
     tag = bench.device_tag(info)
-    path = Path(opts.out) / f"device_check_{tag}.json"
     import jax
+
+    out_dir, key = Path(opts.out).absolute(), f"device_check_{tag}"
+    final = out_dir / f"{key}.json"
+    if jax.process_index() == 0:  # what a killed run left beside the results goes first
+        _atomic.recover_files(out_dir, key)
+    # the run writes into a staging directory; the JSON and plot replace the previous
+    # run's together at the end (publish), so a killed run leaves the previous ones whole
+    staging = _atomic.temp_path(out_dir / key)
+    path = staging / final.name
 
     data = {"device": info, "machine": bench.machine_info(), "small": opts.small,
             "mesh": opts.mesh, "processes": jax.process_count(),
@@ -1114,7 +1202,8 @@ def run_check(opts: Settings) -> int:
                                "ms, relative to W = 1"},
             "shapes": {}, "phases": [], "complete": False}
     rep = Report(path, data)
-    _log(f"device {info['device_kind']} ({info['platform']} x{info['count']}) -> {path}")
+    _log(f"device {info['device_kind']} ({info['platform']} x{info['count']}) -> {final} "
+         f"(written to {staging.name} until the run ends)")
 
     def phase(name: str, seconds: float, fn) -> None:
         budget.phase(seconds)
@@ -1169,14 +1258,26 @@ def run_check(opts: Settings) -> int:
     data["elapsed_s"] = budget.elapsed()
     rep.save()
     print(summary(data), flush=True)
+    if jax.process_index() != 0:  # process 0 writes the results (bench.write_json too)
+        return 1 if data["failed"] else 0
     try:
-        if jax.process_index() != 0:  # process 0 writes the results (bench.write_json too)
-            return 1 if data["failed"] else 0
         plot(data, path.with_suffix(".png"))
-        _log(f"wrote {path} and {path.with_suffix('.png')}")
+        note = ""
     except Exception as e:  # noqa: BLE001 -- the JSON is the result; the plot is a view
-        _log(f"wrote {path}; no plot ({type(e).__name__}: {e})")
+        note = f"; no plot ({type(e).__name__}: {e})"
+    publish(staging, out_dir, key)
+    _log(f"wrote {final}" + (note or f" and {final.with_suffix('.png')}"))
     return 1 if data["failed"] else 0
+
+
+def publish(staging: Path, out_dir: Path, key: str) -> None:
+    """Moves the run's ``KEY.json`` and ``KEY.png`` from ``staging`` into ``out_dir``,
+    replacing the previous run's pair as one (``specjax._atomic.replace_files``: a run
+    without a plot leaves none beside its JSON), then removes ``staging``."""
+    import shutil
+
+    _atomic.replace_files(staging, out_dir, [f"{key}.json", f"{key}.png"], key)
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 if __name__ == "__main__":

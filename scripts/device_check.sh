@@ -2,7 +2,8 @@
 # The prepared check of a GPU or TPU host (scripts/device_check.py): random weights of real
 # shapes (SmolLM2-135M, Llama-3.1-8B, Gemma-3-270M), offline, within a time budget (default
 # 520 s of phases, first compiles included; a hard stop 90 s later), results rewritten
-# after every measurement to OUT/device_check_<device>.json with a plot beside it (OUT: --out,
+# after every measurement in a staging directory and moved, at the end, to
+# OUT/device_check_<device>.json with a plot beside it (OUT: --out,
 # else a new temporary directory, printed; committed results change only when --out names
 # docs/results).
 # `complete` is true only when every listed measurement ran; the summary lists the rest.

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -161,27 +160,84 @@ def replaceable(out_dir: str | Path) -> bool:
 def export_head(params: Any, out_dir: str | Path, meta: dict, dtype=jnp.bfloat16) -> Path:
     """Writes a head for inference into ``out_dir`` (replacing a head there): floating
     parameters cast to ``dtype`` (others as they are) in ``params.safetensors``, and
-    ``meta`` with ``shapes`` and ``dtypes`` added in ``head.json``, written last. Returns
-    the absolute directory. ``CheckpointError`` when ``out_dir`` holds something else."""
+    ``meta`` with ``shapes``, ``dtypes`` and ``params_sha256`` (the SHA-256 of
+    ``params.safetensors``, checked when the head loads) added in ``head.json``. Returns
+    the absolute directory. ``CheckpointError`` when ``out_dir`` holds something else.
+
+    The head is written into a sibling temporary directory and then swapped in whole
+    (``specjax._atomic.replace_dir``): a crash at any moment leaves the head that was there
+    or the new one, and the next export names and removes what the crash left."""
+    from specjax import _atomic
+
     out = Path(out_dir).absolute()
+    _atomic.recover(out)  # a head a killed export moved aside is back before the check
     if not replaceable(out):
         raise CheckpointError(f"{out} exists and is not an exported head; refusing to "
                               f"overwrite it")
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
     cast = jax.tree.map(lambda x: np.asarray(jnp.asarray(x, dtype) if jnp.issubdtype(
         jnp.asarray(x).dtype, jnp.floating) else x), params)
     flat = flatten(cast)
     from safetensors.numpy import save_file
 
-    tmp = out / (PARAMS + ".tmp")
-    save_file(flat, tmp, metadata=FORMAT)
-    os.replace(tmp, out / PARAMS)
     shapes = jax.tree.map(lambda x: list(np.shape(x)), cast)
-    (out / HEAD_JSON).write_text(json.dumps(
-        {**meta, "shapes": shapes, "dtypes": {"float": jnp.dtype(dtype).name}}, indent=1))
+    try:
+        with _atomic.replace_dir(out) as tmp:
+            save_file(flat, tmp / PARAMS, metadata=FORMAT)
+            _sort_metadata(tmp / PARAMS)
+            (tmp / HEAD_JSON).write_text(json.dumps(
+                {**meta, "shapes": shapes, "dtypes": {"float": jnp.dtype(dtype).name},
+                 SHA_KEY: file_sha256(tmp / PARAMS)}, indent=1))
+    except _atomic.OutputError as e:
+        raise CheckpointError(str(e)) from None
     return out
+
+
+def _sort_metadata(f: Path) -> None:
+    """Rewrites the safetensors header of ``f`` in place with its ``__metadata__`` keys
+    sorted (the writer orders them at random), so the same parameters write the same
+    bytes, and so the same ``params_sha256``. The header keeps its length."""
+    import struct
+
+    with open(f, "r+b") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        raw = fh.read(n)
+        header = json.loads(raw)
+        if isinstance(header.get("__metadata__"), dict):
+            header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        new = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(new) <= n:  # as the writer's: compact JSON, padded with spaces
+            fh.seek(8)
+            fh.write(new + b" " * (n - len(new)))
+
+
+SHA_KEY = "params_sha256"  # head.json: the SHA-256 of params.safetensors (hex)
+
+
+def file_sha256(f: str | Path) -> str:
+    """The SHA-256 of the file ``f``, as hex."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(f, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_sha256(head_dir: str | Path, meta: dict) -> None:
+    """``CheckpointError`` (one line naming the file) when ``head.json``'s ``meta`` records
+    a SHA-256 of ``params.safetensors`` that the file in ``head_dir`` no longer has; heads
+    exported before the field was written pass unchecked."""
+    want = meta.get(SHA_KEY)
+    if want is None:
+        return
+    f = Path(head_dir).absolute() / PARAMS
+    if not isinstance(want, str):
+        raise CheckpointError(f"{f.parent / HEAD_JSON}: {SHA_KEY} is {want!r}, not a hex "
+                              f"SHA-256")
+    if f.is_file() and file_sha256(f) != want.lower():
+        raise CheckpointError(f"{f} is corrupt or truncated: its SHA-256 differs from the "
+                              f"one {HEAD_JSON} records (export the head again)")
 
 
 # ----------------------------------------------------------------------------- reading
@@ -199,6 +255,10 @@ def read_meta(path: str | Path, kind: str) -> dict:
     """``head.json`` of an exported head of ``kind``; a clear error otherwise."""
     p = Path(path).absolute()
     meta_f = p / HEAD_JSON
+    if not os.path.lexists(p):  # an export killed between its renames: its old head back
+        from specjax import _atomic
+
+        _atomic.recover(p)
     if not meta_f.exists():
         raise CheckpointError(f"{p} is not an exported head (no {HEAD_JSON})")
     try:
@@ -223,10 +283,12 @@ def load_head(path: str | Path, kind: str, like: Any | None = None, *,
     (replicated on every device of the mesh) when ``specs`` is None.
 
     ``CheckpointError`` when ``path`` is not a head of ``kind``, its files are corrupt or
-    truncated, or (given ``like``) its parameter names and shapes differ from ``like``'s."""
+    truncated (``params.safetensors`` is checked against the SHA-256 ``head.json`` records,
+    where it records one: ``check_sha256``), or (given ``like``) its parameter names and shapes differ from ``like``'s."""
     p = Path(path).absolute()
     meta = read_meta(p, kind)
     if (p / PARAMS).is_file():
+        check_sha256(p, meta)
         params = _read_safetensors(p / PARAMS)
     elif (p / LEGACY_PARAMS).is_dir():
         params = _read_orbax(p / LEGACY_PARAMS)
@@ -303,5 +365,5 @@ def _read_orbax(d: Path) -> Any:
                               f"({type(e).__name__}: {str(e)[:300]})") from e
 
 
-__all__ = ["CheckpointError", "export_head", "replaceable", "read_meta", "load_head", "place", "flatten",
+__all__ = ["CheckpointError", "export_head", "replaceable", "file_sha256", "check_sha256", "read_meta", "load_head", "place", "flatten",
            "unflatten", "shipped_dir"]

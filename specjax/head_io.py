@@ -157,6 +157,24 @@ def save_eagle3(params: Any, out_dir: str | Path, record: Record | None = None, 
                  {"vocab_ids": _ids(vocab_ids), "layers": [int(x) for x in layers]}, dtype)
 
 
+def _int_list(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool)
+                                       for x in v)
+
+
+def eagle3_fields(meta: dict) -> tuple[list[int], list[int]]:
+    """``(vocab_ids, layers)`` of the EAGLE-3 head ``head.json``'s ``meta`` describes: its
+    draft vocabulary (a non-empty list of token ids) and fused layers (a list of layer
+    numbers). ``TypeError`` naming the field otherwise (``null``, a string such as
+    ``"2,3,3"``)."""
+    ids, layers = meta.get("vocab_ids"), meta.get("layers")
+    if not _int_list(ids) or not ids:
+        raise TypeError(f"vocab_ids is {str(ids)[:40]}, not a list of token ids")
+    if not _int_list(layers) or not layers:
+        raise TypeError(f"layers is {layers!r}, not a list of layer numbers")
+    return ids, layers
+
+
 def load_eagle3(path: str | Path, target_cfg, *, mesh=None, specs=None) -> tuple[dict, dict]:
     """``(params, meta)`` of the EAGLE-3 head in ``path`` for a target of ``target_cfg``
     (its draft vocabulary is ``meta["vocab_ids"]``, its fused layers ``meta["layers"]``);
@@ -166,7 +184,7 @@ def load_eagle3(path: str | Path, target_cfg, *, mesh=None, specs=None) -> tuple
 
     meta = export.read_meta(path, EAGLE3)
     like = _template(path, EAGLE3, lambda: eagle3.init_head(target_cfg, jax.random.key(0),
-                                                      len(meta["vocab_ids"])))
+                                                      len(eagle3_fields(meta)[0])))
     return export.load_head(path, EAGLE3, like=like, mesh=mesh, specs=specs)
 
 
@@ -247,5 +265,6 @@ def load_exit_heads(path: str | Path, target, dtype=jnp.float32) -> tuple[dict, 
 
 __all__ = ["Record", "EAGLE", "EAGLE3", "REDRAFTER", "EXIT_HEADS", "save_eagle", "load_eagle",
            "eagle_attn_norm", "eagle_layers",
-           "save_eagle3", "load_eagle3", "save_redrafter", "load_redrafter", "redrafter_vocab",
+           "save_eagle3", "load_eagle3", "eagle3_fields", "save_redrafter", "load_redrafter",
+           "redrafter_vocab",
            "save_exit_heads", "load_exit_heads"]

@@ -32,7 +32,13 @@ def _head_kind(head_dir: str) -> str:
         meta = json.loads((p / "head.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise UsageError(f"HEAD_DIR {head_dir}: cannot read head.json ({e})") from None
-    return meta.get("kind") if isinstance(meta, dict) else None
+    if not isinstance(meta, dict):
+        raise UsageError(f"HEAD_DIR {head_dir}: head.json holds a JSON "
+                         f"{type(meta).__name__}, not an object; export the head again")
+    if "kind" not in meta:
+        raise UsageError(f"HEAD_DIR {head_dir}: head.json names no kind (eagle or eagle3); "
+                         "export the head again")
+    return meta["kind"]
 
 
 def target_config(model: str):
@@ -48,7 +54,7 @@ def cmd_convert(args) -> int:
     import jax
     import numpy as np
 
-    from specjax import export
+    from specjax import _atomic, export, head_io
     from specjax.drafters import published
 
     kind = _head_kind(args.head_dir)
@@ -56,15 +62,22 @@ def cmd_convert(args) -> int:
         hint = f": use --to {kind}" if kind in KINDS else ", which has no published layout"
         raise UsageError(f"{args.head_dir} holds an exported {kind!r} head, not "
                          f"{args.to!r}{hint}")
+    out = Path(args.out_dir).absolute()
     try:
-        published.check_out_dir(Path(args.out_dir).absolute())
+        _atomic.check_writable(out, f"OUT_DIR {args.out_dir}")
+        _atomic.recover(out)  # a conversion a kill moved aside is back before the check
+        published.check_out_dir(out)
     except FileExistsError as e:
         raise UsageError(f"OUT_DIR {e}") from None
-    params, meta = export.load_head(args.head_dir, kind)
-    model = args.model or meta.get("model")
+    except _atomic.OutputError as e:
+        raise UsageError(str(e)) from None
+    model = args.model or export.read_meta(args.head_dir, kind).get("model")
     if not model:
         raise UsageError(f"{args.head_dir}'s head.json names no target: pass --model")
     cfg = target_config(model)
+    # the validating loader decoding uses: head.json's sizes, vocabulary and layers checked
+    load = head_io.load_eagle3 if kind == "eagle3" else head_io.load_eagle
+    params, meta = load(args.head_dir, cfg)
     params = jax.tree.map(np.asarray, params)
     out = published.save(kind, params, args.out_dir, cfg, vocab_ids=meta.get("vocab_ids"),
                          layers=meta.get("layers"), draft_vocab=meta.get("draft_vocab") or 0,

@@ -29,11 +29,14 @@ def _check_ranges(args, command: str) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {low}, got {v}")
 
 
-def _check_export(path: str | None) -> None:
+def _check_export(path: str | None, init: str | None = None) -> None:
     """``--export`` can be written, and holds nothing ``export_head`` would refuse to
-    replace (only an exported head, or nothing): refused before any work, not after
-    training."""
+    replace (only an exported head, or nothing), and is not the head ``--init`` starts
+    from (the same directory resolved): refused before any work, not after training."""
     common.writable(path, "--export", directory=True)
+    if path is not None and init is not None and Path(init).resolve() == Path(path).resolve():
+        raise UsageError(f"--export {path} is the head --init {init} starts from; export to "
+                         "another directory (the starting head would be overwritten)")
     if path is None or not Path(path).is_dir():
         return
     from specjax import export
@@ -46,7 +49,7 @@ def _check_export(path: str | None) -> None:
 def _check_outputs(args) -> None:
     """The run directory and the export directory can be written, before any work."""
     common.writable(args.run, "--run", directory=True)
-    _check_export(args.export)
+    _check_export(args.export, getattr(args, "init", None))
 
 
 def _input_dir(path: str, flag: str) -> Path:
@@ -392,7 +395,7 @@ def _onpolicy_settings(args):
     mesh = common.mesh(args, rows=None)  # any batch: decode rounds and minibatches are padded
     common.writable(args.run, "--run", directory=True)
     common.writable(args.shards, "--shards", directory=True)
-    _check_export(args.export)
+    _check_export(args.export, None if args.init in ("shipped", "none") else args.init)
     sources = _sources(args, onpolicy.check_sources)
     _check_prompts(args.prompts)
     cfg = glue.from_args(onpolicy.OnPolicyConfig, args, sources=sources,

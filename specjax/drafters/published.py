@@ -578,28 +578,21 @@ def save(kind: str, params: dict, out_dir: str | Path, target_cfg, *, spec=None,
     embedding ``embedding_note`` names: its own if ``params`` has ``embed``, else the
     target's."""
     import json
-    import os
-    import shutil
 
     from safetensors.numpy import save_file
 
+    from specjax import _atomic
+
     out = Path(out_dir).absolute()
+    _atomic.recover(out)  # a conversion a kill moved aside is back before the check
     check_out_dir(out)
     cfg, tensors = to_published(kind, params, target_cfg, spec=spec, vocab_ids=vocab_ids,
                                 layers=layers, draft_vocab=draft_vocab, dtype=dtype,
                                 for_sglang=for_sglang)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with _atomic.replace_dir(out) as tmp:  # swapped in whole: a kill leaves old or new
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         load(tmp, target_cfg)  # what was written reads back, for this target
-        out.mkdir(parents=True, exist_ok=True)
-        for name in SAVED_FILES:
-            os.replace(tmp / name, out / name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
