@@ -208,18 +208,44 @@ def save_shard(path: Path, examples) -> None:
     tmp.rename(path)  # a shard exists only once complete
 
 
+class ShardReadError(ValueError):
+    """A distilled shard that cannot be read whole (its zip's CRC-32s, its arrays)."""
+
+
+def _read_shard(p: Path) -> dict[str, np.ndarray]:
+    """The arrays of shard ``p``, each read whole (so ``zipfile`` checks its CRC-32);
+    ``ShardReadError`` naming ``p`` when it is damaged or its arrays do not fit together."""
+    try:
+        with np.load(p) as z:
+            a = {k: z[k] for k in ("tokens", "lengths", "prompt_lens", "feats")}
+        lengths, tokens, feats = a["lengths"], a["tokens"], a["feats"]
+        if (tokens.ndim != 1 or lengths.ndim != 1 or feats.ndim != 2
+                or feats.dtype != np.uint16 or a["prompt_lens"].shape != lengths.shape
+                or int(lengths.sum()) != len(tokens) or len(feats) != len(tokens)
+                or np.any(lengths < 1) or np.any(a["prompt_lens"] < 0)
+                or np.any(a["prompt_lens"] > lengths)):
+            raise ValueError("its tokens, lengths, prompt_lens and feats do not fit together")
+    except Exception as e:  # noqa: BLE001 -- zipfile and np.lib.format fail many ways
+        raise ShardReadError(f"{p} is damaged ({type(e).__name__}: {e}); delete it and rerun "
+                             "the command that wrote it (`specjax distill` writes the missing "
+                             "shards and keeps the others)") from None
+    return a
+
+
 def load_shards(data: str | Path) -> list[tuple[np.ndarray, int, np.ndarray]]:
-    """Every example of a distilled corpus: ``(tokens, prompt_len, feats bfloat16)``."""
+    """Every example of a distilled corpus: ``(tokens, prompt_len, feats bfloat16)``.
+    ``ShardReadError`` naming a shard that is damaged (a bad CRC-32, arrays that do not
+    fit together)."""
     paths = sorted(Path(data).glob("shard_*.npz"))
     if not paths:
         raise FileNotFoundError(f"no shard_*.npz in {data}: run `specjax distill` first")
     out = []
     for p in paths:
-        z = np.load(p)
-        feats = z["feats"].view(ml_dtypes.bfloat16)
+        z = _read_shard(p)
+        tokens, feats = z["tokens"], z["feats"].view(ml_dtypes.bfloat16)
         ends = np.cumsum(z["lengths"])
         for e, n, pl in zip(ends, z["lengths"], z["prompt_lens"]):
-            out.append((z["tokens"][e - n:e], int(pl), feats[e - n:e]))
+            out.append((tokens[e - n:e], int(pl), feats[e - n:e]))
     return out
 
 

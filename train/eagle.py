@@ -17,7 +17,6 @@ checkpoint resumes to the same parameters as one that never stopped.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Sequence
 
@@ -78,9 +77,10 @@ def check_run_layout(run_dir: str | Path, attn_norm: bool) -> None:
     EAGLE-1/2 head with the layer's ``attn_norm`` where ``attn_norm`` says without, or the
     reverse (absent from ``run.json``: with it): its checkpoints hold the other tree."""
     from specjax.export import CheckpointError
+    from specjax.train.checkpoint import read_run
 
-    f = Path(run_dir) / "run.json"
-    saved = json.loads(f.read_text()).get("attn_norm", True) if f.is_file() else attn_norm
+    run = read_run(run_dir)  # a damaged run.json: CheckpointError naming it
+    saved = attn_norm if run is None else run.get("attn_norm", True)
     if saved != attn_norm:
         raise CheckpointError(f"{run_dir} holds a run of a head {'with' if saved else 'without'}"
                               f" attn_norm; {'drop' if saved else 'pass'} --no-attn-norm "

@@ -47,9 +47,19 @@ def _check_export(path: str | None, init: str | None = None) -> None:
 
 
 def _check_outputs(args) -> None:
-    """The run directory and the export directory can be written, before any work."""
+    """The run directory and the export directory can be written, and the run's
+    ``run.json`` is readable, before any work."""
     common.writable(args.run, "--run", directory=True)
+    _check_run_record(args.run)
     _check_export(args.export, getattr(args, "init", None))
+
+
+def _check_run_record(run: str | None) -> None:
+    """``run/run.json``, where there is one, is a readable record (``CheckpointError``)."""
+    if run:
+        from specjax.train import checkpoint
+
+        checkpoint.read_run(run)
 
 
 def _input_dir(path: str, flag: str) -> Path:
@@ -394,6 +404,7 @@ def _onpolicy_settings(args):
     _check_ranges(args, "onpolicy")
     mesh = common.mesh(args, rows=None)  # any batch: decode rounds and minibatches are padded
     common.writable(args.run, "--run", directory=True)
+    _check_run_record(args.run)
     common.writable(args.shards, "--shards", directory=True)
     _check_export(args.export, None if args.init in ("shipped", "none") else args.init)
     sources = _sources(args, onpolicy.check_sources)
@@ -442,6 +453,10 @@ def cmd_train_onpolicy(args) -> int:
     _check_onpolicy_layout(args)
     _check_mix(args)
     cfg, pool, start, vocab_ids, mesh = _onpolicy_inputs(args, kind)
+    if args.feature_cache:  # truncated files, found before the target loads
+        target = (shards.read_manifest(args.shards) or {}).get("target")
+        FeatureCache(args.feature_cache).check(
+            target.get("hash") if isinstance(target, dict) else None)
     lm = _load(args, vocab=True, mesh=mesh)  # unsharded: the store's hash is the weights'
     store, thash = _open_store(args, lm, cfg)
     mix = []
