@@ -311,3 +311,313 @@ def test_a_flipped_tensor_info_byte_is_refused_or_reads_the_same(tmp_path):
     with pytest.raises(WeightLoadError) as e:
         loading._open_gguf(f)
     _one_line(e, str(f), "32 bytes after the last tensor ('b.weight') belong to no tensor")
+
+
+# ---------------------------------------------------------------------------- feature cache
+
+def _feature_store(root):
+    """A small shard store (another target's: nothing here loads one) and a ``compute``
+    giving each row deterministic features ``[n, 4]``."""
+    from specjax.train import onpolicy, shards
+    from test_train_inputs import CFG
+
+    store = shards.ShardStore(root, {"target": {"name": "other", "hash": "0" * 16},
+                                     **onpolicy.store_settings(CFG, "none")}, 128)
+    store.append([f"p#{i}" for i in range(3)], [(np.arange(3, 9 + i), 2) for i in range(3)])
+
+    def compute(rows):
+        return [(t, pl, np.outer(np.asarray(t, np.float32), np.arange(1, 5, dtype=np.float32)))
+                for t, pl in rows]
+
+    return store, compute
+
+
+def _never(rows):
+    raise AssertionError("the cache recomputed a cached shard")
+
+
+LAYERS = (1, 2)
+
+
+def test_a_feature_file_records_its_sha256_and_a_flipped_byte_is_refused(tmp_path):
+    """Every byte of a cached ``.npy`` flipped: refused in one line naming the file (before,
+    a flipped feature value trained silently). Every byte of its JSON flipped: refused, or
+    the same features."""
+    from specjax.train.feature_cache import FeatureCache, FeatureCacheError
+
+    store, compute = _feature_store(tmp_path / "store")
+    want = FeatureCache(tmp_path / "c").examples(store, 0, LAYERS, compute)
+    path = FeatureCache(tmp_path / "c").path(store, 0, LAYERS)
+    meta = path.with_suffix(".json")
+    record = json.loads(meta.read_text())
+    assert record["bytes"] == path.stat().st_size and len(record["sha256"]) == 64
+    got = FeatureCache(tmp_path / "c").examples(store, 0, LAYERS, _never)
+    for (_, _, f), (_, _, g) in zip(got, want):
+        np.testing.assert_array_equal(f, g)
+    raw, raw_meta = path.read_bytes(), meta.read_bytes()
+    for i in range(len(raw)):
+        path.write_bytes(raw[:i] + bytes([raw[i] ^ 0x01]) + raw[i + 1:])
+        with pytest.raises(FeatureCacheError) as e:
+            FeatureCache(tmp_path / "c").examples(store, 0, LAYERS, _never)
+        _one_line(e, str(path))
+    path.write_bytes(raw)
+    same = 0
+    for i in range(len(raw_meta)):
+        meta.write_bytes(raw_meta[:i] + bytes([raw_meta[i] ^ 0x01]) + raw_meta[i + 1:])
+        try:
+            got = FeatureCache(tmp_path / "c").examples(store, 0, LAYERS, _never)
+        except FeatureCacheError as e:
+            assert "\n" not in str(e) and str(path.parent) in str(e), (i, str(e))
+            continue
+        for (_, _, f), (_, _, g) in zip(got, want):
+            np.testing.assert_array_equal(f, g)
+        same += 1
+    assert same < len(raw_meta) // 2  # most flips break the JSON or its checksum
+
+
+def test_a_truncated_feature_file_is_named(tmp_path):
+    """Before: "mmap length is greater than file size", naming no file."""
+    from specjax.train.feature_cache import FeatureCache, FeatureCacheError
+
+    store, compute = _feature_store(tmp_path / "store")
+    cache = FeatureCache(tmp_path / "c")
+    cache.examples(store, 0, LAYERS, compute)
+    path = cache.path(store, 0, LAYERS)
+    path.write_bytes(path.read_bytes()[:-40])
+    for check in (lambda c: c.examples(store, 0, LAYERS, _never), lambda c: c.check("0" * 16)):
+        with pytest.raises(FeatureCacheError) as e:
+            check(FeatureCache(tmp_path / "c"))
+        _one_line(e, str(path), "truncated or damaged; delete it")
+
+
+def test_a_feature_file_without_its_json_is_computed_again(tmp_path):
+    """A cache written before the JSONs existed (or a kill between the two writes): the
+    features are computed again and the file rewritten with its JSON."""
+    from specjax.train.feature_cache import FeatureCache
+
+    store, compute = _feature_store(tmp_path / "store")
+    cache = FeatureCache(tmp_path / "c")
+    cache.examples(store, 0, LAYERS, compute)
+    path = cache.path(store, 0, LAYERS)
+    path.with_suffix(".json").unlink()
+    calls = []
+    FeatureCache(tmp_path / "c").examples(store, 0, LAYERS,
+                                          lambda rows: calls.append(1) or compute(rows))
+    assert calls == [1] and path.with_suffix(".json").is_file()
+    FeatureCache(tmp_path / "c").examples(store, 0, LAYERS, _never)
+
+
+# ------------------------------------------------------------------ the CLI, before the model
+
+@pytest.fixture
+def inputs(tmp_path):
+    from test_train_inputs import _inputs
+
+    return _inputs(tmp_path)
+
+
+def _cli(argv, d, capsys, monkeypatch) -> tuple[int, str]:
+    from test_train_inputs import _main
+
+    monkeypatch.delenv("SPECJAX_DEBUG", raising=False)
+    return _main(argv, d, capsys)
+
+
+def test_a_truncated_feature_file_is_refused_before_the_target_loads(inputs, no_model,  # noqa: F811
+                                                                     capsys, monkeypatch):
+    from test_train_inputs import ONPOLICY
+
+    f = inputs / "feats" / ("0" * 16) / "layers-1-2" / "abc.npy"
+    f.parent.mkdir(parents=True)
+    np.save(f, np.ones((5, 4), np.float32))
+    f.with_suffix(".json").write_text(json.dumps({"bytes": f.stat().st_size, "sha256": "0"}))
+    f.write_bytes(f.read_bytes()[:-8])
+    code, err = _cli([*ONPOLICY, "--feature-cache", "{d}/feats"], inputs, capsys, monkeypatch)
+    assert code == 1 and len(err.splitlines()) == 1, err
+    assert f"{f} holds" in err and "truncated or damaged" in err, err
+
+
+def test_a_corrupt_run_json_is_named_before_the_target_loads(inputs, no_model, capsys,  # noqa: F811
+                                                             monkeypatch):
+    """Before: a bare JSON error (``train eagle``: after the target loaded)."""
+    from test_train_inputs import EAGLE, ONPOLICY
+
+    (inputs / "run").mkdir()
+    (inputs / "run" / "run.json").write_text('{"kind": "eagle", "st')
+    for argv in (EAGLE, ONPOLICY):
+        code, err = _cli(argv, inputs, capsys, monkeypatch)
+        assert code == 1 and len(err.splitlines()) == 1, err
+        assert f"{inputs / 'run' / 'run.json'} is not readable JSON" in err, err
+        assert "use another --run directory" in err, err
+
+
+def test_a_run_json_list_is_named(tmp_path):
+    from specjax.export import CheckpointError
+    from specjax.train import checkpoint
+    from specjax.train import eagle as train_eagle
+
+    (tmp_path / "run.json").write_text("[1, 2]")
+    for read in (checkpoint.read_run, lambda d: train_eagle.check_run_layout(d, True),
+                 lambda d: checkpoint.check_run(d, {"kind": "eagle"})):
+        with pytest.raises(CheckpointError) as e:
+            read(tmp_path)
+        _one_line(e, str(tmp_path / "run.json"), "a JSON list, not an object")
+
+
+def test_a_damaged_distill_shard_is_named_before_the_target_loads(inputs, no_model, capsys,  # noqa: F811
+                                                                  monkeypatch):
+    """Before: "BadZipFile: Bad CRC-32 for file 'feats.npy'", naming no shard."""
+    from test_train_inputs import EAGLE
+
+    shard = inputs / "data" / "shard_00000.npz"
+    raw = bytearray(shard.read_bytes())
+    at = raw.index(b"feats.npy") + 200  # inside the feats array's bytes
+    raw[at] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    code, err = _cli(EAGLE, inputs, capsys, monkeypatch)
+    assert code == 1 and len(err.splitlines()) == 1, err
+    assert f"{shard} is damaged (BadZipFile: Bad CRC-32" in err, err
+    assert "delete it and rerun" in err, err
+
+
+def test_every_flipped_byte_of_a_distill_shard_is_refused_or_reads_the_same(tmp_path):
+    import ml_dtypes
+
+    from specjax.train import distill
+
+    ex = [(np.arange(3, 9, dtype=np.int32), 2,
+           np.arange(12, dtype=np.float32).reshape(6, 2).astype(ml_dtypes.bfloat16)),
+          (np.arange(1, 4, dtype=np.int32), 1, np.ones((3, 2), ml_dtypes.bfloat16))]
+    d = tmp_path / "data"
+    d.mkdir()
+    distill.save_shard(d / "shard_00000.npz", ex)
+    raw = (d / "shard_00000.npz").read_bytes()
+    for i in range(len(raw)):
+        (d / "shard_00000.npz").write_bytes(raw[:i] + bytes([raw[i] ^ 0x01]) + raw[i + 1:])
+        try:
+            got = distill.load_shards(d)
+        except distill.ShardReadError as e:
+            assert "\n" not in str(e) and str(d / "shard_00000.npz") in str(e), (i, str(e))
+            continue
+        assert len(got) == len(ex), i
+        for (t, pl, f), (t0, pl0, f0) in zip(got, ex):
+            assert pl == pl0, i
+            np.testing.assert_array_equal(t, t0, err_msg=str(i))
+            np.testing.assert_array_equal(f.astype(np.float32), f0.astype(np.float32),
+                                          err_msg=str(i))
+
+
+# ----------------------------------------------------------------------------- Orbax steps
+
+def _state(step: int) -> dict:
+    w = np.arange(64, dtype=np.float32).reshape(8, 8) + step
+    return {"params": {"w": w}, "opt_state": {"m": w * 0.5}, "step": np.int32(step)}
+
+
+def _train(run, steps: int, keep_log: bool = False):
+    """A toy run to ``steps`` (the state is a function of the step), saving every step;
+    Orbax keeps the last two."""
+    import jax.numpy as jnp
+
+    from specjax.train import loop
+
+    state, mngr = loop.resume(run, {"kind": "toy"}, jax_tree(_state(0)))
+    step = lambda st, s: (jax_tree(_state(s + 1)), {"loss": jnp.float32(s)})  # noqa: E731
+    return loop.run_steps(state, step, mngr, steps=steps, save_every=1)
+
+
+def jax_tree(tree):
+    import jax
+
+    return jax.tree.map(jax.numpy.asarray, tree)
+
+
+def _resume(run):
+    """The state ``loop.resume`` restores from ``run`` (the manager closed)."""
+    from specjax.train import loop
+
+    state, mngr = loop.resume(run, {"kind": "toy"}, jax_tree(_state(0)))
+    mngr.close()
+    return state
+
+
+def _data_files(step_dir):
+    from specjax.train import checkpoint
+
+    return [p for p in sorted(step_dir.rglob("*"))
+            if p.is_file() and p.name != checkpoint.MANIFEST]
+
+
+def test_every_kept_step_has_a_manifest_of_its_files(tmp_path):
+    from specjax.train import checkpoint
+
+    _train(tmp_path / "run", 4)
+    steps = sorted(int(p.name) for p in (tmp_path / "run" / "ckpt").iterdir() if p.is_dir())
+    assert steps == [3, 4]
+    for s in steps:
+        d = tmp_path / "run" / "ckpt" / str(s)
+        m = json.loads((d / checkpoint.MANIFEST).read_text())["files"]
+        assert sorted(m) == sorted(p.relative_to(d).as_posix() for p in _data_files(d))
+        assert checkpoint.check_manifest(d) is None
+
+
+def test_a_flipped_byte_in_any_file_of_a_step_falls_back_to_the_step_before(tmp_path, capsys):
+    """Before: 8 bytes flipped in a step's data file resumed silently and trained on. Now
+    one byte flipped in any file of the latest step (its data, Orbax's metadata, the
+    manifest itself): the step is set aside, saying so in one line, and the run resumes
+    from the step before, which restores exactly."""
+    import shutil
+
+    _train(tmp_path / "clean", 4)
+    clean = tmp_path / "clean" / "ckpt" / "4"
+    files = [p.relative_to(clean) for p in sorted(clean.rglob("*")) if p.is_file()]
+    assert len(files) >= 3
+    for rel in files:
+        run = tmp_path / "runs" / str(rel).replace("/", "_")
+        shutil.copytree(tmp_path / "clean", run)
+        f = run / "ckpt" / "4" / rel
+        raw = bytearray(f.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        f.write_bytes(bytes(raw))
+        capsys.readouterr()
+        state = _resume(run)
+        assert int(state["step"]) == 3, rel
+        np.testing.assert_array_equal(np.asarray(state["params"]["w"]), _state(3)["params"]["w"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "checkpoint step 4 in" in err[0], (rel, err)
+        assert "is damaged" in err[0] and "resuming from the step before it" in err[0], err
+        assert not (run / "ckpt" / "4").exists() and (run / "ckpt-damaged" / "4").is_dir()
+
+
+def test_a_resumed_run_after_a_fallback_trains_on_to_the_same_state(tmp_path):
+    """The step set aside is trained again: the run ends where an undamaged one does."""
+    _train(tmp_path / "run", 4)
+    f = _data_files(tmp_path / "run" / "ckpt" / "4")[-1]
+    f.write_bytes(f.read_bytes()[:-1] + bytes([f.read_bytes()[-1] ^ 0xFF]))
+    state = _train(tmp_path / "run", 6)
+    assert int(state["step"]) == 6
+    assert _resume(tmp_path / "run")["step"] == 6
+
+
+def test_when_every_step_is_damaged_the_run_is_refused_in_one_line(tmp_path):
+    from specjax.export import CheckpointError
+
+    _train(tmp_path / "run", 4)
+    for s in (3, 4):
+        (tmp_path / "run" / "ckpt" / str(s) / "specjax_sha256.json").write_text("{")
+    with pytest.raises(CheckpointError) as e:
+        _resume(tmp_path / "run")
+    ckpt = tmp_path / "run" / "ckpt"
+    _one_line(e, f"every checkpoint in {ckpt} is corrupt (step 4: its manifest",
+              f"remove {ckpt / '4'} and {ckpt / '3'} to train from the start")
+
+
+def test_steps_saved_before_manifests_existed_still_resume(tmp_path):
+    from specjax.train import checkpoint
+
+    _train(tmp_path / "run", 4)
+    for s in (3, 4):
+        (tmp_path / "run" / "ckpt" / str(s) / checkpoint.MANIFEST).unlink()
+    state = _resume(tmp_path / "run")
+    assert int(state["step"]) == 4
+    np.testing.assert_array_equal(np.asarray(state["opt_state"]["m"]), _state(4)["opt_state"]["m"])

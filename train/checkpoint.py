@@ -11,13 +11,27 @@ shards it holds; process 0 commits the step once all have written, so an unfinis
 is never ``latest_step``), and the run's own files (``run.json``) are written by process 0
 alone (:func:`is_main`), the others waiting at a :func:`barrier`. The run directory must
 then be one shared filesystem path for every process.
+
+Orbax keeps no checksums, so each step proves it is whole with a manifest,
+``<step>/specjax_sha256.json``: the SHA-256 of every file in the step's directory, written
+by process 0 once the save has committed (when the manager next waits for its writes: at
+the next save, a ``wait_until_finished`` or ``close``). Before a restore every process
+checks the latest step against its manifest; a damaged step (a file missing, added, or not
+matching) is moved to ``ckpt-damaged/<step>`` beside ``ckpt/`` by process 0, with one
+line saying so on stderr, and the run resumes from the step before it (or refuses in one
+line when no whole step is left). A step without a manifest (saved before manifests
+existed, or by a run killed between the commit and the manifest) is accepted as Orbax
+wrote it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +77,8 @@ def check_run(run_dir: Path, meta: dict) -> None:
     returns once it has (:func:`barrier`)."""
     meta = json.loads(json.dumps(meta))  # tuples compare as the lists they are saved as
     f = run_dir / "run.json"
-    if f.exists():
-        old = json.loads(f.read_text())
+    old = read_run(run_dir)
+    if old is not None:
         diff = {k: (old.get(k), meta.get(k)) for k in sorted(meta.keys() | old.keys())
                 if old.get(k) != meta.get(k)}
         if diff:
@@ -78,6 +92,25 @@ def check_run(run_dir: Path, meta: dict) -> None:
     barrier("check_run: written")
 
 
+def read_run(run_dir: str | Path) -> dict | None:
+    """``run_dir/run.json`` (None where there is none); ``CheckpointError`` naming it, and
+    what to do, when it is not a JSON object."""
+    f = Path(run_dir) / "run.json"
+    if not f.is_file():
+        return None
+    try:
+        got = json.loads(f.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        got = e
+    if not isinstance(got, dict):
+        what = (f"not readable JSON ({got})" if isinstance(got, Exception)
+                else f"a JSON {type(got).__name__}, not an object")
+        raise CheckpointError(f"{f} is {what}: the run's record is damaged; restore it, or "
+                              "use another --run directory (or delete it, if the "
+                              "checkpoints beside it are of this configuration)")
+    return got
+
+
 def _write_atomic(path: Path, text: str) -> None:
     """``path`` holding ``text``, written under a temporary name and renamed."""
     tmp = path.with_name(f"tmp_{path.name}")
@@ -85,9 +118,120 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+MANIFEST = "specjax_sha256.json"  # in each step's directory
+_TMP_MANIFEST = "tmp_" + MANIFEST
+
+
+def _step_files(step_dir: Path) -> dict[str, Path]:
+    """Every file under ``step_dir`` but its manifest, by path relative to it."""
+    return {p.relative_to(step_dir).as_posix(): p for p in sorted(step_dir.rglob("*"))
+            if p.is_file() and p.name not in (MANIFEST, _TMP_MANIFEST)}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(16 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(step_dir: Path) -> None:
+    """``step_dir/specjax_sha256.json``: the SHA-256 of every other file in the committed
+    step ``step_dir`` (written under a temporary name and renamed)."""
+    files = {k: _sha256(p) for k, p in _step_files(step_dir).items()}
+    tmp = step_dir / _TMP_MANIFEST
+    tmp.write_text(json.dumps({"files": files}, indent=1, sort_keys=True))
+    tmp.replace(step_dir / MANIFEST)
+
+
+def check_manifest(step_dir: Path) -> str | None:
+    """What is wrong with the step ``step_dir`` by its manifest (None: it is whole, or has
+    no manifest)."""
+    f = step_dir / MANIFEST
+    if not f.is_file():
+        return None
+    try:
+        want = json.loads(f.read_text())["files"]
+        assert isinstance(want, dict) and all(isinstance(v, str) for v in want.values())
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError, AssertionError):
+        return f"its manifest {MANIFEST} is not readable"
+    have = _step_files(step_dir)
+    for name in sorted(want.keys() | have.keys()):
+        if name not in have:
+            return f"{name} is missing"
+        if name not in want:
+            return f"{name} is not in its manifest"
+        if _sha256(have[name]) != want[name]:
+            return f"{name} does not match its SHA-256 in {MANIFEST}"
+    return None
+
+
+class Manager(ocp.CheckpointManager):
+    """An Orbax ``CheckpointManager`` whose saves each get a checksum manifest
+    (:func:`write_manifest`) once committed: process 0 writes those of the steps this
+    manager saved whenever it waits for its writes (which every save, ``close`` and
+    :func:`finish` do)."""
+
+    def __init__(self, *a, **kw):
+        self._unproved: list[int] = []
+        super().__init__(*a, **kw)
+
+    def save(self, step, *a, **kw):
+        saved = super().save(step, *a, **kw)
+        if saved:
+            self._unproved.append(int(step))
+        return saved
+
+    def wait_until_finished(self):
+        super().wait_until_finished()
+        todo, self._unproved = self._unproved, []
+        if not is_main():
+            return
+        for step in todo:
+            d = Path(self.directory) / str(step)
+            if d.is_dir():  # else deleted already (max_to_keep)
+                write_manifest(d)
+
+
 def manager(run_dir: Path, keep: int = 2) -> ocp.CheckpointManager:
     opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
-    return ocp.CheckpointManager((run_dir / "ckpt").absolute(), options=opts)
+    return Manager((run_dir / "ckpt").absolute(), options=opts)
+
+
+def _set_aside_damaged(mngr: ocp.CheckpointManager) -> None:
+    """Checks the latest steps against their manifests, newest first, until one is whole
+    (or has none); each damaged one is moved to ``ckpt-damaged/`` by process 0, saying so,
+    and ``mngr`` reloaded. ``CheckpointError`` when no whole step is left."""
+    root = Path(mngr.directory)
+    damaged = []
+    for step in sorted(mngr.all_steps(), reverse=True):
+        why = check_manifest(root / str(step))
+        if why is None:
+            break
+        damaged.append((step, why))
+    else:
+        if damaged:
+            steps = "; ".join(f"step {s}: {why}" for s, why in damaged)
+            dirs = " and ".join(str(root / str(s)) for s, _ in damaged)
+            raise CheckpointError(f"every checkpoint in {root} is corrupt ({steps}); remove "
+                                  f"{dirs} to train from the start")
+    if not damaged:
+        return
+    barrier("checkpoint: checked")  # every process has read the damaged steps
+    if is_main():
+        aside = root.parent / "ckpt-damaged"
+        aside.mkdir(exist_ok=True)
+        for step, why in damaged:
+            dest = aside / str(step)
+            if dest.exists():
+                shutil.rmtree(dest)
+            (root / str(step)).rename(dest)
+            print(f"specjax: warning: checkpoint step {step} in {root} is damaged ({why}); "
+                  f"moved to {dest}, resuming from the step before it", file=sys.stderr,
+                  flush=True)
+    barrier("checkpoint: set aside")
+    mngr.reload()
 
 
 @contextlib.contextmanager
@@ -104,8 +248,11 @@ def quiet_absl():
 
 
 def restore_latest(mngr: ocp.CheckpointManager, like: Any) -> tuple[int, Any] | None:
-    """The latest ``(step, state)`` shaped like ``like``, or None for a fresh run."""
+    """The latest whole ``(step, state)`` shaped like ``like``, or None for a fresh run.
+    Steps that their manifests show damaged are set aside first (the run falls back to
+    the step before, saying so)."""
     with quiet_absl():
+        _set_aside_damaged(mngr)
         step = mngr.latest_step()
         if step is None:
             return None
