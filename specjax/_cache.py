@@ -9,9 +9,14 @@ instead of compiling it again. XLA:CPU, GPU and TPU executables are all cached.
 ``SPECJAX_COMPILATION_CACHE`` controls it, read once when specjax is imported:
 
 - unset, empty, ``1``, ``true``, ``yes`` or ``on``: the cache is on, in ``$SPECJAX_CACHE/jax``;
-- ``0``, ``false``, ``no`` or ``off``: specjax leaves JAX's cache settings untouched (JAX
-  caches nothing unless told to by the user);
+- ``0``, ``false``, ``no``, ``off``, ``disable``, ``disabled`` or ``none`` (any case):
+  specjax leaves JAX's cache settings untouched (JAX caches nothing unless told to by the
+  user);
 - anything else is a directory: the cache is on, there.
+
+A directory that cannot hold the cache (the path is a file, lies below a file, or is not
+writable) turns the cache off with one line on stderr saying which path and why, instead
+of JAX's warning at the first compile.
 
 A cache directory the user chose wins: when ``jax_compilation_cache_dir`` is already set
 (``jax.config.update`` before importing specjax, or the ``JAX_COMPILATION_CACHE_DIR``
@@ -44,7 +49,7 @@ in 1-5 s, SmolLM2-135M's in 3-30 s."""
 MAX_BYTES = 4 << 30
 """Cap of the cache directory (4 GiB): least recently used entries are evicted past it."""
 
-_OFF = ("0", "false", "no", "off")
+_OFF = ("0", "false", "no", "off", "disable", "disabled", "none")
 _ON = ("", "1", "true", "yes", "on")
 _enabled = False
 _directory: Path | None = None
@@ -67,6 +72,22 @@ def directory() -> Path | None:
     return _directory
 
 
+def unusable(path: Path) -> str | None:
+    """Why the directory ``path`` cannot hold the cache (a file, below a file, not
+    writable), or None. Missing directories are fine: JAX creates them."""
+    p = Path(path).absolute()
+    if p.exists() and not p.is_dir():
+        return f"{p} is a file, not a directory"
+    probe = p
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is a file, not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable"
+    return None
+
+
 def _configure() -> None:
     global _enabled, _directory
     switch = os.environ.get("SPECJAX_COMPILATION_CACHE", "").strip()
@@ -77,6 +98,16 @@ def _configure() -> None:
     if jax.config.jax_compilation_cache_dir:  # the user's own (config or environment)
         return
     path = default_directory() if switch.lower() in _ON else Path(switch).expanduser()
+    problem = unusable(path)
+    if problem:
+        import sys
+
+        source = (f"SPECJAX_COMPILATION_CACHE={switch}" if switch.lower() not in _ON
+                  else f"the default cache directory {path}")
+        print(f"specjax: warning: compilation cache off: {source}: {problem} (set "
+              f"SPECJAX_COMPILATION_CACHE to a writable directory, or 0 to turn it off)",
+              file=sys.stderr, flush=True)
+        return
     jax.config.update("jax_compilation_cache_dir", str(path))
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_S)

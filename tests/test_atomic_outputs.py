@@ -355,3 +355,42 @@ def test_a_method_some_shapes_do_not_list_is_skipped_and_incomplete():
     skipped, failed = dc.incomplete(res, 8)
     assert skipped == ["s: eagle3:2,2,3 (named by --methods, not listed for this shape)"]
     assert failed == []
+
+
+# ----------------------------------------------------------------------------- compilation cache
+
+CACHE = "import specjax._cache as c; print(c.enabled(), c.directory())"
+
+
+def _cache(tmp_path: Path, switch: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in _env(None).items()
+           if k not in ("JAX_COMPILATION_CACHE_DIR", "SPECJAX_CACHE")}
+    env.update(SPECJAX_COMPILATION_CACHE=switch, SPECJAX_CACHE=str(tmp_path / "cache"))
+    return subprocess.run([sys.executable, "-c", CACHE], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("switch", ["disable", "DISABLED", "none", "off"])
+def test_a_cache_switched_off_by_a_word_creates_no_directory(tmp_path, switch):
+    proc = _cache(tmp_path, switch)
+    assert proc.returncode == 0 and proc.stdout.split() == ["False", "None"], proc.stderr
+    assert _siblings(tmp_path) == []  # no ./disable/ (nor the default directory)
+
+
+def test_a_cache_pointed_at_a_file_is_off_in_one_line(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    for target in ("afile", "afile/sub"):
+        proc = _cache(tmp_path, str(tmp_path / target))
+        assert proc.returncode == 0 and proc.stdout.split() == ["False", "None"]
+        (line,) = proc.stderr.strip().splitlines()
+        assert line.startswith("specjax: warning: compilation cache off: "
+                               f"SPECJAX_COMPILATION_CACHE={tmp_path / target}: ")
+        assert f"{tmp_path / 'afile'} is a file, not a directory" in line
+
+
+def test_an_unwritable_cache_directory_is_named(tmp_path, monkeypatch):
+    from specjax import _cache
+
+    assert _cache.unusable(tmp_path / "new" / "jax") is None  # JAX creates it
+    monkeypatch.setattr(_cache.os, "access", lambda *a: False)  # root writes anywhere
+    assert _cache.unusable(tmp_path / "new" / "jax") == f"{tmp_path} is not writable"
