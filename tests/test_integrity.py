@@ -423,7 +423,7 @@ def _cli(argv, d, capsys, monkeypatch) -> tuple[int, str]:
     return _main(argv, d, capsys)
 
 
-def test_a_truncated_feature_file_is_refused_before_the_target_loads(inputs, no_model,  # noqa: F811
+def test_a_truncated_feature_file_is_refused_before_the_target_loads(inputs, no_model,
                                                                      capsys, monkeypatch):
     from test_train_inputs import ONPOLICY
 
@@ -437,7 +437,7 @@ def test_a_truncated_feature_file_is_refused_before_the_target_loads(inputs, no_
     assert f"{f} holds" in err and "truncated or damaged" in err, err
 
 
-def test_a_corrupt_run_json_is_named_before_the_target_loads(inputs, no_model, capsys,  # noqa: F811
+def test_a_corrupt_run_json_is_named_before_the_target_loads(inputs, no_model, capsys,
                                                              monkeypatch):
     """Before: a bare JSON error (``train eagle``: after the target loaded)."""
     from test_train_inputs import EAGLE, ONPOLICY
@@ -464,7 +464,7 @@ def test_a_run_json_list_is_named(tmp_path):
         _one_line(e, str(tmp_path / "run.json"), "a JSON list, not an object")
 
 
-def test_a_damaged_distill_shard_is_named_before_the_target_loads(inputs, no_model, capsys,  # noqa: F811
+def test_a_damaged_distill_shard_is_named_before_the_target_loads(inputs, no_model, capsys,
                                                                   monkeypatch):
     """Before: "BadZipFile: Bad CRC-32 for file 'feats.npy'", naming no shard."""
     from test_train_inputs import EAGLE
