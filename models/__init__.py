@@ -10,9 +10,10 @@ from specjax.models.llama import SMOLLM2_135M, Llama, LlamaConfig, RopeScaling
 from specjax.models.module import LanguageModel
 from specjax.models.t5 import FLAN_T5_BASE, T5, T5_SMALL, T5_V1_1_SMALL, EncodedSource, T5Config
 from specjax.models.loading import WeightLoadError, load_gguf, load_hf_dir
-from specjax.models.registry import REGISTRY, LoadedModel, load
+from specjax.models.registry import REGISTRY, LoadedModel, check_finite, config, load
 
 __all__ = ["Model", "ModelConfig", "KVCache", "Llama", "LlamaConfig", "RopeScaling",
            "SMOLLM2_135M", "Gemma", "GemmaConfig", "GEMMA3_270M", "WeightLoadError",
-           "load_gguf", "load_hf_dir", "REGISTRY", "LoadedModel", "load", "LanguageModel",
+           "load_gguf", "load_hf_dir", "REGISTRY", "LoadedModel", "load", "config",
+           "check_finite", "LanguageModel",
            "T5", "T5Config", "EncodedSource", "T5_SMALL", "T5_V1_1_SMALL", "FLAN_T5_BASE"]

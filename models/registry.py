@@ -136,6 +136,44 @@ def resolve(name_or_path: str) -> Path:
                    f"({', '.join(sorted(REGISTRY))}) and not an existing path")
 
 
+def config(name_or_path: str) -> loading.Config:
+    """The model config of a registered name, a ``.gguf`` file or an HF directory, read
+    without any weight (``config.json``, or the GGUF metadata): what ``load`` reads first.
+    Checks that need only the config (``specjax.methods.check(spec, options, config)``)
+    can run on it before the weights load."""
+    path = resolve(name_or_path)
+    return loading.hf_dir_config(path) if path.is_dir() else loading.gguf_file_config(path)
+
+
+def _weight_name(path) -> str:
+    """A pytree path as dotted keys: ``layers.3.q``."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+                    for k in path)
+
+
+def check_finite(params) -> None:
+    """Raises a one-line ``ValueError`` naming the first floating-point weight of
+    ``params`` (in pytree order) that holds a NaN or an infinity, with how many of its
+    values do; returns None when every weight is finite. Decoding does not check this
+    (transformers does not either): weights with a NaN decode token 0 over and over, with
+    no error. Run it on weights of unknown provenance (``specjax generate
+    --check-weights`` does). One fused reduction per weight, on the weight's devices."""
+    import jax
+
+    count = jax.jit(lambda x: (jnp.sum(jnp.isnan(x)), jnp.sum(jnp.isinf(x))))
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        dtype = getattr(x, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            continue
+        nan, inf = (int(v) for v in count(x))
+        if nan or inf:
+            what = " and ".join(f"{n} {w}" for n, w in ((nan, "NaN"), (inf, "infinite"))
+                                if n)
+            raise ValueError(f"weight {_weight_name(path)!r} holds {what} values (of "
+                             f"{x.size}): the checkpoint is damaged or was saved from a "
+                             "diverged run")
+
+
 def cache_dir() -> Path:
     """``$SPECJAX_CACHE``, default ``~/.cache/specjax``: what specjax keeps between runs."""
     return Path(os.environ.get("SPECJAX_CACHE", Path.home() / ".cache" / "specjax"))
@@ -199,7 +237,7 @@ def load(name_or_path: str, dtype=jnp.float32, tokenizer: bool = True,
     caller's ids), except a T5 config's ``eos_token_id``.
     """
     path = resolve(name_or_path)
-    cfg = loading.hf_dir_config(path) if path.is_dir() else loading.gguf_file_config(path)
+    cfg = config(str(path))
     _check_placement(cfg, scan_layers, mesh)
     tok = None
     if tokenizer:

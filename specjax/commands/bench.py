@@ -45,6 +45,29 @@ def _specs(names: list[str]) -> dict:
     return specs
 
 
+def _fits_random(args, specs: list):
+    """With ``--random-prompts``: a ``load(check=...)`` hook that each prompt, its budget
+    and the methods' draft slots fit the model's context (None without)."""
+    if not args.random_prompts:
+        return None
+    slots = common.scratch(specs, args)
+
+    def check(tokenizer, cfg):
+        source = getattr(cfg, "max_source_positions", None)  # an encoder-decoder model
+        if source is not None and args.prompt_len > source:
+            raise UsageError(f"--prompt-len {args.prompt_len} exceeds the encoder's {source} "
+                             "positions")
+        need = (1 if source is not None else args.prompt_len) + args.max_new_tokens + slots
+        if need > cfg.max_position_embeddings:
+            what = ("the decoder start token" if source is not None else
+                    f"--prompt-len {args.prompt_len}")
+            draft = f" + {slots} draft slots" if slots else ""
+            raise UsageError(f"{what} + --max-new-tokens {args.max_new_tokens}{draft} exceeds "
+                             f"{args.model}'s context of {cfg.max_position_embeddings} "
+                             "positions")
+    return check
+
+
 def _runners(args, lm, specs: dict, threads: int, hierarchies: dict) -> dict:
     """A bench ``Method`` per name: a peer's (``bench.peer_method``), else the built
     decoder (``ar``: ``bench.ar_method``); ``hierarchies`` gets each hsd method's hierarchy."""
@@ -93,7 +116,11 @@ def cmd_bench(args) -> int:
     m = common.mesh(args)
     settings = _settings(args, names)
     done = bench.restore_runs(args.out, settings)  # an interrupted bench resumes here
-    lm = common.load(args, m, tokenizer=not args.random_prompts)
+    # each method against the model's config, and random prompts' length, before any
+    # weight is read
+    lm = common.load(args, m, tokenizer=not args.random_prompts,
+                     check=common.config_check(args, list(specs.values()),
+                                               _fits_random(args, list(specs.values()))))
     if args.random_prompts:
         questions = bench.random_questions(args.random_prompts, args.prompt_len,
                                            lm.model.config.vocab_size)
@@ -229,6 +256,7 @@ def register(sub) -> list:
     b.add_argument("--prompt-len", type=int, default=128, help="tokens per random prompt")
     b.add_argument("--threads", type=int, help="torch threads for hf (default: all cores)")
     b.add_argument("--out", help="write the JSON report here")
+    common.add_check_weights(b)
     common.add_hsd(b)
     b.set_defaults(fn=cmd_bench)
     return [b]

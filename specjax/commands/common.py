@@ -127,7 +127,12 @@ def load(args, m, **kw):
             sharding.check_model(cfg, m)
         except ValueError as e:
             raise UsageError(f"--mesh {args.mesh}: {e}") from None
-    return load(args.model, **dtypes(args), mesh=m, **kw)
+    lm = load(args.model, **dtypes(args), mesh=m, **kw)
+    if getattr(args, "check_weights", False):
+        from specjax.models import check_finite
+
+        check_finite(lm.params)  # a NaN or an infinity named, before anything compiles
+    return lm
 
 
 def method_text(args) -> str:
@@ -161,6 +166,33 @@ def check_method(spec, args) -> None:
         methods.check(spec, options(args))
     except methods.SpecError as e:
         raise UsageError(str(e)) from None
+
+
+def scratch(specs, args) -> int:
+    """The most cache slots one round of any decoding spec of ``specs`` writes past a
+    row's budget (``Method.scratch``: its draft and root; 0 where only the build knows)."""
+    opts = options(args)
+    return max([spec.scratch(opts) or 0 for spec in specs if spec.decodes], default=0)
+
+
+def config_check(args, specs, then=None):
+    """A ``load(check=...)`` hook that runs before any weight is read: each decoding spec
+    of ``specs`` against the model's config (``Method.check_config``: exit layers within
+    the model's layers and among its exit heads), a spec error reported as a usage error;
+    then ``then(tokenizer, cfg)``, if given."""
+    def check(tokenizer, cfg):
+        from specjax import methods
+
+        opts = options(args)
+        for spec in specs:
+            if spec.decodes:
+                try:
+                    spec.check_config(cfg, opts)
+                except methods.SpecError as e:
+                    raise UsageError(str(e)) from None
+        if then is not None:
+            then(tokenizer, cfg)
+    return check
 
 
 def options(args):
@@ -220,6 +252,13 @@ def add_model(s, max_new: int = 128) -> None:
                    help="Llama models: run the layers under one lax.scan over stacked weights "
                         "(one layer compiles, not all; slower per token: 1.3-1.9x on CPU, "
                         "2.9x for Llama-3.1-8B on an H200)")
+
+
+def add_check_weights(s) -> None:
+    s.add_argument("--check-weights", action="store_true",
+                   help="refuse weights holding a NaN or an infinity, naming the first "
+                        "(specjax.models.check_finite; one pass over the weights after they "
+                        "load); unchecked, such weights decode token 0 with no error")
 
 
 def add_verify_widths(s) -> None:

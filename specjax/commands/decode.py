@@ -39,9 +39,10 @@ def run_once(lm, ids: list[int], built, args) -> dict:
     return res
 
 
-def fits_context(args, prompt: str, chat: bool | None):
-    """A ``load(check=...)`` hook: the prompt and its budget fit the model's context.
-    ``chat=None``: the chat template where the tokenizer has one."""
+def fits_context(args, prompt: str, chat: bool | None, slots: int = 0):
+    """A ``load(check=...)`` hook: the prompt, its budget and ``slots`` draft slots (the
+    method's ``scratch``) fit the model's context. ``chat=None``: the chat template where
+    the tokenizer has one."""
     def check(tokenizer, cfg):
         from specjax.models.registry import encode
 
@@ -53,11 +54,26 @@ def fits_context(args, prompt: str, chat: bool | None):
             n = len(encode(tokenizer, prompt, wrap))
         except ValueError as e:  # --chat on a model without a chat template
             raise UsageError(str(e)) from None
-        _fits(args, cfg, n, "a prompt", getattr(cfg, "max_source_positions", None) is not None)
+        _fits(args, cfg, n, "a prompt", _encoder_decoder(cfg), slots)
     return check
 
 
-def _fits(args, cfg, n: int, what: str, encoder_decoder: bool) -> None:
+def fits_ids(args, ids: list[int], slots: int = 0):
+    """A ``load(check=...)`` hook: ``--prompt-ids`` lie in the model's vocabulary, and
+    they, their budget and ``slots`` draft slots fit its context."""
+    def check(tokenizer, cfg):
+        if max(ids) >= cfg.vocab_size:
+            raise UsageError(f"--prompt-ids has id {max(ids)}, outside the vocabulary of "
+                             f"{cfg.vocab_size}")
+        _fits(args, cfg, len(ids), "a prompt", _encoder_decoder(cfg), slots)
+    return check
+
+
+def _encoder_decoder(cfg) -> bool:
+    return getattr(cfg, "max_source_positions", None) is not None
+
+
+def _fits(args, cfg, n: int, what: str, encoder_decoder: bool, slots: int = 0) -> None:
     if encoder_decoder:
         if n > cfg.max_source_positions:
             raise UsageError(f"a source of {n} tokens exceeds the encoder's "
@@ -65,8 +81,10 @@ def _fits(args, cfg, n: int, what: str, encoder_decoder: bool) -> None:
         need, what = 1 + args.max_new_tokens, "the decoder start token"
     else:
         need, what = n + args.max_new_tokens, f"{what} of {n} tokens"
+    need += slots
     if need > cfg.max_position_embeddings:
-        raise UsageError(f"{what} + --max-new-tokens {args.max_new_tokens} exceeds "
+        draft = f" + {slots} draft slots of --method {args.method}" if slots else ""
+        raise UsageError(f"{what} + --max-new-tokens {args.max_new_tokens}{draft} exceeds "
                          f"{args.model}'s context of {cfg.max_position_embeddings} positions")
 
 
@@ -85,15 +103,15 @@ def cmd_generate(args) -> int:
     spec = common.parse_method(common.method_text(args))  # checked before the model loads
     common.check_method(spec, args)  # its head directory and calibration too
     m = common.mesh(args)
+    slots = common.scratch([spec], args)  # the method's draft slots count in the context
     if args.prompt_ids is not None:
         ids = prompt_ids(args.prompt_ids)
-        lm = common.load(args, m)
-        if max(ids) >= lm.model.config.vocab_size:
-            raise UsageError(f"--prompt-ids has id {max(ids)}, outside the vocabulary of "
-                             f"{lm.model.config.vocab_size}")
-        _fits(args, lm.model.config, len(ids), "a prompt", lm.is_encoder_decoder)
+        fits = fits_ids(args, ids, slots)
     else:
-        lm = common.load(args, m, check=fits_context(args, args.prompt, args.chat))
+        fits = fits_context(args, args.prompt, args.chat, slots)
+    # the spec against the model's config, and the prompt, before any weight is read
+    lm = common.load(args, m, check=common.config_check(args, [spec], fits))
+    if args.prompt_ids is None:
         ids = lm.encode(args.prompt, chat=args.chat)
     built = common.build(spec, lm, args)
     if built.note:
@@ -138,7 +156,10 @@ def cmd_demo(args) -> int:
     print(f"loading {args.model} ...", flush=True)
     prompt = args.prompt or next(q.text for q in bench.load_questions()
                                  if q.category == "summarization")
-    lm = load(args.model, **common.dtypes(args), check=fits_context(args, prompt, None))
+    slots = 0 if explicit is None else common.scratch([explicit], args)
+    fits = fits_context(args, prompt, None, slots)
+    lm = load(args.model, **common.dtypes(args),
+              check=fits if explicit is None else common.config_check(args, [explicit], fits))
     ids = lm.encode(prompt, chat=lm.has_chat_template)
     print(f"prompt ({len(ids)} tokens): {prompt[:200]}{'...' if len(prompt) > 200 else ''}")
     cands = demo.available(args.model)
@@ -203,6 +224,7 @@ def register(sub) -> list:
                      "input of an encoder-decoder model; for models without a tokenizer)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    common.add_check_weights(g)
     g.set_defaults(fn=cmd_generate)
 
     d = sub.add_parser("demo", help="decode a real prompt and show tokens/s")

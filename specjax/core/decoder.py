@@ -274,6 +274,49 @@ def plan_shapes(prompt_lens: Sequence[int], budgets: Sequence[int], max_position
     return capacity, max_out
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def check_request(prompts, max_new_tokens) -> None:
+    """Raises a one-line ``TypeError`` naming the argument unless ``prompts`` is a sequence
+    of 1-D sequences of integer token ids and ``max_new_tokens`` an int or a sequence of
+    ints. Floats are refused, integer-valued ones (``5.0``) too: a float where an id or a
+    budget belongs is a mistake to report, never to truncate. Values (ranges, lengths)
+    are checked by ``prepare``."""
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+        raise TypeError(f"prompts must be a sequence of prompts, each a sequence of integer "
+                        f"token ids, got {type(prompts).__name__}")
+    for i, p in enumerate(prompts):
+        if isinstance(p, (str, bytes)) or not hasattr(p, "__len__"):
+            raise TypeError(f"prompts[{i}] must be a sequence of integer token ids, got "
+                            f"{type(p).__name__} (a batch of one prompt is [ids])")
+        a = np.asarray(p)
+        if a.ndim != 1:
+            raise TypeError(f"prompts[{i}] must be a 1-D sequence of integer token ids, got "
+                            f"shape {a.shape}")
+        if a.size and a.dtype.kind not in "iu":
+            bad = next((x for x in p if not _is_int(x)), a.tolist()[0])
+            bad = bad.item() if hasattr(bad, "item") else bad
+            raise TypeError(f"prompts[{i}] must hold integer token ids, got {a.dtype.name} "
+                            f"values such as {bad!r} (floats are refused, not truncated)")
+    n = max_new_tokens
+    if hasattr(n, "dtype"):  # a numpy or JAX scalar or array: its dtype says it
+        if np.dtype(n.dtype).kind not in "iu" or np.ndim(n) > 1:
+            raise TypeError(f"max_new_tokens must be an int (or one int per prompt), got an "
+                            f"array of {np.dtype(n.dtype).name} of shape {np.shape(n)}")
+        return
+    if _is_int(n):
+        return
+    if isinstance(n, (str, bytes)) or not hasattr(n, "__len__"):
+        raise TypeError(f"max_new_tokens must be an int (or one int per prompt), got "
+                        f"{type(n).__name__} {n!r}")
+    for i, b in enumerate(n):
+        if not _is_int(b):
+            raise TypeError(f"max_new_tokens[{i}] must be an int, got {type(b).__name__} "
+                            f"{b!r}")
+
+
 def prepare(model, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
             sampler: sampling.Sampler = sampling.Greedy(), key: Array | None = None,
             eos_ids: Sequence[int] = (), cache_size: int | None = None, chunk: int = 64,
@@ -281,13 +324,14 @@ def prepare(model, prompts: Sequence[Sequence[int]], max_new_tokens: int | Seque
     """Checks a batch against ``model`` and lays it out (``plan_shapes``): prompts present,
     a key when sampling, one budget per prompt, token ids in the vocabulary, and room for
     prompt + budget + ``extra`` scratch slots. Raises ``ValueError`` before any compile."""
-    if not prompts:
+    check_request(prompts, max_new_tokens)
+    if not len(prompts):
         raise ValueError("no prompts given")
     if isinstance(sampler, sampling.Sample) and key is None:
         raise ValueError("sampling needs an explicit PRNG key (key=jax.random.key(seed))")
     lens = [len(p) for p in prompts]
-    budgets = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, (int, np.integer))
-               else list(max_new_tokens))
+    budgets = ([int(max_new_tokens)] * len(prompts) if np.ndim(max_new_tokens) == 0
+               else [int(n) for n in np.asarray(max_new_tokens).tolist()])
     if len(budgets) != len(prompts):
         raise ValueError(f"{len(budgets)} budgets for {len(prompts)} prompts")
     capacity, max_out = plan_shapes(lens, budgets, model.config.max_position_embeddings,
@@ -316,7 +360,9 @@ def decode(dec: Decoder, params, prompts: Sequence[Sequence[int]], *,
     """Decodes a batch of prompts of any lengths with any ``Decoder``.
 
     Each row stops after an id in ``eos_ids`` (which is kept) or after its budget;
-    ``Sample`` needs an explicit ``key``. Invalid settings, and prompts that do not fit the
+    ``Sample`` needs an explicit ``key``. Token ids and budgets must be integers: a float,
+    even an integer-valued one, is a ``TypeError`` naming the argument (``check_request``),
+    never truncated. Invalid settings, and prompts that do not fit the
     cache (prompt + budget + ``dec.scratch``) or the model's context, raise ``ValueError``
     before anything is compiled. Calls with the same decoder, batch size, cache capacity
     and output bucket reuse one compilation; ``compile_s`` of the result says how long this
@@ -324,6 +370,7 @@ def decode(dec: Decoder, params, prompts: Sequence[Sequence[int]], *,
     mesh that spans processes, every process passes the same prompts and gets the whole
     output (``sharding.gather``, once, after the loop).
     """
+    check_request(prompts, max_new_tokens)  # before anything is placed or encoded
     params, prompts = dec.bind(params, prompts, source_size, dec.mesh)
     batch = prepare(dec.model, prompts, max_new_tokens, sampler=sampler, key=key,
                     eos_ids=eos_ids, cache_size=cache_size, chunk=dec.chunk, extra=dec.scratch,
@@ -333,5 +380,5 @@ def decode(dec: Decoder, params, prompts: Sequence[Sequence[int]], *,
 
 
 __all__ = ["Batch", "Decoder", "DecodeOutput", "PAD", "Request", "Stats", "decode", "loop",
-           "plan_shapes", "prepare", "stops", "is_eos", "eos_cut",
+           "plan_shapes", "prepare", "check_request", "stops", "is_eos", "eos_cut",
            "after_prompt", "pad_after"]

@@ -29,6 +29,9 @@ class AR(Method):
     def format(self) -> str:
         return "ar"
 
+    def scratch(self, options: Options) -> int:
+        return 0  # one token per step: nothing is written past the budget
+
     def build(self, lm, options: Options) -> Built:
         from specjax.core.decoding import AR as ARDecoder
 

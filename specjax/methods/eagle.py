@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import ClassVar
 
 from specjax.methods.registry import (Built, CliOption, Method, Options, SpecError, _cast,
-                                       _head_dir, _joined, _sections, _sizes, register,
-                                       speculative)
+                                       _field_default, _head_dir, _joined, _sections, _sizes,
+                                       register, speculative)
 
 
 @register
@@ -103,8 +103,31 @@ class Eagle(Method):
         if options.draft_checkpoint:
             _head_dir(options.draft_checkpoint, "--draft-checkpoint", self.head_kind,
                       published=True)
+            self._check_published(options.draft_checkpoint)
         else:
             self._check_default(options)
+
+    def _check_published(self, path) -> None:
+        """A published head's kind (from its tensor names, no weight read) is this
+        method's: EAGLE-1/2 for ``eagle2``, EAGLE-3 for ``eagle3``."""
+        from specjax.drafters import published
+
+        if not published.is_published(path):
+            return
+        kind = _published_kind(Path(str(path)))
+        want = {"eagle": "eagle2", "eagle3": "eagle3"}.get(kind)
+        if want is not None and want != self.kind:
+            raise SpecError(f"--draft-checkpoint {path} holds a published "
+                            f"{'EAGLE-3' if kind == 'eagle3' else 'EAGLE-1/2'} head: use "
+                            f"--method {want}")
+
+    def scratch(self, options: Options) -> int:
+        """The tree's nodes and its root (``Speculative.scratch``)."""
+        from specjax.drafters.eagle import EagleDrafter
+
+        sizes = self.sizes or self.default_sizes
+        total = sizes[2] if sizes else _field_default(EagleDrafter, "total_tokens")
+        return total + 1
 
     def _check_default(self, options: Options) -> None:
         if self.shipped(options.model_name) is None:
@@ -200,6 +223,43 @@ class Eagle3(Eagle):
         dp = eagle3.draft_params(head, lm.model, np.arange(dv))
         return speculative(self, lm, options, d, dp)
 
+
+
+def _published_kind(path: Path) -> str | None:
+    """``"eagle3"`` or ``"eagle"`` (EAGLE-1/2) for the published head in ``path``, by the
+    rule ``published.load`` applies (EAGLE-3 heads have ``midlayer.`` tensors or a
+    ``d2t``), read from the tensor names alone: a safetensors header, or a PyTorch file
+    opened memory-mapped. None where the names cannot be read so (loading names the
+    problem)."""
+    import json
+    import struct
+
+    from specjax.drafters.published import WEIGHT_FILES
+
+    f = next((path / n for n in WEIGHT_FILES if (path / n).is_file()), None)
+    try:
+        if f is None:
+            return None
+        if f.suffix == ".safetensors":
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                if n > min(f.stat().st_size, 1 << 28):
+                    return None
+                names = set(json.loads(fh.read(n))) - {"__metadata__"}
+        else:
+            import importlib.util
+
+            if importlib.util.find_spec("torch") is None:
+                return None
+            import torch
+
+            names = set(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+    except Exception:  # noqa: BLE001 -- unreadable here: loading reports it in one line
+        return None
+    if "fc.weight" not in names:
+        return None
+    return "eagle3" if "d2t" in names or any(k.startswith("midlayer.") for k in names) \
+        else "eagle"
 
 
 def _draft_vocab(spec: Eagle, meta: dict, vocab: int):

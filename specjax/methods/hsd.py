@@ -75,6 +75,34 @@ class HSD(Method):
         if self.hierarchy is None:
             _calibration(options)
 
+    def check_config(self, config, options: Options) -> None:
+        """Every exit layer the hierarchy uses (bare ``hsd``: the calibration's) lies below
+        the model's top layer and is one of the exit heads' layers (without heads: of
+        ``options.layers``), read from the heads' ``head.json`` alone."""
+        n = config.num_layers
+        if self.hierarchy is None:
+            calib = _calibration(options)
+            layers, source = _exit_layers(options, calib["layers"])
+            _same_layers(options, calib, layers)
+            used, what = list(layers), f"{options.calibration}'s exit layers"
+        else:
+            layers, source = _exit_layers(options)
+            _sigma(self.hierarchy, layers, source, options)
+            used, what = list(self.hierarchy.exit_layers()), f"{self.format()}'s exit layers"
+        bad = [l for l in used if not (isinstance(l, int) and 1 <= l < n)]
+        if bad:
+            raise SpecError(f"{what} {bad} lie outside [1, {n - 1}]; the model has {n} layers")
+
+    def scratch(self, options: Options) -> int | None:
+        """Every level's buffer and bonus tokens (``specjax.hsd.loop.HSD.scratch``); None
+        for bare ``hsd``, whose hierarchy is tuned when built."""
+        from specjax.hsd.loop import HSD as HSDDecoder
+
+        if self.hierarchy is None:
+            return None
+        h, _ = self.hierarchy.build({}, None)
+        return HSDDecoder(None, h).scratch
+
     def build(self, lm, options: Options) -> Built:
         from specjax.drafters.exit_heads import exit_head
         from specjax.hsd.loop import HSD as HSDDecoder
@@ -83,12 +111,10 @@ class HSD(Method):
         if self.hierarchy is None:
             hierarchy, heads, note = _tuned(lm, options)
         else:
-            heads, layers, _ = exit_heads(lm, options)
+            heads, layers, source = exit_heads(lm, options)
             hierarchy = self.hierarchy
-            try:
-                hierarchy.sigma(layers)  # every exit layer has a head (or is a plain exit)
-            except ValueError as e:
-                raise SpecError(str(e)) from None
+            # every exit layer has a head (or is a plain exit)
+            _sigma(hierarchy, layers, source, options)
         h, hp = hierarchy.build(heads, exit_head)
         h.check(lm.model)
         dec = HSDDecoder(lm.model, h, mesh=lm.mesh, widths=options.widths)
@@ -111,6 +137,54 @@ def exit_heads(lm, opts: Options, layers: Sequence[int] | None = None):
         heads, _ = head_io.load_exit_heads(path, lm.model, lm.model.compute_dtype)
         return heads, sorted(heads), str(opts.exit_heads or Path(str(path)).name)
     return {}, list(opts.layers if layers is None else layers), None
+
+
+def _exit_layers(opts: Options, default: Sequence[int] | None = None):
+    """``(layers, source)`` as ``exit_heads`` returns them, from the heads' ``head.json``
+    alone (no weight read): the exit heads' layers and directory, else the plain exits
+    ``default`` (None: ``opts.layers``) and None."""
+    from specjax import export
+    from specjax.drafters import exit_heads as eh
+
+    path = opts.exit_heads or eh.shipped_heads(opts.model_name)
+    if path is None:
+        return list(opts.layers if default is None else default), None
+    meta = export.read_meta(path, "exit-heads")
+    try:
+        layers = sorted(int(l) for l in meta["layers"])
+    except (KeyError, TypeError, ValueError):
+        raise export.CheckpointError(f"{path}: head.json's 'layers' must be a list of ints, "
+                                     f"got {meta.get('layers')!r}") from None
+    return layers, str(opts.exit_heads or Path(str(path)).name)
+
+
+def _sigma(hierarchy: HierarchySpec, layers, source: str | None, opts: Options):
+    """``hierarchy.sigma(layers)``, or a ``SpecError`` saying what to pass: ``--layers``
+    where the exits are plain (``source`` None), other heads where they are trained."""
+    try:
+        return hierarchy.sigma(layers)
+    except ValueError:
+        pass
+    used = list(hierarchy.exit_layers())
+    missing = [l for l in used if l not in layers]
+    head = f"hsd:{hierarchy.format()} uses exit layers {missing}"
+    if source is None:
+        default = " (the default, SmolLM2-135M's)" if tuple(layers) == Options.layers else ""
+        name = f" for {opts.model_name!r}" if opts.model_name else ""
+        raise SpecError(f"{head}, but no exit heads are given or ship{name}, so the plain "
+                        f"exits are --layers {','.join(map(str, layers))}{default}: pass "
+                        f"--layers {','.join(map(str, sorted(set(used))))} (Options.layers), "
+                        "or --exit-heads DIR")
+    raise SpecError(f"{head}, but the exit heads in {source} are at layers {list(layers)}: "
+                    "use those layers, or pass --exit-heads DIR with heads at "
+                    f"{','.join(map(str, missing))}")
+
+
+def _same_layers(opts: Options, calib: dict, layers) -> None:
+    """The calibration was measured for the exit heads' layers."""
+    if list(layers) != list(calib["layers"]):
+        raise SpecError(f"{opts.calibration} was measured for exit layers {calib['layers']}, "
+                        f"but the exit heads have {list(layers)}")
 
 
 def read_calibration(path: str) -> dict:
@@ -147,9 +221,7 @@ def _tuned(lm, opts: Options):
 
     calib = _calibration(opts)
     heads, layers, _ = exit_heads(lm, opts, calib["layers"])
-    if layers != list(calib["layers"]):
-        raise SpecError(f"{opts.calibration} was measured for exit layers {calib['layers']}, "
-                        f"but the exit heads have {layers}")
+    _same_layers(opts, calib, layers)
     spec, note = calibrate.tuned_spec(calib, layers, opts.t_max, opts.max_levels,
                                       opts.horizontal)
     return spec, heads, note

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import ClassVar
 
 from specjax.methods.registry import (Built, CliOption, Method, Options, SpecError, _cast,
-                                       _head_dir, _joined, _sections, _sizes, register,
-                                       speculative)
+                                       _field_default, _head_dir, _joined, _sections, _sizes,
+                                       register, speculative)
 
 
 @register
@@ -60,18 +60,30 @@ class Redrafter(Method):
         return redrafter.shipped_head(model)
 
     def check(self, options: Options) -> None:
-        """A ``redrafter_checkpoint`` holds an exported ReDrafter head."""
+        """A ``redrafter_checkpoint`` holds an exported ReDrafter head; without one, a head
+        ships for ``options.model_name``."""
+        from specjax.drafters import redrafter as rd
+
         if options.redrafter_checkpoint:
             _head_dir(options.redrafter_checkpoint, "--redrafter-checkpoint", "redrafter")
+        elif self.shipped(options.model_name) is None:
+            raise FileNotFoundError(f"no ReDrafter head ships for {options.model_name!r}; "
+                                    "train one: " + rd.RECIPE.format(model=options.model_name))
+
+    def scratch(self, options: Options) -> int:
+        """The beams' nodes and the root (``Speculative.scratch``)."""
+        from specjax.drafters.redrafter import RedrafterDrafter
+
+        w, n = self.sizes or (_field_default(RedrafterDrafter, "width"),
+                              _field_default(RedrafterDrafter, "length"))
+        return w * n + 1
 
     def build(self, lm, options: Options) -> Built:
         from specjax import head_io
         from specjax.drafters import redrafter as rd
 
+        self.check(options)  # a head is given or ships
         path = options.redrafter_checkpoint or self.shipped(options.model_name)
-        if path is None:
-            raise FileNotFoundError(f"no ReDrafter head ships for {options.model_name!r}; "
-                                    "train one: " + rd.RECIPE.format(model=options.model_name))
         head, meta = head_io.load_redrafter(path, lm.model.config.hidden_size,
                                             target=options.model_name or "the target")
         dparams = rd.draft_params(_cast(head, lm), head_io.redrafter_vocab(meta))

@@ -30,6 +30,11 @@ def _sizes(text: str, n: int, what: str, spec: str) -> tuple[int, ...]:
     return out
 
 
+def _field_default(cls, field: str) -> int:
+    """The default of dataclass ``cls``'s ``field`` (a drafter's size, for ``scratch``)."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == field)
+
+
 def _sections(text: str, name: str, form: str) -> tuple[str, list[str]]:
     """``name[:sizes][:opt,...]`` -> ``(sizes, opts)``; ``SpecError`` naming ``form``."""
     parts = text.split(":")
@@ -114,6 +119,18 @@ class Method:
     def check(self, options: Options) -> None:
         """Raises ``SpecError`` (``FileNotFoundError`` where no head ships) for what the
         build would read besides the model; nothing by default."""
+
+    def check_config(self, config, options: Options) -> None:
+        """Raises ``SpecError`` for what the model's ``config`` alone shows the build would
+        refuse (an exit layer past its layers, heads at other layers), before any weight is
+        read; nothing by default. ``check`` has passed."""
+
+    def scratch(self, options: Options) -> int | None:
+        """The cache slots one round of the built decoder may write past a row's prompt and
+        budget (its ``Decoder.scratch``), from the spec alone, so a prompt that cannot fit
+        the context is refused before the weights load; None where only the build knows
+        (the default)."""
+        return None
 
     def build(self, lm, options: Options) -> Built:
         """The decoder and its parameters on ``lm`` (``check`` has passed)."""
@@ -290,20 +307,29 @@ def build(spec: MethodSpec | str, lm, options: Options = Options()) -> Built:
     _check_options(options, "methods.build")
     if not options.model_name and isinstance(getattr(lm, "name", None), str):
         options = dataclasses.replace(options, model_name=lm.name)  # picks its shipped heads
-    check(spec, options)
+    check(spec, options, lm.model.config)
     return spec.build(lm, options)
 
 
-def check(spec: MethodSpec | str, options: Options = Options()) -> MethodSpec:
+def check(spec: MethodSpec | str, options: Options = Options(), config=None) -> MethodSpec:
     """What ``build`` needs besides the model, checked without loading it (the CLI calls
-    this first): the head directory the spec reads exists and holds a head of its kind,
-    an ``eagle2`` without one has a head shipped for ``options.model_name``, and bare
-    ``hsd``'s calibration is readable and measured for ``options.model_name``. Raises
-    ``SpecError`` saying what is wrong with the given path (``FileNotFoundError`` where no
-    head ships); returns the spec. Each spec's class checks its own (``Method.check``)."""
+    this first): the head directory the spec reads exists and holds a head of its kind
+    (a published EAGLE head's kind read from its tensor names), an ``eagle2`` or
+    ``redrafter`` without one has a head shipped for ``options.model_name``, and bare
+    ``hsd``'s calibration is readable and measured for ``options.model_name``. With the
+    model's ``config`` (``specjax.models.registry.config``: no weight is read), also what
+    it shows (``Method.check_config``): ``sd-early-exit:L`` and HSD's exit layers within
+    the model's layers and present among its exit heads. Raises ``SpecError`` saying what
+    is wrong (``FileNotFoundError`` where no head ships); returns the spec. Each spec's
+    class checks its own (``Method.check``, ``Method.check_config``)."""
     spec = as_spec(spec, "methods.check")
     _check_options(options, "methods.check")
     spec.check(options)
+    if config is not None:
+        if not hasattr(config, "num_layers"):
+            raise _type_error("methods.check", "config", "a model config (num_layers, ...)",
+                              config)
+        spec.check_config(config, options)
     return spec
 
 

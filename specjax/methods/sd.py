@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from specjax.methods.registry import (Built, CliOption, Method, Options, SpecError, register,
-                                       speculative)
+from specjax.methods.registry import (Built, CliOption, Method, Options, SpecError,
+                                       _field_default, register, speculative)
 
 
 @register
@@ -57,6 +57,23 @@ class SD(Method):
             return "sd-ngram" + (f":{self.depth}" if self.depth else "")
         return f"sd-early-exit:{self.layer}"
 
+    def check_config(self, config, options: Options) -> None:
+        """An early exit's layer lies below the model's top layer."""
+        n = config.num_layers
+        if self.drafter == "early-exit" and not 1 <= self.layer < n:
+            raise SpecError(f"{self.format()}: the exit layer must lie in [1, {n - 1}]; the "
+                            f"model has {n} layers")
+
+    def scratch(self, options: Options) -> int:
+        """The chain's tokens and its root (``Speculative.scratch``)."""
+        from specjax.drafters import EarlyExitDrafter, NGramDrafter
+
+        if self.drafter == "ngram":
+            depth = options.draft_len or self.depth or _field_default(NGramDrafter, "depth")
+            return depth + 1
+        depth = options.draft_len or _field_default(EarlyExitDrafter, "depth")
+        return depth * _field_default(EarlyExitDrafter, "width") + 1
+
     def build(self, lm, options: Options) -> Built:
         from specjax.drafters import EarlyExitDrafter, NGramDrafter
 
@@ -65,9 +82,7 @@ class SD(Method):
         if self.drafter == "ngram":
             drafter = NGramDrafter(**kw)
         else:
-            n = lm.model.config.num_layers
-            if not 1 <= self.layer < n:
-                raise SpecError(f"{self.format()}: the exit layer must lie in [1, {n - 1}]")
+            self.check_config(lm.model.config, options)
             drafter = EarlyExitDrafter(lm.model, self.layer, **(
                 {} if options.draft_len is None else {"depth": options.draft_len}))
         return speculative(self, lm, options, drafter, None)
