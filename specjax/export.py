@@ -284,7 +284,8 @@ def load_head(path: str | Path, kind: str, like: Any | None = None, *,
 
     ``CheckpointError`` when ``path`` is not a head of ``kind``, its files are corrupt or
     truncated (``params.safetensors`` is checked against the SHA-256 ``head.json`` records,
-    where it records one: ``check_sha256``), or (given ``like``) its parameter names and shapes differ from ``like``'s."""
+    where it records one: ``check_sha256``), or (given ``like``) its parameter names and
+    shapes differ from ``like``'s."""
     p = Path(path).absolute()
     meta = read_meta(p, kind)
     if (p / PARAMS).is_file():
@@ -365,5 +366,6 @@ def _read_orbax(d: Path) -> Any:
                               f"({type(e).__name__}: {str(e)[:300]})") from e
 
 
-__all__ = ["CheckpointError", "export_head", "replaceable", "file_sha256", "check_sha256", "read_meta", "load_head", "place", "flatten",
+__all__ = ["CheckpointError", "export_head", "replaceable", "file_sha256", "check_sha256",
+           "read_meta", "load_head", "place", "flatten",
            "unflatten", "shipped_dir"]

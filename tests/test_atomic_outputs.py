@@ -245,7 +245,7 @@ def test_convert_head_out_dir_below_a_file_or_unwritable(toy, tmp_path, capsys):
     assert code == 2 and "locked is not writable" in err, err
 
 
-# ----------------------------------------------------------------------------- train --init/--export
+# ----------------------------------------------------------- train --init H --export H
 
 @pytest.mark.parametrize("command", [["train", "onpolicy", "--prompts", "{d}/p", "--shards",
                                       "{d}/s"], ["train", "eagle", "--data", "{d}/data"]],
@@ -357,7 +357,7 @@ def test_a_method_some_shapes_do_not_list_is_skipped_and_incomplete():
     assert failed == []
 
 
-# ----------------------------------------------------------------------------- compilation cache
+# ----------------------------------------------------------------- compilation cache
 
 CACHE = "import specjax._cache as c; print(c.enabled(), c.directory())"
 
