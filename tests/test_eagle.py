@@ -191,6 +191,29 @@ def test_drafter_matches_the_teacher_forced_head(toy):
     np.testing.assert_array_equal(draft.tokens[0, 3:6], level2)
 
 
+def test_a_prompt_ending_near_the_buffer_end_drafts_as_in_a_larger_buffer(toy2):
+    """The head's prefill reads its entries in whole chunks: a 53-token prompt in a 64-slot
+    buffer (its last chunk ends at the buffer's end) writes the same head cache and drafts
+    the same tree as in an 80-slot buffer (a feature sequence one entry shorter than the
+    tokens' read the last chunk's features one position off)."""
+    model, tparams, dp = toy2
+    drafter = eagle.EagleDrafter(model, depth=2, topk=3, total_tokens=eagle.pool_size(2, 3))
+    prompt = (PROMPT * 11)[:53]
+
+    @jax.jit
+    def drafted(dp, ctx):
+        state = drafter.init(dp, ctx, 16)
+        draft = drafter.propose(dp, state, ctx, jax.random.key(0), sampling.Greedy())[0]
+        return state.cache.k[0][..., :52], state.cache.v[0][:, :, :52], draft
+
+    (k1, v1, d1), (k2, v2, d2) = (
+        drafted(dp, toys.start_context(model, tparams, prompt, cap, chunk=16)) for cap in (64, 80))
+    np.testing.assert_allclose(k1, k2, atol=1e-6)  # the prompt's 52 entries
+    np.testing.assert_allclose(v1, v2, atol=1e-6)
+    np.testing.assert_array_equal(d1.tokens, d2.tokens)
+    np.testing.assert_array_equal(d1.parents, d2.parents)
+
+
 # Greedy eagle equals ar on the real model (batch 4):
 # tests/test_real_smollm2.py::test_speculative_greedy_equals_ar[eagle2].
 

@@ -443,7 +443,8 @@ class EagleDrafter(base.OnTarget):
                               spec.num_kv_heads * num_layers(dparams["head"]), spec.head_dim,
                               dtype)
         feats = self._features(tp, ctx.hidden)  # [B, C, F] over the prompt
-        toks, prev = head_inputs(jnp.pad(ctx.tokens, ((0, 0), (0, 1))), feats)  # C entries
+        pad = lambda x: jnp.pad(x, ((0, 0), (0, 1)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
+        toks, prev = head_inputs(pad(ctx.tokens), pad(feats))  # C entries each, as chunks read
         n = ctx.prompt_len - 1  # entries of the prompt: the last prompt feature is pending
 
         def body(start, pos, kv):
