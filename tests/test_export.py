@@ -235,6 +235,7 @@ def test_a_training_checkpoint_saved_on_a_gpu_restores(tmp_path):
         mngr.save(7, args=ocp.args.StandardSave(state))
         mngr.wait_until_finished()
     _saved_on_cuda(tmp_path / "ckpt" / "7")
+    checkpoint.write_manifest(tmp_path / "ckpt" / "7")  # as the GPU run wrote it
     like = jax.tree.map(jnp.zeros_like, state)
     with checkpoint.manager(tmp_path) as mngr:
         step, back = checkpoint.restore_latest(mngr, like)

@@ -12,8 +12,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = [("_cache", "_compile", "_optional", "_timing", "_xla_flags", "sharding", "distributed",
-           "export", "hlo"),
+LAYERS = [("_atomic", "_cache", "_compile", "_optional", "_timing", "_xla_flags", "sharding",
+           "distributed", "export", "hlo"),
           ("models",), ("core",), ("drafters",), ("hsd",), ("head_io",),
           ("methods", "divergence"), ("__init__",), ("bench", "demo", "train"), ("commands",),
           ("cli",), ("device_check",)]

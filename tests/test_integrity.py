@@ -319,10 +319,11 @@ def _feature_store(root):
     """A small shard store (another target's: nothing here loads one) and a ``compute``
     giving each row deterministic features ``[n, 4]``."""
     from specjax.train import onpolicy, shards
-    from test_train_inputs import CFG
 
+    cfg = onpolicy.OnPolicyConfig(rounds=3, batch=4, max_new_tokens=10, val_prompts=4,
+                                  batch_tokens=128, draft_vocab=48)
     store = shards.ShardStore(root, {"target": {"name": "other", "hash": "0" * 16},
-                                     **onpolicy.store_settings(CFG, "none")}, 128)
+                                     **onpolicy.store_settings(cfg, "none")}, 128)
     store.append([f"p#{i}" for i in range(3)], [(np.arange(3, 9 + i), 2) for i in range(3)])
 
     def compute(rows):
@@ -407,50 +408,6 @@ def test_a_feature_file_without_its_json_is_computed_again(tmp_path):
     FeatureCache(tmp_path / "c").examples(store, 0, LAYERS, _never)
 
 
-# ------------------------------------------------------------------ the CLI, before the model
-
-@pytest.fixture
-def inputs(tmp_path):
-    from test_train_inputs import _inputs
-
-    return _inputs(tmp_path)
-
-
-def _cli(argv, d, capsys, monkeypatch) -> tuple[int, str]:
-    from test_train_inputs import _main
-
-    monkeypatch.delenv("SPECJAX_DEBUG", raising=False)
-    return _main(argv, d, capsys)
-
-
-def test_a_truncated_feature_file_is_refused_before_the_target_loads(inputs, no_model,
-                                                                     capsys, monkeypatch):
-    from test_train_inputs import ONPOLICY
-
-    f = inputs / "feats" / ("0" * 16) / "layers-1-2" / "abc.npy"
-    f.parent.mkdir(parents=True)
-    np.save(f, np.ones((5, 4), np.float32))
-    f.with_suffix(".json").write_text(json.dumps({"bytes": f.stat().st_size, "sha256": "0"}))
-    f.write_bytes(f.read_bytes()[:-8])
-    code, err = _cli([*ONPOLICY, "--feature-cache", "{d}/feats"], inputs, capsys, monkeypatch)
-    assert code == 1 and len(err.splitlines()) == 1, err
-    assert f"{f} holds" in err and "truncated or damaged" in err, err
-
-
-def test_a_corrupt_run_json_is_named_before_the_target_loads(inputs, no_model, capsys,
-                                                             monkeypatch):
-    """Before: a bare JSON error (``train eagle``: after the target loaded)."""
-    from test_train_inputs import EAGLE, ONPOLICY
-
-    (inputs / "run").mkdir()
-    (inputs / "run" / "run.json").write_text('{"kind": "eagle", "st')
-    for argv in (EAGLE, ONPOLICY):
-        code, err = _cli(argv, inputs, capsys, monkeypatch)
-        assert code == 1 and len(err.splitlines()) == 1, err
-        assert f"{inputs / 'run' / 'run.json'} is not readable JSON" in err, err
-        assert "use another --run directory" in err, err
-
-
 def test_a_run_json_list_is_named(tmp_path):
     from specjax.export import CheckpointError
     from specjax.train import checkpoint
@@ -462,22 +419,6 @@ def test_a_run_json_list_is_named(tmp_path):
         with pytest.raises(CheckpointError) as e:
             read(tmp_path)
         _one_line(e, str(tmp_path / "run.json"), "a JSON list, not an object")
-
-
-def test_a_damaged_distill_shard_is_named_before_the_target_loads(inputs, no_model, capsys,
-                                                                  monkeypatch):
-    """Before: "BadZipFile: Bad CRC-32 for file 'feats.npy'", naming no shard."""
-    from test_train_inputs import EAGLE
-
-    shard = inputs / "data" / "shard_00000.npz"
-    raw = bytearray(shard.read_bytes())
-    at = raw.index(b"feats.npy") + 200  # inside the feats array's bytes
-    raw[at] ^= 0x01
-    shard.write_bytes(bytes(raw))
-    code, err = _cli(EAGLE, inputs, capsys, monkeypatch)
-    assert code == 1 and len(err.splitlines()) == 1, err
-    assert f"{shard} is damaged (BadZipFile: Bad CRC-32" in err, err
-    assert "delete it and rerun" in err, err
 
 
 def test_every_flipped_byte_of_a_distill_shard_is_refused_or_reads_the_same(tmp_path):

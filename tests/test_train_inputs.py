@@ -290,3 +290,54 @@ def test_a_pool_of_chosen_sources_keeps_their_order_and_turns(tmp_path):
     for bad in (("gsm8k", "nope"), ()):
         with pytest.raises(ValueError, match="choose from gsm8k, self_instruct, t0"):
             onpolicy.prompt_pool(tmp_path, sources=bad)
+
+
+# ------------------------------------- damaged files named before the model (round three)
+
+@pytest.fixture
+def own_inputs(tmp_path):
+    """Inputs of one test's own (these tests damage them)."""
+    return _inputs(tmp_path)
+
+
+def _cli(argv, d, capsys, monkeypatch) -> tuple[int, str]:
+    monkeypatch.delenv("SPECJAX_DEBUG", raising=False)
+    return _main(argv, d, capsys)
+
+
+def test_a_truncated_feature_file_is_refused_before_the_target_loads(own_inputs, no_model,
+                                                                     capsys, monkeypatch):
+    f = own_inputs / "feats" / ("0" * 16) / "layers-1-2" / "abc.npy"
+    f.parent.mkdir(parents=True)
+    np.save(f, np.ones((5, 4), np.float32))
+    f.with_suffix(".json").write_text(json.dumps({"bytes": f.stat().st_size, "sha256": "0"}))
+    f.write_bytes(f.read_bytes()[:-8])
+    code, err = _cli([*ONPOLICY, "--feature-cache", "{d}/feats"], own_inputs, capsys, monkeypatch)
+    assert code == 1 and len(err.splitlines()) == 1, err
+    assert f"{f} holds" in err and "truncated or damaged" in err, err
+
+
+def test_a_corrupt_run_json_is_named_before_the_target_loads(own_inputs, no_model, capsys,
+                                                             monkeypatch):
+    """Before: a bare JSON error (``train eagle``: after the target loaded)."""
+    (own_inputs / "run").mkdir()
+    (own_inputs / "run" / "run.json").write_text('{"kind": "eagle", "st')
+    for argv in (EAGLE, ONPOLICY):
+        code, err = _cli(argv, own_inputs, capsys, monkeypatch)
+        assert code == 1 and len(err.splitlines()) == 1, err
+        assert f"{own_inputs / 'run' / 'run.json'} is not readable JSON" in err, err
+        assert "use another --run directory" in err, err
+
+
+def test_a_damaged_distill_shard_is_named_before_the_target_loads(own_inputs, no_model, capsys,
+                                                                  monkeypatch):
+    """Before: "BadZipFile: Bad CRC-32 for file 'feats.npy'", naming no shard."""
+    shard = own_inputs / "data" / "shard_00000.npz"
+    raw = bytearray(shard.read_bytes())
+    at = raw.index(b"feats.npy") + 200  # inside the feats array's bytes
+    raw[at] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    code, err = _cli(EAGLE, own_inputs, capsys, monkeypatch)
+    assert code == 1 and len(err.splitlines()) == 1, err
+    assert f"{shard} is damaged (BadZipFile: Bad CRC-32" in err, err
+    assert "delete it and rerun" in err, err
