@@ -165,6 +165,16 @@ def test_cli_train_eagle_logs_resumes_and_exports(lm, corpus, tmp_path, monkeypa
     assert (meta["train"]["w_ce"], meta["train"]["noise"]) == (1.0, 0.05)
     head, _ = checkpoint.load_head(out, "eagle", like=eagle.init_head(TOY, jax.random.key(0)))
     assert head["fc"].dtype == jnp.bfloat16
+    # a head warm-started from another keeps that head's vocabulary order, whatever the
+    # corpus's frequencies (here the reverse of its own export's)
+    meta["vocab_ids"] = meta["vocab_ids"][::-1]
+    (out / "head.json").write_text(json.dumps(meta))
+    warm = ["train", "eagle", "--data", str(tmp_path), "--run", str(tmp_path / "run2"),
+            "--batch-tokens", "256", "--max-len", "64", "--steps", "1", "--init", str(out),
+            "--export", str(tmp_path / "warm")]
+    assert cli.main(warm) == 0
+    got = json.loads((tmp_path / "warm" / "head.json").read_text())
+    assert got["vocab_ids"] == meta["vocab_ids"]
 
 
 def test_cli_corrupt_checkpoint_is_one_line(lm, corpus, tmp_path, monkeypatch, capsys, caplog):

@@ -129,13 +129,21 @@ def onpolicy_head(start: Start, target_cfg, kind) -> dict | None:
 # ----------------------------------------------------------------------------- exports
 
 
+def eagle_order(path: str | Path) -> list | None:
+    """The vocabulary order (``vocab_ids``) the exported EAGLE-1/2 head in ``path``
+    records, or None: a head warm-started from it keeps that order."""
+    return export.read_meta(path, "eagle").get("vocab_ids")
+
+
 def export_eagle(state: dict, cfg, out: str | Path, *, model: str, corpus: Sequence,
-                 vocab_size: int, draft_vocab: int, data_dir) -> Path:
-    """``train eagle --export``: the trained head with the corpus's 32768 most frequent ids
-    (``draft_vocab`` of them drafted by default; 0: all) and the corpus summary."""
+                 vocab_size: int, draft_vocab: int, data_dir, order=None) -> Path:
+    """``train eagle --export``: the trained head with the vocabulary order ``order`` (that
+    of the head it started from), else the corpus's 32768 most frequent ids
+    (``draft_vocab`` of them drafted by default; 0: all), and the corpus summary."""
     from specjax.train import eagle as train_eagle
 
-    ids = train_eagle.vocab_by_frequency(corpus, vocab_size, 32768)
+    ids = (np.asarray(order, np.int32) if order is not None
+           else train_eagle.vocab_by_frequency(corpus, vocab_size, 32768))
     return head_io.save_eagle(state["params"], out, record(model, cfg, state,
                                                            data_summary(data_dir)),
                               vocab_ids=ids, draft_vocab=draft_vocab)
@@ -222,7 +230,7 @@ def eagle_attn_norm(path: str | Path) -> bool | None:
         return None
 
 
-__all__ = ["from_args", "data_summary", "store_summary", "record", "eagle_init",
+__all__ = ["from_args", "data_summary", "store_summary", "record", "eagle_init", "eagle_order",
            "redrafter_init", "Start", "onpolicy_start", "onpolicy_head", "export_eagle",
            "export_redrafter", "export_exit_heads", "export_onpolicy", "published_dir",
            "export_published", "eagle_attn_norm"]

@@ -302,7 +302,8 @@ def cmd_train(args) -> int:
     if args.export and _main():
         out = glue.export_eagle(state, cfg, args.export, model=args.model, corpus=corpus,
                                 vocab_size=lm.model.config.vocab_size,
-                                draft_vocab=args.draft_vocab, data_dir=args.data)
+                                draft_vocab=args.draft_vocab, data_dir=args.data,
+                                order=glue.eagle_order(args.init) if args.init else None)
         print(f"exported the head (bfloat16) to {out}")
         _export_published(args, out, lm.model.config)
     return 0
