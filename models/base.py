@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from specjax.models.kv_cache import KVCache
+from specjax.sharding import HEADS, KV_HEADS, MLP, VOCAB, Partitioning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,4 +119,23 @@ class Model(Protocol):
         encoder-decoder model whose ``params`` are bound to a source; None otherwise."""
 
 
-__all__ = ["Model", "ModelConfig", "RopeScaling"]
+def _decoder_fused(cfg) -> dict:
+    nq, nk, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qkv = [nq * hd, (nq + nk) * hd]  # rows: the Q, K and V heads stacked
+    return {"qkv": (("q", "k", "v"), qkv), "qkv_b": (("q_b", "k_b", "v_b"), qkv),
+            "gate_up": (("gate", "up"), [cfg.intermediate_size])}
+
+
+# The partitioning of a pre-norm decoder layer as the Llama port names it (and Gemma's, and
+# the draft heads' layers): query, K/V and gate/up rows by heads and MLP width, the output
+# projections by their input columns, embeddings and LM heads (a draft head's
+# ``out_embed`` too) by the vocabulary; ``qkv``, its bias ``qkv_b`` and ``gate_up`` fused.
+DECODER_PARTITIONING = Partitioning(
+    axes={"q": (HEADS, None), "k": (KV_HEADS, None), "v": (KV_HEADS, None),
+          "o": (None, HEADS), "gate": (MLP, None), "up": (MLP, None), "down": (None, MLP),
+          "q_b": (HEADS,), "k_b": (KV_HEADS,), "v_b": (KV_HEADS,),
+          "embed": (VOCAB, None), "lm_head": (VOCAB, None), "out_embed": (VOCAB, None)},
+    fused=_decoder_fused)
+
+
+__all__ = ["Model", "ModelConfig", "RopeScaling", "DECODER_PARTITIONING"]

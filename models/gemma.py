@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,7 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
 from specjax.models import kv_cache
+from specjax.models.base import DECODER_PARTITIONING
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import DecoderParts, RopeScaling, rope_inv_freq, stacked_layers
 from specjax.models.ops import apply_rope, attention, dense, gate_up, head_logits, qkv_heads
@@ -42,6 +43,7 @@ class GemmaConfig:
     (local: window ``sliding_window``, RoPE base ``rope_local_theta``) or ``"full"``
     (global: RoPE base ``rope_theta`` with ``rope_scaling``)."""
 
+    partitioning: ClassVar = DECODER_PARTITIONING  # its weights' logical axes (sharding)
     vocab_size: int
     hidden_size: int
     intermediate_size: int

@@ -18,7 +18,7 @@ slower per token than unrolled layers on an H200 (docs/device_check_h200.md).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +28,7 @@ from jaxtyping import Array, Bool, Float, Int
 from specjax.models import kv_cache
 from specjax.models.ops import (apply_rope, attention, dense, fast_width, gate_up,  # noqa: F401
                                 head_logits, head_norm, project, qkv_heads, rms_norm)
-from specjax.models.base import RopeScaling  # re-exported: llama.RopeScaling
+from specjax.models.base import DECODER_PARTITIONING, RopeScaling  # RopeScaling: re-exported
 from specjax.models.kv_cache import KVCache
 
 Params = Mapping[str, Any]
@@ -46,6 +46,7 @@ class LlamaConfig:
     gains ``q_norm`` and ``k_norm`` ``[head_dim]`` and epsilon ``rms_norm_eps`` (Qwen3).
     """
 
+    partitioning: ClassVar = DECODER_PARTITIONING  # its weights' logical axes (sharding)
     vocab_size: int
     hidden_size: int
     intermediate_size: int

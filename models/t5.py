@@ -27,14 +27,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
+from specjax import sharding
 from specjax.models import kv_cache
+from specjax.models.base import DECODER_PARTITIONING
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import DecoderParts, RopeScaling
 from specjax.models.ops import attention, dense, head_logits, qkv_heads, rms_norm
@@ -42,11 +44,27 @@ from specjax.models.ops import attention, dense, head_logits, qkv_heads, rms_nor
 Params = Mapping[str, Any]
 
 
+def _t5_fused(cfg) -> dict:
+    fused = {"cross_kv": (("cross_k", "cross_v"), [cfg.num_heads * cfg.head_dim])}
+    if cfg.gated:  # T5 v1.1 / Flan: wi = [gate; up]
+        fused["wi"] = (("gate", "up"), [cfg.intermediate_size])
+    return fused
+
+
+# the decoder layer's, plus cross-attention (split by heads as self-attention is) and the
+# plain T5 MLP (``wi`` rows, ``wo`` columns); relative-bias tables stay whole
+_H, _M = sharding.HEADS, sharding.MLP
+T5_PARTITIONING = DECODER_PARTITIONING.extend(
+    {"cross_q": (_H, None), "cross_k": (_H, None), "cross_v": (_H, None),
+     "cross_o": (None, _H), "wi": (_M, None), "wo": (None, _M)}, _t5_fused)
+
+
 @dataclasses.dataclass(frozen=True)
 class T5Config:
     """Architecture of one T5 size. ``num_layers`` counts decoder layers (what the decoding
     loops and early exits see); ``num_encoder_layers`` the encoder's."""
 
+    partitioning: ClassVar = T5_PARTITIONING  # its weights' logical axes (sharding)
     vocab_size: int
     hidden_size: int  # d_model
     intermediate_size: int  # d_ff

@@ -1,14 +1,16 @@
 """Mesh sharding: a ``data`` axis for batch rows and a ``model`` axis for weights.
 
-Parameters follow the usual Megatron split: a layer's query heads, its K/V heads (where
-they divide the ``model`` axis; replicated otherwise) and its MLP's gate/up rows are split
-over ``model``, and the output projections (``o``, ``down``; T5's ``cross_o``, ``wo``) over
-their input columns, so each device computes whole heads and whole MLP columns and one
-all-reduce per block sums them. T5's encoder layers and cross-attention (``cross_q``,
-``cross_k``, ``cross_v``) split the same way. Embeddings and LM heads are split over the
-vocabulary where it divides. Q/K/V biases (``q_b``, ``k_b``, ``v_b``) split with their
-rows' heads. Norms (Qwen3's per-head ``q_norm``, ``k_norm`` too), the output bias ``o_b``,
-T5's relative-bias tables and small draft-head tensors are replicated. The KV cache is
+Parameters follow the usual Megatron split, by logical axes that each model family
+declares (its config's ``partitioning``: a :class:`Partitioning`, the way MaxText and gemma
+name their weights' axes), so this module knows no family's parameter names. A weight dim
+whose logical axis is :data:`HEADS`, :data:`KV_HEADS` or :data:`MLP` is split over
+``model`` when the config's count of it (query heads, K/V heads, MLP width) divides the
+axis, and a :data:`VOCAB` dim when its size does: query heads, K/V heads and the MLP's
+gate/up rows by rows, the output projections by their input columns, so each device
+computes whole heads and whole MLP columns and one all-reduce per block sums them.
+Embeddings and LM heads split over the vocabulary, Q/K/V biases with their rows' heads.
+What a family does not list (norms, biases of outputs, relative-bias tables, small
+draft-head tensors) is replicated. The KV cache is
 split over ``data`` (rows) and ``model`` (KV heads, where they divide), and so is a T5's
 bound source (its cross-attention K/V); token buffers over ``data``.
 
@@ -26,7 +28,8 @@ come back through :func:`gather`, once, after the decoding loop.
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
@@ -34,6 +37,43 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)
+
+# Logical axes of weight dims. Each counts a number of the model contract
+# (``specjax.models.base.ModelConfig``); ``VOCAB`` counts the dim's own size.
+HEADS, KV_HEADS, MLP, VOCAB = "heads", "kv_heads", "mlp", "vocab"
+_COUNTS = {HEADS: "num_heads", KV_HEADS: "num_kv_heads", MLP: "intermediate_size"}
+
+Fused = Mapping[str, tuple[tuple[str, ...], list[int]]]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Partitioning:
+    """How a family's parameters split over a mesh (a config's ``partitioning``).
+
+    ``axes``: a parameter name -> the logical axis (or None) of each of its trailing dims,
+    ``[out, in]`` for a weight and ``[out]`` for a bias, at most one of them split; a
+    leading dim (``scan_layers``' stacked layer axis) stays whole, and a name not listed
+    is replicated. ``fused``: a config -> the weights stored fused, each with the names of
+    its row blocks and their row offsets (split by :func:`split_layout` into the layout
+    sharded by heads; the models read both layouts)."""
+
+    axes: Mapping[str, tuple[str | None, ...]]
+    fused: Callable[[Any], Fused] = lambda config: {}
+
+    def extend(self, axes: Mapping[str, tuple[str | None, ...]],
+               fused: Callable[[Any], Fused] | None = None) -> "Partitioning":
+        """This partitioning with more names, and more fused weights."""
+        own = self.fused
+        both = own if fused is None else (lambda config: {**own(config), **fused(config)})
+        return Partitioning({**self.axes, **axes}, both)
+
+
+REPLICATED = Partitioning({})  # a config that declares none: every weight whole
+
+
+def partitioning(config) -> Partitioning:
+    """The config's ``partitioning`` (``REPLICATED`` when it declares none)."""
+    return getattr(config, "partitioning", REPLICATED)
 
 
 def parse_mesh(spec: str) -> dict[str, int]:
@@ -101,24 +141,19 @@ def check_batch(batch: int, mesh: Mesh | None) -> None:
 # ----------------------------------------------------------------------------- layouts
 
 def split_layout(config, params: Any) -> Any:
-    """The same parameters with every fused ``qkv`` split into ``q``, ``k``, ``v`` (and its
-    biases ``qkv_b`` into ``q_b``, ``k_b``, ``v_b``), every fused ``gate_up`` (T5: a gated
-    ``wi``) into ``gate``, ``up`` and T5's ``cross_kv`` into ``cross_k``, ``cross_v`` (the
-    layout sharded by heads; the models read both). Exact: only rows are regrouped."""
-    nq, nk, hd = config.num_heads, config.num_kv_heads, config.head_dim
-    f = config.intermediate_size
-    fused = {"qkv": (("q", "k", "v"), [nq * hd, (nq + nk) * hd]),
-             "gate_up": (("gate", "up"), [f]), "cross_kv": (("cross_k", "cross_v"), [nq * hd]),
-             "qkv_b": (("q_b", "k_b", "v_b"), [nq * hd, (nq + nk) * hd])}
-    if getattr(config, "gated", False):  # T5 v1.1 / Flan: wi = [gate; up]
-        fused["wi"] = (("gate", "up"), [f])
+    """The same parameters with every weight the config's :class:`Partitioning` lists as
+    fused (``qkv``, ``gate_up``, ...) split into its row blocks (``q``, ``k``, ``v``, ...):
+    the layout sharded by heads, which the models read as well. Exact: only rows are
+    regrouped."""
+    fused = partitioning(config).fused(config)
 
     def walk(x):
         if isinstance(x, dict):
             y = {k: walk(v) for k, v in x.items()}
             for name, (parts, at) in fused.items():
                 if name in y:
-                    y.update(zip(parts, _split_rows(y.pop(name), at, name.endswith("_b"))))
+                    bias = len(partitioning(config).axes.get(parts[0], (None, None))) == 1
+                    y.update(zip(parts, _split_rows(y.pop(name), at, bias)))
             return y
         if isinstance(x, (list, tuple)):
             return type(x)(walk(v) for v in x)
@@ -136,33 +171,26 @@ def _split_rows(w, at, bias: bool = False):
 
 
 def param_spec(config, path, shape, mesh: Mesh) -> P:
-    """The ``PartitionSpec`` of one parameter in the split layout, by the rules in the module
-    docstring, from the config, its path (a name, or a sequence of keys whose last string
-    is the name: ``("layers", 3, "q")``) and its shape alone; no array is needed. This is
-    the spec :func:`param_specs` gives that leaf, so weights placed straight from a
-    checkpoint (``specjax.models.load(..., mesh=)``) land as :func:`shard_params` would
+    """The ``PartitionSpec`` of one parameter in the split layout, from the config's
+    :class:`Partitioning`, the parameter's path (a name, or a sequence of keys whose last
+    string is the name: ``("layers", 3, "q")``) and its shape alone; no array is needed.
+    This is the spec :func:`param_specs` gives that leaf, so weights placed straight from
+    a checkpoint (``specjax.models.load(..., mesh=)``) land as :func:`shard_params` would
     place them."""
     name = path if path is None or isinstance(path, str) else next(
         (k for k in reversed(tuple(path)) if isinstance(k, str)), None)
+    axes = partitioning(config).axes.get(name)
     m = axis_size(mesh, MODEL)
-    nq, nk = getattr(config, "num_heads", 0), getattr(config, "num_kv_heads", 0)
-    f = getattr(config, "intermediate_size", 0)
-    div = lambda n: m > 1 and n > 0 and n % m == 0  # noqa: E731
-    rows = {"q": div(nq), "k": div(nk), "v": div(nk), "gate": div(f), "up": div(f),
-            "cross_q": div(nq), "cross_k": div(nq), "cross_v": div(nq), "wi": div(f)}
-    cols = {"o": div(nq), "down": div(f), "cross_o": div(nq), "wo": div(f)}
-    biases = {"q_b": div(nq), "k_b": div(nk), "v_b": div(nk)}  # [out] or stacked [L, out]
-    ndim = len(shape)
-    if name in biases:
-        return P(*(None,) * (ndim - 1), MODEL) if biases[name] else P()
-    lead = (None,) * (ndim - 2)  # a stacked layer axis (scan_layers) stays whole
-    if ndim >= 2 and rows.get(name):
-        return P(*lead, MODEL, None)
-    if ndim >= 2 and cols.get(name):
-        return P(*lead, None, MODEL)
-    if name in ("embed", "lm_head", "out_embed") and ndim == 2 and div(shape[0]):
-        return P(MODEL, None)
-    return P()
+    if axes is None or m == 1 or len(shape) < len(axes):
+        return P()
+    lead = len(shape) - len(axes)
+
+    def split(axis, size) -> bool:
+        n = size if axis == VOCAB else getattr(config, _COUNTS[axis], 0) if axis else 0
+        return n > 0 and n % m == 0
+
+    dims = [MODEL if split(a, n) else None for a, n in zip(axes, shape[lead:])]
+    return P(*(None,) * lead, *dims) if MODEL in dims else P()
 
 
 def param_specs(config, params: Any, mesh: Mesh) -> Any:

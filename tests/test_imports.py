@@ -92,3 +92,28 @@ def test_every_slow_test_named_in_conftest_exists():
                for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.FunctionDef)}
     missing = sorted(conftest._SLOW_NAMES - defined)
     assert missing == [], missing
+
+
+def test_sharding_knows_no_family():
+    """``specjax/sharding.py`` (the lowest layer) names no family's parameters: each
+    family's config declares them (``partitioning``: logical axes and fused weights)."""
+    from specjax import sharding
+    from specjax.models.gemma import GemmaConfig
+    from specjax.models.llama import LlamaConfig
+    from specjax.models.t5 import T5Config
+    from toys import GEMMA, LLAMA
+
+    t5 = T5Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                  num_encoder_layers=1, num_heads=4, head_dim=8)
+    names = set()
+    for cfg in (LLAMA, GEMMA, t5):
+        part = sharding.partitioning(cfg)
+        names |= set(part.axes) | {n for f, (parts, _) in part.fused(cfg).items()
+                                   for n in (f, *parts)}
+    assert {"qkv", "gate_up", "cross_kv", "wi", "wo"} <= names
+    assert all(c.partitioning is not sharding.REPLICATED
+               for c in (LlamaConfig, GemmaConfig, T5Config))
+    tree = ast.parse((ROOT / "specjax" / "sharding.py").read_text())
+    consts = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
+              and isinstance(n.value, str)}
+    assert not consts & names, f"specjax/sharding.py names {sorted(consts & names)}"
