@@ -35,25 +35,58 @@ import numpy as np
 from specjax.models.gemma import GemmaConfig, gemma3_layer_types
 from specjax.models.gguf_file import GGUFFile, read_gguf
 from specjax.models.llama import LlamaConfig, RopeScaling, top_shapes
+from specjax.models.t5 import T5Config
 
 Transform = Callable[[np.ndarray, LlamaConfig], np.ndarray]
-Config = LlamaConfig | GemmaConfig
+Config = LlamaConfig | GemmaConfig | T5Config
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A model family as loading sees it: ``config``, its config class; ``model``, a
+    function returning its model class (imported when a model is built); ``hf_config``,
+    parsing an HF ``config.json`` (``ConfigFields``) of one of ``hf_model_types``; and the
+    GGUF ``general.architecture``s it reads."""
+
+    name: str
+    config: type
+    model: Callable[[], type]
+    hf_config: Callable
+    hf_model_types: tuple[str, ...]
+    gguf_architectures: tuple[str, ...] = ()
+
+
+FAMILIES: dict[str, Family] = {}  # by name, in registration order
+
+
+def register_family(fam: Family) -> Family:
+    """Adds ``fam`` to ``FAMILIES`` (``ValueError`` for a name or ``model_type`` taken)."""
+    taken = {t for f in FAMILIES.values() for t in f.hf_model_types}
+    if fam.name in FAMILIES or taken & set(fam.hf_model_types):
+        raise ValueError(f"family {fam.name!r} or one of its model types "
+                         f"{fam.hf_model_types} is registered already")
+    FAMILIES[fam.name] = fam
+    return fam
+
+
+def family_of(cfg) -> Family:
+    """The registered family whose config class ``cfg`` is an instance of."""
+    for fam in FAMILIES.values():
+        if isinstance(cfg, fam.config):
+            return fam
+    raise TypeError(f"no model family is registered for {type(cfg).__name__} "
+                    f"(registered: {', '.join(FAMILIES)})")
 
 
 def family(cfg: Config) -> str:
-    if type(cfg).__name__ == "T5Config":
-        return "T5"
-    return "Gemma" if isinstance(cfg, GemmaConfig) else "Llama"
+    """The name of ``cfg``'s family: ``Llama``, ``Gemma``, ``T5`` or a registered one."""
+    return family_of(cfg).name
 
 
 def model_for(cfg: Config, compute_dtype=jnp.float32):
-    """The model class instance for a config: ``Llama``, ``Gemma`` or ``T5``, multiplying
-    in ``compute_dtype``."""
-    from specjax.models.gemma import Gemma
-    from specjax.models.llama import Llama
-    from specjax.models.t5 import T5
-
-    return {"T5": T5, "Gemma": Gemma, "Llama": Llama}[family(cfg)](cfg, compute_dtype)
+    """The model class instance for a config (its family's: ``Llama``, ``Gemma``, ``T5``),
+    multiplying in ``compute_dtype``."""
+    return family_of(cfg).model()(cfg, compute_dtype)
 
 
 class WeightLoadError(ValueError):
@@ -438,7 +471,9 @@ def gguf_config(reader: GGUFFile) -> Config:
     if arch == "gemma3":
         return _gguf_gemma3_config(reader)
     if arch != "llama":
-        raise WeightLoadError(f"GGUF architecture {arch!r} is not supported (llama, gemma3)")
+        archs = [a for fam in FAMILIES.values() for a in fam.gguf_architectures]
+        raise WeightLoadError(f"GGUF architecture {arch!r} is not supported "
+                              f"({', '.join(archs)})")
     g = _GGUFFields(reader, "llama")
     heads = g.integer("attention.head_count")
     hidden = g.integer("embedding_length")
@@ -705,12 +740,14 @@ def _gemma3_rope(f: ConfigFields) -> tuple[float, float, RopeScaling]:
 
 
 def _hf_sliding_check(f: ConfigFields, kind: str) -> None:
-    """``WeightLoadError`` if any layer of a Qwen2/Qwen3 config attends through a sliding
+    """``WeightLoadError`` if any layer of a Qwen2/Qwen3/Mistral config attends through a sliding
     window shorter than its context (the Llama port attends to every cached position). As
     transformers reads the config: the window applies only with ``use_sliding_window``, to
     the layers ``layer_types`` marks ``sliding_attention`` (default: layers from
     ``max_window_layers`` on)."""
-    if not f.flag("use_sliding_window", False):
+    # Mistral's window applies to every layer whenever it is set (transformers reads no
+    # use_sliding_window flag for it): v0.1 sets 4096, v0.2 and later null
+    if kind != "mistral" and not f.flag("use_sliding_window", False):
         return
     window = f.integer("sliding_window", None)
     if window is None:
@@ -718,20 +755,21 @@ def _hf_sliding_check(f: ConfigFields, kind: str) -> None:
     n = f.integer("num_hidden_layers")
     first = f.integer("max_window_layers", n, minimum=0)
     types = f.texts("layer_types", None) or [
-        "sliding_attention" if i >= first else "full_attention" for i in range(n)]
+        "sliding_attention" if i >= first or kind == "mistral" else "full_attention"
+        for i in range(n)]
     context = f.integer("max_position_embeddings", 4096)
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
     if sliding and window < context:
-        f.fail(f"{kind}: use_sliding_window with sliding_window={window} < "
-               f"max_position_embeddings={context} on layers {sliding[:8]} is not supported "
+        f.fail(f"{kind}: a sliding window (sliding_window={window} < "
+               f"max_position_embeddings={context}) on layers {sliding[:8]} is not supported "
                "(the Llama-family port attends to every position); Qwen checkpoints ship "
-               "use_sliding_window: false")
+               "use_sliding_window: false, Mistral's from v0.2 sliding_window: null")
 
 
 def hf_config(d: dict | ConfigFields) -> LlamaConfig:
     """A LlamaConfig from an HF ``config.json`` of ``model_type`` ``llama`` (Llama 2/3.x,
-    SmolLM2), ``qwen2`` (Qwen2/2.5) or ``qwen3`` (transformers v4 or v5 RoPE fields, read
-    by :func:`hf_rope`).
+    SmolLM2), ``qwen2`` (Qwen2/2.5), ``qwen3`` or ``mistral`` (Mistral-7B v0.2 and later,
+    without a sliding window; transformers v4 or v5 RoPE fields, read by :func:`hf_rope`).
 
     Qwen2 always has q/k/v biases and no ``o`` bias; Llama's and Qwen3's ``attention_bias``
     (default false) biases q, k, v and o; Qwen3 norms each query and key head
@@ -740,8 +778,9 @@ def hf_config(d: dict | ConfigFields) -> LlamaConfig:
     biases, an unsupported RoPE, or a sliding window shorter than the context."""
     f = _fields(d)
     kind = f.text("model_type", "llama")
-    if kind not in ("llama", "qwen2", "qwen3"):
-        f.fail(f"model_type {kind!r} is not a Llama-family config (llama, qwen2, qwen3)")
+    kinds = FAMILIES["Llama"].hf_model_types
+    if kind not in kinds:
+        f.fail(f"model_type {kind!r} is not a Llama-family config ({', '.join(kinds)})")
     act = f.text("hidden_act", "silu")
     if act != "silu":
         f.fail(f"{kind}: hidden_act {act!r} is not supported (silu)")
@@ -812,9 +851,26 @@ def hf_gemma_config(d: dict | ConfigFields) -> GemmaConfig:
         max_position_embeddings=f.integer("max_position_embeddings", 8192))
 
 
-_HF_FAMILIES = {"llama": hf_config, "qwen2": hf_config, "qwen3": hf_config,
-                "gemma2": hf_gemma_config, "gemma3_text": hf_gemma_config,
-                "t5": lambda f: hf_t5_config(f)}
+def _model_class(module: str, name: str) -> Callable[[], type]:
+    def model():
+        import importlib
+
+        return getattr(importlib.import_module(f"specjax.models.{module}"), name)
+    return model
+
+
+# The built-in families. A family of its own registers a ``Family`` the same way; another
+# ``model_type`` of an existing family is one more name in its ``hf_model_types``.
+register_family(Family("Llama", LlamaConfig, _model_class("llama", "Llama"), hf_config,
+                       ("llama", "qwen2", "qwen3", "mistral"), ("llama",)))
+register_family(Family("Gemma", GemmaConfig, _model_class("gemma", "Gemma"), hf_gemma_config,
+                       ("gemma2", "gemma3_text"), ("gemma3",)))
+register_family(Family("T5", T5Config, _model_class("t5", "T5"), lambda f: hf_t5_config(f),
+                       ("t5",)))
+
+
+def _hf_family(kind: str) -> Family | None:
+    return next((f for f in FAMILIES.values() if kind in f.hf_model_types), None)
 
 
 def hf_dir_config(path: str | Path) -> Config:
@@ -826,9 +882,11 @@ def hf_dir_config(path: str | Path) -> Config:
         raise FileNotFoundError(f"{path}: no config.json")
     f = read_config_json(cfg_file)
     kind = f.text("model_type", "llama")
-    if kind not in _HF_FAMILIES:
-        f.fail(f"model_type {kind!r} is not supported ({', '.join(_HF_FAMILIES)})")
-    return _HF_FAMILIES[kind](f)
+    fam = _hf_family(kind)
+    if fam is None:
+        kinds = [t for fam in FAMILIES.values() for t in fam.hf_model_types]
+        f.fail(f"model_type {kind!r} is not supported ({', '.join(kinds)})")
+    return fam.hf_config(f)
 
 
 # --------------------------------------------------------------------------- safetensors, lazily
@@ -1116,8 +1174,6 @@ def hf_t5_config(d: dict | ConfigFields):
     The LM head scaling follows transformers: ``scale_decoder_outputs`` when the file has it
     (transformers >= 5 writes it), else ``tie_word_embeddings`` (default true). Whether the
     head is tied is settled when the weights load: by a saved ``lm_head.weight``."""
-    from specjax.models.t5 import T5Config
-
     f = _fields(d)
     proj = f.text("feed_forward_proj", "relu")
     parts = proj.split("-")

@@ -347,6 +347,30 @@ def test_transformers4_llama31_config_fields():
     assert v4 == v5 and v4.rope_theta == 5e5 and v4.rope_scaling.rope_type == "llama3"
 
 
+def test_mistral_reads_as_a_llama_family_model(tmp_path):
+    """Mistral is one more ``model_type`` of the Llama family (``loading.FAMILIES``): a
+    random tiny transformers Mistral (v0.2 and later: ``sliding_window`` null) loads from
+    its directory and gives transformers' logits; v0.1's window, shorter than the context,
+    is refused in one line."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(**COMMON, sliding_window=None, rms_norm_eps=1e-5,
+                                     tie_word_embeddings=False, head_dim=16)
+    hf = transformers.MistralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if p.ndim == 1 else 0.2 * torch.randn_like(p))
+    hf.save_pretrained(str(tmp_path))
+    ours_cfg, params = load_hf_dir(tmp_path)
+    assert loading.family(ours_cfg) == "Llama"
+    d = _diff(_hf_logits(hf), _logits(Llama(ours_cfg), params, TOKENS))
+    assert d < 1e-4, f"mistral: logits differ from transformers by {d:.3e}"
+    with pytest.raises(WeightLoadError, match=r"mistral: a sliding window \(sliding_window=16"):
+        loading.hf_config(dict(COMMON, model_type="mistral", sliding_window=16))
+
+
 @pytest.mark.parametrize("edit, match", [
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16), "sliding_window=16"),
     (dict(model_type="qwen3", use_sliding_window=True, sliding_window=32,
