@@ -183,15 +183,20 @@ def replace_dir(out: str | Path, what: str | None = None) -> Iterator[Path]:
 def _make_parent(out: Path, name: str) -> None:
     """Creates ``out``'s parent directories; ``OutputError`` naming the file in the way or
     the directory that cannot be written."""
-    parent = out.parent
-    probe = parent
+    _check_parent(out, name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _check_parent(out: Path, name: str) -> None:
+    """``OutputError`` unless ``out``'s nearest existing ancestor is a directory this
+    process may write to."""
+    probe = out.parent
     while not probe.exists():
         probe = probe.parent
     if not probe.is_dir():
         raise OutputError(f"{name} cannot be written: {probe} is a file, not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise OutputError(f"{name} cannot be written: {probe} is not writable")
-    parent.mkdir(parents=True, exist_ok=True)
 
 
 def check_writable(out: str | Path, what: str | None = None) -> None:
@@ -201,13 +206,7 @@ def check_writable(out: str | Path, what: str | None = None) -> None:
     name = what or str(out)
     if os.path.lexists(out) and not out.is_dir():
         raise OutputError(f"{name} is a file; give a directory path")
-    probe = out.parent
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise OutputError(f"{name} cannot be written: {probe} is a file, not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise OutputError(f"{name} cannot be written: {probe} is not writable")
+    _check_parent(out, name)
 
 
 # ----------------------------------------------------------------------------- file groups

@@ -23,16 +23,12 @@ import tracemalloc
 import numpy as np
 import pytest
 
+import toys
 from specjax.models import WeightLoadError, loading
 from specjax.models.gguf_file import GGUFFormatError, read_gguf
 
 
-def _one_line(e: pytest.ExceptionInfo, *fragments: str) -> str:
-    msg = str(e.value)
-    assert "\n" not in msg, msg
-    for f in fragments:
-        assert f in msg, msg
-    return msg
+_one_line = toys.one_line
 
 
 # ------------------------------------------------------------------------------ safetensors

@@ -258,3 +258,13 @@ def run_spec(spec: str, model, params, prompts, budgets, mesh=None):
     lm = ToyLM(model, params, eos_ids=(), mesh=mesh)
     built = methods.parse(spec).random(lm, OPTIONS, jax.random.key(3))
     return built(prompts, max_new_tokens=budgets)
+
+
+def one_line(e, *fragments: str) -> str:
+    """The message of a raised exception (``pytest.raises``' ``ExceptionInfo`` ``e``),
+    asserted to be one line holding every fragment."""
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    for f in fragments:
+        assert f in msg, msg
+    return msg

@@ -27,7 +27,6 @@ wrote it.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import shutil
@@ -40,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from specjax.export import CheckpointError, export_head, load_head, read_meta  # noqa: F401
+from specjax.export import (CheckpointError, export_head, file_sha256, load_head,  # noqa: F401
+                            read_meta)
 
 
 def _abstract(tree):
@@ -128,18 +128,10 @@ def _step_files(step_dir: Path) -> dict[str, Path]:
             if p.is_file() and p.name not in (MANIFEST, _TMP_MANIFEST)}
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(16 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def write_manifest(step_dir: Path) -> None:
     """``step_dir/specjax_sha256.json``: the SHA-256 of every other file in the committed
     step ``step_dir`` (written under a temporary name and renamed)."""
-    files = {k: _sha256(p) for k, p in _step_files(step_dir).items()}
+    files = {k: file_sha256(p) for k, p in _step_files(step_dir).items()}
     tmp = step_dir / _TMP_MANIFEST
     tmp.write_text(json.dumps({"files": files}, indent=1, sort_keys=True))
     tmp.replace(step_dir / MANIFEST)
@@ -162,7 +154,7 @@ def check_manifest(step_dir: Path) -> str | None:
             return f"{name} is missing"
         if name not in want:
             return f"{name} is not in its manifest"
-        if _sha256(have[name]) != want[name]:
+        if file_sha256(have[name]) != want[name]:
             return f"{name} does not match its SHA-256 in {MANIFEST}"
     return None
 

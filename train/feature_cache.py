@@ -28,13 +28,14 @@ collective prefill, which all or none must run), and process 0 alone writes it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Callable, Sequence
 
 import jax
 import numpy as np
+
+from specjax.export import file_sha256
 
 from specjax.train.shards import ShardStore
 
@@ -111,7 +112,7 @@ class FeatureCache:
         st = path.stat()
         if self._verified.get(path) == (st.st_size, st.st_mtime_ns):
             return
-        if _sha256(path) != record["sha256"]:
+        if file_sha256(path) != record["sha256"]:
             raise FeatureCacheError(f"{path} does not match the SHA-256 in {_meta_path(path).name}"
                                     f": it is damaged; {_DELETE}")
         self._verified[path] = (st.st_size, st.st_mtime_ns)
@@ -129,14 +130,6 @@ def _everywhere(found: bool) -> bool:
 
 def _meta_path(path: Path) -> Path:
     return path.with_suffix(".json")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(16 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _read_meta(meta: Path) -> dict:
@@ -188,7 +181,7 @@ def _save(path: Path, array: np.ndarray) -> None:
     with open(tmp, "wb") as f:
         np.save(f, array)
     record = {"shape": list(array.shape), "dtype": "float32", "bytes": tmp.stat().st_size,
-              "sha256": _sha256(tmp)}
+              "sha256": file_sha256(tmp)}
     tmp.replace(path)
     tmp_meta = meta.with_name("tmp_" + meta.name)
     tmp_meta.write_text(json.dumps(record, indent=1))
