@@ -65,8 +65,12 @@ def _exact_second_and_third(model, tp, sampler):
 # (an n-gram bottom under one exit: tests/test_conformance.py, hsd:ngram:3,1:2,target).
 # The plain exit-exit-target hierarchy is opt-in (the suite's time): its levels run by
 # default inside exit-exit-target+h3, which adds three horizontal drafts to each round.
+# exit-exit-target+h3 is opt-in too (the suite's time): its greedy run is default
+# (test_greedy_hsd_equals_ar_on_toy), and so are the laws of 4-levels+h2 here and of
+# hsd:ngram:3,1:2,target (tests/test_conformance.py)
 @pytest.mark.parametrize("name", [pytest.param("exit-exit-target", marks=pytest.mark.extended),
-                                  "exit-exit-target+h3", "4-levels+h2"])
+                                  pytest.param("exit-exit-target+h3",
+                                               marks=pytest.mark.extended), "4-levels+h2"])
 def test_sampled_three_level_hsd_matches_target(toy, name):
     from laws import pvalue
 

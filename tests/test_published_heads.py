@@ -191,6 +191,9 @@ def test_published_eagle1_head_decodes_as_ar(target, tmp_path):
     assert built(prompts, max_new_tokens=[20, 13]).to_lists() == ar
 
 
+@pytest.mark.extended  # opt-in (the suite's time): the same head decodes through
+# methods.build, which bench calls, in test_eagle3_greedy_equals_ar, and bench's CLI runs by
+# default in tests/test_bench.py
 def test_cli_bench_with_a_published_eagle3_head(target, monkeypatch, tmp_path):
     from specjax import cli
 

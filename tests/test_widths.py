@@ -84,7 +84,11 @@ def _run(model, tp, drafter, dp, policy, sampler=sampling.Greedy(), key=None):
                                         sampler=sampler, key=key)
 
 
-CASES = ["none:1", "ngram:2", "eagle2:8", "ngram:17", "redrafter3x3:10"]
+# ReDrafter's case is opt-in (the suite's time): the padded path it takes is the one the
+# n-gram and EAGLE cases take, and ReDrafter's greedy equality runs by default
+# (tests/test_conformance.py)
+CASES = ["none:1", "ngram:2", "eagle2:8", "ngram:17",
+         pytest.param("redrafter3x3:10", marks=pytest.mark.extended)]
 
 
 @pytest.mark.parametrize("name", CASES)
