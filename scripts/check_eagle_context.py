@@ -351,6 +351,31 @@ class Stats:
                 for k, v in self.d.items()}
 
 
+def layouts(seq: list[int], feats, n: int):
+    """``(toks_new, feats_new, toks_old, feats_old)``: the head's entries over ``seq`` in
+    EAGLE's layout (entry t: token t+1, feature t) and in specjax's old one (entry 0: token
+    0 beside a zero feature; entry t: token t, feature t-1)."""
+    import jax.numpy as jnp
+
+    toks_new, feats_new = jnp.asarray([seq[1:] + [0]]), feats[:, :n + 1]
+    toks_old = jnp.asarray([seq])
+    feats_old = jnp.concatenate([jnp.zeros_like(feats[:, :1]), feats[:, :n]], axis=1)
+    return toks_new, feats_new, toks_old, feats_old
+
+
+def prefix_context(seq: list[int], p: int, cap: int, cache, tparams, hidden):
+    """The drafter's ``Context`` over the prefix ``seq[:p + 1]`` (prompt ``p`` tokens, the
+    root ``seq[p]``) in a ``cap``-slot buffer."""
+    import jax.numpy as jnp
+
+    from specjax.drafters import Context
+
+    buf = np.zeros((1, cap), np.int32)
+    buf[0, :p + 1] = seq[:p + 1]
+    return Context(tokens=jnp.asarray(buf), length=jnp.asarray([p + 1]),
+                   prompt_len=jnp.asarray([p]), cache=cache, params=tparams, hidden=hidden)
+
+
 def run_eagle(args, lm, heads) -> dict:
     import jax.numpy as jnp
     import torch
@@ -400,19 +425,10 @@ def run_eagle(args, lm, heads) -> dict:
             full_logits = full_logits[0].numpy()
             m.reset_kv()
             # the old layout's entries (token 0 with a zero feature first) and the new ones
-            toks_new = jnp.asarray([seq[1:] + [0]])  # entry t: token t+1, feature t
-            feats_new = feats[:, :n + 1]
-            toks_old = jnp.asarray([seq])  # entry 0: token 0, zero; entry t: token t, feat t-1
-            feats_old = jnp.concatenate([jnp.zeros_like(feats[:, :1]), feats[:, :n]], axis=1)
-            from specjax.drafters import Context
-
+            toks_new, feats_new, toks_old, feats_old = layouts(seq, feats, n)
             for p in ps:
                 # specjax: the drafter's own init + propose on the prefix
-                buf = np.zeros((1, cap), np.int32)
-                buf[0, :p + 1] = seq[:p + 1]
-                ctx = Context(tokens=jnp.asarray(buf), length=jnp.asarray([p + 1]),
-                              prompt_len=jnp.asarray([p]), cache=cache, params=tparams,
-                              hidden=hidden)
+                ctx = prefix_context(seq, p, cap, cache, tparams, hidden)
                 d_tok, d_par, rec = run(dparams, ctx)
                 # EAGLE: topK_genrate on the same prefix, incrementally (stable_kv)
                 kv_len = 0 if getattr(m, "stable_kv", None) is None else \
@@ -538,19 +554,11 @@ def run_specforge(args, lm, heads) -> dict:
         run = recording_runner(drafter)
         chain = chain_runner(drafter)
         feats = drafter._features(tparams, hidden)
-        toks_new, feats_new = jnp.asarray([seq[1:] + [0]]), feats[:, :n + 1]
-        toks_old = jnp.asarray([seq])
-        feats_old = jnp.concatenate([jnp.zeros_like(feats[:, :1]), feats[:, :n]], axis=1)
+        toks_new, feats_new, toks_old, feats_old = layouts(seq, feats, n)
         cache = lm.model.init_cache(1, cap)
-        from specjax.drafters import Context
-
         stats = Stats()
         for p in range(1, n + 1)[-args.prefixes:]:
-            buf = np.zeros((1, cap), np.int32)
-            buf[0, :p + 1] = seq[:p + 1]
-            ctx = Context(tokens=jnp.asarray(buf), length=jnp.asarray([p + 1]),
-                          prompt_len=jnp.asarray([p]), cache=cache, params=tparams,
-                          hidden=hidden)
+            ctx = prefix_context(seq, p, cap, cache, tparams, hidden)
             _, _, rec = run(dparams, ctx)
             stats.add("step0_root_vs_specforge_forward", rec[0], theirs[p - 1])
             if p + CHAIN > n:

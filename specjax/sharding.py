@@ -145,15 +145,18 @@ def split_layout(config, params: Any) -> Any:
     fused (``qkv``, ``gate_up``, ...) split into its row blocks (``q``, ``k``, ``v``, ...):
     the layout sharded by heads, which the models read as well. Exact: only rows are
     regrouped."""
-    fused = partitioning(config).fused(config)
+    part = partitioning(config)
+    fused = part.fused(config)
+    # a bias's blocks are slices of its one dim (its parts have one logical axis)
+    bias = {name: len(part.axes.get(parts[0], (None, None))) == 1
+            for name, (parts, _) in fused.items()}
 
     def walk(x):
         if isinstance(x, dict):
             y = {k: walk(v) for k, v in x.items()}
             for name, (parts, at) in fused.items():
                 if name in y:
-                    bias = len(partitioning(config).axes.get(parts[0], (None, None))) == 1
-                    y.update(zip(parts, _split_rows(y.pop(name), at, bias)))
+                    y.update(zip(parts, _split_rows(y.pop(name), at, bias[name])))
             return y
         if isinstance(x, (list, tuple)):
             return type(x)(walk(v) for v in x)
