@@ -37,13 +37,13 @@ def main() -> None:
     import jax.numpy as jnp
 
     from specjax import bench
-    from specjax.drafters import eagle
+    from specjax.heads import shipped_head
     from specjax.models import load
     from specjax.train import glue, onpolicy, shards, ttt
 
     kind = ttt.EAGLE2
     lm = load(args.model)
-    start = glue.onpolicy_start(args.head, eagle.shipped_head(args.model), kind)
+    start = glue.onpolicy_start(args.head, shipped_head("eagle", args.model), kind)
     head = glue.onpolicy_head(start, lm.model.config, kind)
     vids = jnp.asarray(start.order[:args.vocab], jnp.int32)
     layers = kind.layers(lm.model.config)

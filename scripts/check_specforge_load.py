@@ -62,7 +62,8 @@ def specjax_logits(head_dir: Path, cfg: dict, tokens, fused, table) -> np.ndarra
     count only decides which fused layers are in range)."""
     import jax.numpy as jnp
 
-    from specjax.drafters import blocks, eagle3, published
+    from specjax.drafters import blocks, eagle3
+    from specjax.heads import published
 
     target = types.SimpleNamespace(hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
                                    vocab_size=cfg["vocab_size"], num_layers=32)

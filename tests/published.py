@@ -266,6 +266,37 @@ def write_eagle1_head(
     return _save(path, sd, cfg, weights, dtype), cfg
 
 
+def _eagle3_layer(g: torch.Generator, hidden, th, heads, kv_heads, hd, intermediate,
+                  draft_vocab) -> dict:
+    """An EAGLE-3 head's ``fc``, ``midlayer.*``, ``norm`` and ``lm_head`` weights, drawn from
+    ``g`` in this order (the published layout; SpecForge's names are the same)."""
+    p = "midlayer."
+    return {
+        "fc.weight": _linear(g, hidden, 3 * th),
+        p + "input_layernorm.weight": _norm_weight(g, hidden),
+        p + "hidden_norm.weight": _norm_weight(g, hidden),
+        p + "self_attn.q_proj.weight": _linear(g, heads * hd, 2 * hidden),
+        p + "self_attn.k_proj.weight": _linear(g, kv_heads * hd, 2 * hidden),
+        p + "self_attn.v_proj.weight": _linear(g, kv_heads * hd, 2 * hidden),
+        p + "self_attn.o_proj.weight": _linear(g, hidden, heads * hd),
+        p + "post_attention_layernorm.weight": _norm_weight(g, hidden),
+        p + "mlp.gate_proj.weight": _linear(g, intermediate, hidden),
+        p + "mlp.up_proj.weight": _linear(g, intermediate, hidden),
+        p + "mlp.down_proj.weight": _linear(g, hidden, intermediate),
+        "norm.weight": _norm_weight(g, hidden),
+        "lm_head.weight": _linear(g, draft_vocab, hidden),
+    }
+
+
+def _vocab_map(g: torch.Generator, vocab: int, draft_vocab: int) -> dict:
+    """``d2t``/``t2d`` as EAGLE's trainer builds them (eagle/traineagle3/cnets.py): a sorted
+    subset ``ids`` of draft_vocab target ids, d2t[i] = ids[i] - i, t2d[ids] = True."""
+    ids = torch.sort(torch.randperm(vocab, generator=g)[:draft_vocab]).values.to(torch.int64)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    return {"d2t": ids - torch.arange(draft_vocab, dtype=torch.int64), "t2d": t2d}
+
+
 def write_eagle3_head(
     path,
     *,
@@ -325,28 +356,9 @@ def write_eagle3_head(
         cfg["rope_theta"] = float(rope_theta)
 
     g = torch.Generator().manual_seed(seed)
-    hd = hidden // heads
-    p = "midlayer."
-    sd = {
-        "fc.weight": _linear(g, hidden, 3 * th),
-        p + "input_layernorm.weight": _norm_weight(g, hidden),
-        p + "hidden_norm.weight": _norm_weight(g, hidden),
-        p + "self_attn.q_proj.weight": _linear(g, heads * hd, 2 * hidden),
-        p + "self_attn.k_proj.weight": _linear(g, kv_heads * hd, 2 * hidden),
-        p + "self_attn.v_proj.weight": _linear(g, kv_heads * hd, 2 * hidden),
-        p + "self_attn.o_proj.weight": _linear(g, hidden, heads * hd),
-        p + "post_attention_layernorm.weight": _norm_weight(g, hidden),
-        p + "mlp.gate_proj.weight": _linear(g, intermediate, hidden),
-        p + "mlp.up_proj.weight": _linear(g, intermediate, hidden),
-        p + "mlp.down_proj.weight": _linear(g, hidden, intermediate),
-        "norm.weight": _norm_weight(g, hidden),
-        "lm_head.weight": _linear(g, draft_vocab, hidden),
-    }
-    ids = torch.sort(torch.randperm(vocab, generator=g)[:draft_vocab]).values.to(torch.int64)
-    sd["d2t"] = ids - torch.arange(draft_vocab, dtype=torch.int64)
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[ids] = True
-    sd["t2d"] = t2d
+    sd = _eagle3_layer(g, hidden, th, heads, kv_heads, hidden // heads, intermediate,
+                       draft_vocab)
+    sd.update(_vocab_map(g, vocab, draft_vocab))
     if own_embedding:
         sd["embed_tokens.weight"] = torch.randn(vocab, hidden, generator=g)
     return _save(path, sd, cfg, weights, dtype), cfg
@@ -484,30 +496,12 @@ def write_specforge_eagle3_head(
     cfg = dict(sorted(cfg.items()))
 
     g = torch.Generator().manual_seed(seed)
-    p = "midlayer."
-    sd = {
-        "embed_tokens.weight": torch.randn(vocab, hidden, generator=g),
-        "fc.weight": _linear(g, hidden, 3 * th),
-        p + "input_layernorm.weight": _norm_weight(g, hidden),
-        p + "hidden_norm.weight": _norm_weight(g, hidden),
-        p + "self_attn.q_proj.weight": _linear(g, heads * hd, 2 * hidden),
-        p + "self_attn.k_proj.weight": _linear(g, kv_heads * hd, 2 * hidden),
-        p + "self_attn.v_proj.weight": _linear(g, kv_heads * hd, 2 * hidden),
-        p + "self_attn.o_proj.weight": _linear(g, hidden, heads * hd),
-        p + "post_attention_layernorm.weight": _norm_weight(g, hidden),
-        p + "mlp.gate_proj.weight": _linear(g, intermediate, hidden),
-        p + "mlp.up_proj.weight": _linear(g, intermediate, hidden),
-        p + "mlp.down_proj.weight": _linear(g, hidden, intermediate),
-        "norm.weight": _norm_weight(g, hidden),
-        "lm_head.weight": _linear(g, draft_vocab, hidden),
-    }
+    embed = torch.randn(vocab, hidden, generator=g)  # drawn first, stored first
+    sd = {"embed_tokens.weight": embed,
+          **_eagle3_layer(g, hidden, th, heads, kv_heads, hd, intermediate, draft_vocab)}
     if fc_norm:
         sd.update({f"fc_norm.{i}.weight": _norm_weight(g, th) for i in range(3)})
-    ids = torch.sort(torch.randperm(vocab, generator=g)[:draft_vocab]).values.to(torch.int64)
-    sd["d2t"] = ids - torch.arange(draft_vocab, dtype=torch.int64)
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[ids] = True
-    sd["t2d"] = t2d
+    sd.update(_vocab_map(g, vocab, draft_vocab))
     return _save(path, sd, cfg, "model.safetensors", dtype), cfg
 
 

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 import toys
-from specjax import _atomic, cli, export, head_io
-from specjax.drafters import eagle, eagle3, published
+from specjax import _atomic, cli
+from specjax.drafters import eagle, eagle3
+from specjax.heads import exported, kinds, published, shipped
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -91,20 +92,20 @@ def test_recover_restores_a_backup_and_removes_dead_temporaries(tmp_path, capsys
 EXPORT = """
 import sys, jax, numpy as np
 import toys
-from specjax import export
 from specjax.drafters import eagle
-export.export_head(eagle.init_head(toys.LLAMA, jax.random.key(5)), sys.argv[1], {"kind": "eagle"})
+from specjax.heads import exported
+exported.export_head(eagle.init_head(toys.LLAMA, jax.random.key(5)), sys.argv[1], {"kind": "eagle"})
 """
 
 
 @pytest.mark.parametrize("point", ["written", "old-moved", "new-placed"])
 def test_a_killed_export_keeps_the_previous_head(tmp_path, point, capsys):
     out = tmp_path / "h"
-    export.export_head(_head(0), out, {"kind": "eagle"})
+    exported.export_head(_head(0), out, {"kind": "eagle"})
     before = _files(out)
     _killed(EXPORT, point, out)
     assert len(_siblings(tmp_path)) == 2  # the head (or its backup) and one leftover
-    back, _ = export.load_head(out, "eagle")  # a backup alone is restored on reading
+    back, _ = exported.load_head(out, "eagle")  # a backup alone is restored on reading
     got = _files(out)
     if point == "new-placed":  # the new head was whole and in place
         assert got != before
@@ -113,42 +114,42 @@ def test_a_killed_export_keeps_the_previous_head(tmp_path, point, capsys):
                                                                    "bfloat16"), np.float32))
     else:
         assert got == before
-    export.export_head(_head(7), out, {"kind": "eagle"})  # the next export cleans up
+    exported.export_head(_head(7), out, {"kind": "eagle"})  # the next export cleans up
     assert _siblings(tmp_path) == ["h"]
     assert ".h." in capsys.readouterr().err  # the leftover was named
 
 
 def test_a_flipped_byte_in_an_exported_head_is_refused_naming_the_file(tmp_path):
-    out = export.export_head(_head(0), tmp_path / "h", {"kind": "eagle"})
-    meta = json.loads((out / export.HEAD_JSON).read_text())
-    assert meta[export.SHA_KEY] == export.file_sha256(out / export.PARAMS)
-    f = out / export.PARAMS
+    out = exported.export_head(_head(0), tmp_path / "h", {"kind": "eagle"})
+    meta = json.loads((out / exported.HEAD_JSON).read_text())
+    assert meta[exported.SHA_KEY] == exported.file_sha256(out / exported.PARAMS)
+    f = out / exported.PARAMS
     data = bytearray(f.read_bytes())
     data[-3] ^= 0x10  # a weight's byte: the file still parses
     f.write_bytes(bytes(data))
-    with pytest.raises(export.CheckpointError) as e:
-        export.load_head(out, "eagle")
+    with pytest.raises(exported.CheckpointError) as e:
+        exported.load_head(out, "eagle")
     assert str(f) in str(e.value) and "SHA-256" in str(e.value)
     assert len(str(e.value).splitlines()) == 1
-    del meta[export.SHA_KEY]  # a head exported before the field: loads unchecked
-    (out / export.HEAD_JSON).write_text(json.dumps(meta))
-    assert export.load_head(out, "eagle")[0]["fc"].shape == _head(0)["fc"].shape
+    del meta[exported.SHA_KEY]  # a head exported before the field: loads unchecked
+    (out / exported.HEAD_JSON).write_text(json.dumps(meta))
+    assert exported.load_head(out, "eagle")[0]["fc"].shape == _head(0)["fc"].shape
 
 
 def test_the_same_head_exports_the_same_bytes(tmp_path):
     """The safetensors header's metadata is written sorted: equal heads, equal files and
     equal ``params_sha256``."""
-    a = export.export_head(_head(3), tmp_path / "a", {"kind": "eagle"})
-    b = export.export_head(_head(3), tmp_path / "b", {"kind": "eagle"})
+    a = exported.export_head(_head(3), tmp_path / "a", {"kind": "eagle"})
+    b = exported.export_head(_head(3), tmp_path / "b", {"kind": "eagle"})
     assert _files(a) == _files(b)
 
 
-@pytest.mark.parametrize("rel", ["heads/smollm2-135m-eagle", "heads/gemma3-270m-eagle",
-                                 "heads/smollm2-135m-exits"])
-def test_shipped_heads_record_the_sha256_of_their_parameters(rel):
-    d = export.shipped_dir(rel)
-    meta = json.loads(d.joinpath(export.HEAD_JSON).read_text())
-    assert meta[export.SHA_KEY] == export.file_sha256(Path(str(d.joinpath(export.PARAMS))))
+@pytest.mark.parametrize("name", ["smollm2-135m-eagle", "gemma3-270m-eagle",
+                                  "smollm2-135m-exits"])
+def test_shipped_heads_record_the_sha256_of_their_parameters(name):
+    d = shipped.shipped_dir(name)
+    meta = json.loads(d.joinpath(exported.HEAD_JSON).read_text())
+    assert meta[exported.SHA_KEY] == exported.file_sha256(Path(str(d.joinpath(exported.PARAMS))))
 
 
 # ----------------------------------------------------------------------------- convert-head
@@ -162,8 +163,8 @@ def toy(tmp_path_factory):
     for name, seed in (("a", 1), ("b", 2)):
         hp = eagle3.init_head(cfg, jax.random.key(seed), 16)
         ids = np.random.default_rng(seed).permutation(cfg.vocab_size)[:16]
-        head_io.save_eagle3(hp, root / name, vocab_ids=ids,
-                            layers=eagle3.fused_layers(cfg.num_layers))
+        kinds.save_eagle3(hp, root / name, vocab_ids=ids,
+                          layers=eagle3.fused_layers(cfg.num_layers))
     return lm, root
 
 
@@ -202,9 +203,9 @@ def test_a_killed_conversion_leaves_the_old_or_the_new_directory(toy, tmp_path, 
 def _edited(root: Path, tmp: Path, name: str, edit) -> Path:
     d = tmp / name
     d.mkdir()
-    (d / export.PARAMS).write_bytes((root / "a" / export.PARAMS).read_bytes())
-    meta = json.loads((root / "a" / export.HEAD_JSON).read_text())
-    (d / export.HEAD_JSON).write_text(json.dumps(edit(meta)))
+    (d / exported.PARAMS).write_bytes((root / "a" / exported.PARAMS).read_bytes())
+    meta = json.loads((root / "a" / exported.HEAD_JSON).read_text())
+    (d / exported.HEAD_JSON).write_text(json.dumps(edit(meta)))
     return d
 
 
@@ -257,7 +258,7 @@ def test_export_equal_to_init_is_refused_before_anything_loads(tmp_path, command
 
     monkeypatch.setattr("specjax.models.load", load)
     monkeypatch.delenv("SPECJAX_DEBUG", raising=False)
-    head = export.export_head(_head(0), tmp_path / "H", {"kind": "eagle"})
+    head = exported.export_head(_head(0), tmp_path / "H", {"kind": "eagle"})
     before = _files(head)
     argv = [a.replace("{d}", str(tmp_path)) for a in command] + [
         "--run", str(tmp_path / "run"), "--init", str(head),

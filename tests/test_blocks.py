@@ -88,13 +88,14 @@ def test_a_head_built_on_blocks_gives_the_shipped_heads_outputs():
     what that layer computes (the shipped head when installed, else a random one)."""
     cfg = TOY
     head = eagle.init_head(cfg, jax.random.key(7))
-    path = eagle.shipped_head("smollm2-135m")
+    from specjax.heads import exported, shipped_head
+
+    path = shipped_head("eagle", "smollm2-135m")
     if path is not None:
-        from specjax import export
         from specjax.models import SMOLLM2_135M
 
         cfg = SMOLLM2_135M
-        head, _ = export.load_head(path, "eagle", like=eagle.init_head(cfg, jax.random.key(0)))
+        head, _ = exported.load_head(path, "eagle", like=eagle.init_head(cfg, jax.random.key(0)))
         head = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), head)
     b, t, d = 1, 6, cfg.hidden_size
     emb = jax.random.normal(jax.random.key(8), (b, t, d))

@@ -29,8 +29,7 @@ import torch
 from published import edit_state_dict, write_eagle3_head
 import toys
 from specjax import cli
-from specjax.drafters import published
-from specjax.export import CheckpointError
+from specjax.heads import CheckpointError, published
 from specjax.models import WeightLoadError, load_gguf, load_hf_dir, loading
 from specjax.models.llama import rope_inv_freq
 

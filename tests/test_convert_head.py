@@ -20,10 +20,11 @@ from safetensors.torch import load_file
 
 import toys
 from published import d2t_target_ids, torch_eagle1_logits, torch_eagle3_logits
-from specjax import cli, head_io, methods
+from specjax import cli, methods
 from specjax.core.decoding import generate
-from specjax.drafters import blocks, eagle, eagle3, published
-from specjax.drafters.published import NoPublishedLayout
+from specjax.drafters import blocks, eagle, eagle3
+from specjax.heads import kinds, published, shipped_head
+from specjax.heads.published import NoPublishedLayout
 from specjax.models.base import RopeScaling
 
 TARGET = toys.LLAMA_6  # V 64, hidden 32, 4 heads of 8, 2 K/V heads, 6 layers
@@ -351,9 +352,9 @@ def test_cli_converts_exported_heads(toy, tmp_path, capsys):
     lm, model_dir = toy
     cfg = lm.model.config
     hp3, ids = eagle3_head(cfg, seed=5, dv=40)
-    head_io.save_eagle3(hp3, tmp_path / "h3", vocab_ids=ids,
-                        layers=eagle3.fused_layers(cfg.num_layers))
-    head_io.save_eagle(eagle1_head(cfg, seed=5), tmp_path / "h1")
+    kinds.save_eagle3(hp3, tmp_path / "h3", vocab_ids=ids,
+                      layers=eagle3.fused_layers(cfg.num_layers))
+    kinds.save_eagle(eagle1_head(cfg, seed=5), tmp_path / "h1")
     for kind, src in (("eagle3", "h3"), ("eagle", "h1")):
         out = tmp_path / f"out-{kind}"
         for _ in range(2):  # the second run writes over the first conversion
@@ -370,9 +371,9 @@ def test_cli_converts_exported_heads(toy, tmp_path, capsys):
 
 def export_params(path, kind):
     """The exported head's parameters as float32 numpy."""
-    from specjax import export
+    from specjax.heads import exported
 
-    params, meta = export.load_head(path, kind)
+    params, meta = exported.load_head(path, kind)
     return jax.tree.map(lambda x: np.asarray(x, np.float32), params), meta
 
 
@@ -380,10 +381,10 @@ def test_cli_refusals_are_one_line(toy, tmp_path, capsys):
     lm, model_dir = toy
     cfg = lm.model.config
     hp3, ids = eagle3_head(cfg, seed=5, dv=40)
-    head_io.save_eagle3(hp3, tmp_path / "h3", vocab_ids=ids,
-                        layers=eagle3.fused_layers(cfg.num_layers))
-    head_io.save_eagle(eagle1_head(cfg), tmp_path / "h1", vocab_ids=np.arange(8),
-                       draft_vocab=8)
+    kinds.save_eagle3(hp3, tmp_path / "h3", vocab_ids=ids,
+                      layers=eagle3.fused_layers(cfg.num_layers))
+    kinds.save_eagle(eagle1_head(cfg), tmp_path / "h1", vocab_ids=np.arange(8),
+                     draft_vocab=8)
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "notes.txt").write_text("mine")
     m = ["--model", str(model_dir)]
@@ -415,7 +416,7 @@ def test_cli_refuses_linear_rope_with_another_base_unless_for_sglang(toy, tmp_pa
     cfg.update(rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 2.0})
     (tmp_path / "linear").mkdir()
     (tmp_path / "linear" / "config.json").write_text(json.dumps(cfg))
-    head_io.save_eagle(eagle1_head(lm.model.config, seed=5), tmp_path / "h1")
+    kinds.save_eagle(eagle1_head(lm.model.config, seed=5), tmp_path / "h1")
     argv = ["convert-head", str(tmp_path / "h1"), str(tmp_path / "o"), "--to", "eagle",
             "--model", str(tmp_path / "linear")]
     code, err = _cli(argv, capsys)
@@ -431,7 +432,7 @@ def test_the_shipped_smollm2_head_is_refused_for_its_input_norm(tmp_path, capsys
     """The shipped SmolLM2 head normalizes its attention input (``attn_norm``), which
     EAGLE-1/2's layer 0 does not: no EAGLE-1/2 file computes it, so it is refused (read
     against the registry's SmolLM2 configuration, no weights loaded)."""
-    shipped = eagle.shipped_head("smollm2-135m")
+    shipped = shipped_head("eagle", "smollm2-135m")
     if shipped is None:
         pytest.skip("the shipped SmolLM2 head is not installed")
     code, err = _cli(["convert-head", str(shipped), str(tmp_path / "o"), "--to", "eagle"],
@@ -448,8 +449,8 @@ def test_an_exported_eagle3_head_is_also_written_in_the_published_layout(tmp_pat
     from specjax.train import glue
 
     hp, ids = eagle3_head()
-    head_io.save_eagle3(hp, tmp_path / "h", vocab_ids=ids,
-                        layers=eagle3.fused_layers(TARGET.num_layers))
+    kinds.save_eagle3(hp, tmp_path / "h", vocab_ids=ids,
+                      layers=eagle3.fused_layers(TARGET.num_layers))
     out = glue.export_published(tmp_path / "h", TARGET)
     assert out == tmp_path / "h-eagle3" == glue.published_dir(tmp_path / "h", "eagle3")
     head = published.load(out, TARGET)
@@ -511,7 +512,7 @@ def test_a_head_trained_without_attn_norm_exports_in_the_eagle1_layout(toy, trai
     meta = json.loads((head_dir / "head.json").read_text())
     assert meta["attn_norm"] is False and meta["train"]["attn_norm"] is False
     assert meta["steps_done"] == 4
-    hp, _ = head_io.load_eagle(head_dir, cfg)
+    hp, _ = kinds.load_eagle(head_dir, cfg)
     hp = jax.tree.map(lambda x: np.asarray(x, np.float32), hp)
     assert "attn_norm" not in hp["layer"]
     fresh = eagle.init_head(cfg, jax.random.key(0), attn_norm=False)
@@ -556,8 +557,8 @@ def test_export_format_eagle_and_no_attn_norm_are_checked_before_any_work(
     the layout the run trains."""
     _, model_dir = toy
     head_dir, _ = trained_eagle1
-    normed = head_io.save_eagle(eagle.init_head(toy[0].model.config, jax.random.key(1)),
-                                tmp_path / "normed")
+    normed = kinds.save_eagle(eagle.init_head(toy[0].model.config, jax.random.key(1)),
+                              tmp_path / "normed")
     e = str(tmp_path / "e")
     te = ["train", "eagle", "--data", str(tmp_path / "d"), "--run", str(tmp_path / "r")]
     to = ["train", "onpolicy", "--prompts", str(tmp_path / "p"), "--shards",
@@ -583,7 +584,7 @@ def test_export_format_eagle_and_no_attn_norm_are_checked_before_any_work(
         ([*to, "--kind", "eagle", "--no-attn-norm", "--init", str(normed)],
          "normalizes its attention input"),
     ]
-    if eagle.shipped_head("smollm2-135m") is not None:  # the default --init shipped
+    if shipped_head("eagle", "smollm2-135m") is not None:  # the default --init shipped
         probes.append(([*to, "--no-attn-norm"], "--init shipped: the shipped head"))
     for argv, msg in probes:
         code, err = _cli(argv, capsys)

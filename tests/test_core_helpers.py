@@ -13,7 +13,7 @@ import toys
 from specjax.core import decoder, decoding, sampling, widths
 from specjax.core.decoder import PAD, eos_cut, is_eos, pad_after, after_prompt
 from specjax.core.verify import Draft, trim
-from specjax.drafters import base, eagle, exit_heads, redrafter
+from specjax.drafters import base, eagle, redrafter
 from specjax.drafters.early_exit import EarlyExitDrafter, exit_logits, target_head
 from specjax.models.llama import Llama
 
@@ -118,7 +118,13 @@ def test_on_target_drafters_refuse_another_target():
 
 
 def test_one_shipped_head_lookup():
-    assert base.shipped_head({}, "smollm2-135m") is None
-    assert base.shipped_head({"x": "heads/no-such-head"}, "x") is None
-    assert eagle.shipped_head("smollm2-135m") == base.shipped_head(eagle.SHIPPED, "smollm2-135m")
-    assert exit_heads.shipped_heads("nope") is None and redrafter.shipped_head("nope") is None
+    from specjax.heads import shipped
+
+    assert shipped.shipped_dir(None) is None and shipped.shipped_dir("no-such-head") is None
+    assert shipped.shipped_head("eagle", "nope") is None
+    assert shipped.shipped_head("exit-heads", "nope") is None
+    assert shipped.shipped_head("redrafter", "smollm2-135m") is None
+    assert shipped.shipped_head("no-such-kind", "smollm2-135m") is None
+    for kind, table in shipped.SHIPPED.items():
+        for model, name in table.items():
+            assert shipped.shipped_head(kind, model) == shipped.shipped_dir(name) is not None

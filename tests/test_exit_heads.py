@@ -16,10 +16,11 @@ import toys
 import specjax
 from specjax.drafters import eagle, exit_heads
 from specjax.drafters import EarlyExitDrafter
-from specjax.models.llama import Llama, init_params
-from specjax.train import checkpoint, distill
+from specjax.heads import kinds
+from specjax.models.llama import Llama
+from specjax.train import checkpoint
 from specjax.train import exit_heads as train_exits
-from toys import ToyLM, assert_within_a_bf16_step
+from toys import assert_within_a_bf16_step
 
 TOY = toys.LLAMA_DEEP
 V = TOY.vocab_size
@@ -29,14 +30,12 @@ CFG = train_exits.ExitConfig(layers=(1, 2), rank=8, steps=40, batch_tokens=256, 
 
 @pytest.fixture(scope="module")
 def lm():
-    return ToyLM(Llama(TOY), jax.tree.map(lambda x: x * 3.0, init_params(TOY, jax.random.key(7))))
+    return toys.toy_lm(TOY, 7)
 
 
 @pytest.fixture(scope="module")
 def corpus(lm):
-    rng = np.random.default_rng(1)
-    prompts = [list(rng.integers(1, V, size=n)) for n in rng.integers(3, 20, size=24)]
-    return distill.answer_batch(lm, prompts, max_new_tokens=24)
+    return toys.answered_prompts(lm, 1)
 
 
 @pytest.fixture(scope="module")
@@ -99,15 +98,15 @@ def test_exported_heads_load_back_and_mismatches_fail(lm, tmp_path):
     heads = jax.tree.map(lambda x: x + 0.25, heads)
     out = checkpoint.export_head(heads, tmp_path / "h", {"kind": "exit-heads",
                                                          "layers": [1, 2], "rank": 8})
-    back, meta = exit_heads.load_heads(lm.model, out)
+    back, meta = kinds.load_exit_heads(out, lm.model)
     assert sorted(back) == [1, 2] and meta["rank"] == 8
     np.testing.assert_allclose(back[2]["up"], heads["2"]["up"], rtol=1e-2)  # bfloat16
     with pytest.raises(checkpoint.CheckpointError, match="not 'exit-heads'"):
         checkpoint.export_head(heads, tmp_path / "e", {"kind": "eagle"})
-        exit_heads.load_heads(lm.model, tmp_path / "e")
+        kinds.load_exit_heads(tmp_path / "e", lm.model)
     big = Llama(dataclasses.replace(TOY, hidden_size=48))
     with pytest.raises(checkpoint.CheckpointError, match="another model"):
-        exit_heads.load_heads(big, out)
+        kinds.load_exit_heads(out, big)
 
 
 def test_a_distilled_vocabulary_restricts_the_exit_to_it(lm, tmp_path):
@@ -123,11 +122,11 @@ def test_a_distilled_vocabulary_restricts_the_exit_to_it(lm, tmp_path):
     assert set(sub.argmax(-1)) <= set(np.asarray(ids).tolist())
     meta = {"kind": "exit-heads", "layers": [2], "rank": 64}
     out = checkpoint.export_head(heads, tmp_path / "v", {**meta, "vocab_ids": [7, 0, 19, 3]})
-    back, _ = exit_heads.load_heads(lm.model, out)
+    back, _ = kinds.load_exit_heads(out, lm.model)
     np.testing.assert_array_equal(back[2]["vocab_ids"], ids)
     bad = checkpoint.export_head(heads, tmp_path / "b", {**meta, "vocab_ids": [7, 7, V]})
     with pytest.raises(checkpoint.CheckpointError, match="vocab_ids"):
-        exit_heads.load_heads(lm.model, bad)
+        kinds.load_exit_heads(bad, lm.model)
 
 
 def test_decoding_with_a_trained_exit_head_equals_ar(lm, corpus, feats, tmp_path):

@@ -1,7 +1,7 @@
-"""Exported draft heads (``specjax.export``): safetensors + ``head.json`` round trips exactly,
-loads in another process onto 8 devices (default device, replicated or sharded on a mesh),
-legacy Orbax heads saved on another device load, bad files fail with ``CheckpointError``;
-resumable training checkpoints saved on another device restore too."""
+"""Exported draft heads (``specjax.heads.exported``): safetensors + ``head.json`` round
+trips exactly, loads in another process onto 8 devices (default device, replicated or
+sharded on a mesh), legacy Orbax heads saved on another device load, bad files fail with
+``CheckpointError``; resumable training checkpoints saved on another device restore too."""
 
 import dataclasses
 import json
@@ -19,8 +19,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 import toys
-from specjax import export, methods
+from specjax import methods
 from specjax.drafters import eagle, exit_heads, redrafter
+from specjax.heads import exported
 from specjax.train import checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +37,7 @@ def _head(seed: int = 0) -> dict:
 def _bits(tree) -> dict:
     """Every leaf's dtype, shape and bytes, by name: equal iff the trees are bitwise equal."""
     return {k: (str(v.dtype), v.shape, v.tobytes())
-            for k, v in export.flatten(jax.tree.map(np.asarray, tree)).items()}
+            for k, v in exported.flatten(jax.tree.map(np.asarray, tree)).items()}
 
 
 def _bf16(tree):
@@ -48,9 +49,9 @@ def _bf16(tree):
 def test_names_round_trip_every_container_kind():
     tree = {"a": [np.ones((2, 3), np.float32), (np.arange(3), {"x": np.float32(1.5)})],
             "b": {3: {"w": np.zeros(2)}, -1: np.ones(1)}, "4": {"b": np.ones(1)}}
-    flat = export.flatten(tree)
+    flat = exported.flatten(tree)
     assert sorted(flat) == sorted(["a/[0]", "a/[1]/(0)", "a/[1]/(1)/x", "b/#3/w", "b/#-1", "4/b"])
-    back = export.unflatten(flat)
+    back = exported.unflatten(flat)
     assert jax.tree.structure(back) == jax.tree.structure(tree)
     assert type(back["a"]) is list and type(back["a"][1]) is tuple
     assert set(back["b"]) == {3, -1} and set(back) == {"a", "b", "4"}  # "4" stays a string
@@ -61,7 +62,7 @@ def test_names_round_trip_every_container_kind():
                                  {"a": None}, {"a": {}}, {1.5: np.ones(1)}, np.ones(2)])
 def test_trees_the_names_cannot_rebuild_are_refused(bad):
     with pytest.raises(ValueError):
-        export.flatten(bad)
+        exported.flatten(bad)
 
 
 @pytest.mark.parametrize("make", [
@@ -72,8 +73,8 @@ def test_trees_the_names_cannot_rebuild_are_refused(bad):
 ], ids=["eagle", "exit-heads", "redrafter", "redrafter-exportable"])
 def test_every_head_kind_keeps_its_tree(make, tmp_path):
     head = make()
-    out = export.export_head(head, tmp_path / "h", {"kind": "k"})
-    back, meta = export.load_head(out, "k", like=head)
+    out = exported.export_head(head, tmp_path / "h", {"kind": "k"})
+    back, meta = exported.load_head(out, "k", like=head)
     assert jax.tree.structure(back) == jax.tree.structure(head)
     assert _bits(back) == _bits(_bf16(head))
     assert meta["shapes"] == json.loads(json.dumps(jax.tree.map(lambda x: list(x.shape), head)))
@@ -83,39 +84,39 @@ def test_every_head_kind_keeps_its_tree(make, tmp_path):
 
 def test_bfloat16_round_trip_is_exact_and_other_dtypes_are_kept(tmp_path):
     head = {**_head(), "ids": jnp.arange(5, dtype=jnp.int32)}
-    out = export.export_head(head, tmp_path / "h", {"kind": "eagle", "note": [1, "x"]})
+    out = exported.export_head(head, tmp_path / "h", {"kind": "eagle", "note": [1, "x"]})
     assert sorted(p.name for p in out.iterdir()) == ["head.json", "params.safetensors"]
-    back, meta = export.load_head(out, "eagle")
+    back, meta = exported.load_head(out, "eagle")
     assert back["fc"].dtype == jnp.bfloat16 and back["ids"].dtype == jnp.int32
     assert _bits(back) == _bits({**_bf16(_head()), "ids": head["ids"]})
     assert meta["note"] == [1, "x"] and meta["dtypes"] == {"float": "bfloat16"}
-    f32 = export.export_head(head, tmp_path / "f", {"kind": "eagle"}, dtype=jnp.float32)
-    assert _bits(export.load_head(f32, "eagle")[0]) == _bits(head)
+    f32 = exported.export_head(head, tmp_path / "f", {"kind": "eagle"}, dtype=jnp.float32)
+    assert _bits(exported.load_head(f32, "eagle")[0]) == _bits(head)
 
 
 def test_the_file_is_plain_safetensors(tmp_path):
     """Any safetensors reader sees the parameters by their names, in bfloat16."""
     from safetensors import safe_open
 
-    out = export.export_head(_head(), tmp_path / "h", {"kind": "eagle"})
-    with safe_open(out / export.PARAMS, framework="np") as f:
-        assert f.metadata() == export.FORMAT
-        assert set(f.keys()) == set(export.flatten(_head()))
+    out = exported.export_head(_head(), tmp_path / "h", {"kind": "eagle"})
+    with safe_open(out / exported.PARAMS, framework="np") as f:
+        assert f.metadata() == exported.FORMAT
+        assert set(f.keys()) == set(exported.flatten(_head()))
         np.testing.assert_array_equal(f.get_tensor("layer/qkv").view(np.uint16),
                                       np.asarray(_bf16(_head())["layer"]["qkv"]).view(np.uint16))
 
 
 def test_export_replaces_a_head_but_not_other_directories(tmp_path):
-    out = export.export_head(_head(0), tmp_path / "h", {"kind": "eagle"})
-    (out / export.LEGACY_PARAMS).mkdir()  # a legacy checkpoint there is replaced too
-    export.export_head(_head(5), out, {"kind": "eagle"})
-    assert _bits(export.load_head(out, "eagle")[0]) == _bits(_bf16(_head(5)))
-    assert not (out / export.LEGACY_PARAMS).exists()
+    out = exported.export_head(_head(0), tmp_path / "h", {"kind": "eagle"})
+    (out / exported.LEGACY_PARAMS).mkdir()  # a legacy checkpoint there is replaced too
+    exported.export_head(_head(5), out, {"kind": "eagle"})
+    assert _bits(exported.load_head(out, "eagle")[0]) == _bits(_bf16(_head(5)))
+    assert not (out / exported.LEGACY_PARAMS).exists()
     other = tmp_path / "notes"
     other.mkdir()
     (other / "todo.txt").write_text("keep me")
-    with pytest.raises(export.CheckpointError, match="not an exported head"):
-        export.export_head(_head(), other, {"kind": "eagle"})
+    with pytest.raises(exported.CheckpointError, match="not an exported head"):
+        exported.export_head(_head(), other, {"kind": "eagle"})
     assert (other / "todo.txt").read_text() == "keep me"
 
 
@@ -123,30 +124,30 @@ def test_export_replaces_a_head_but_not_other_directories(tmp_path):
 
 def test_bad_heads_fail_with_checkpoint_errors(tmp_path):
     head = _head()
-    out = export.export_head(head, tmp_path / "h", {"kind": "eagle"})
-    with pytest.raises(export.CheckpointError, match="not an exported head"):
-        export.load_head(tmp_path, "eagle")
-    with pytest.raises(export.CheckpointError, match="not 'redrafter'"):
-        export.load_head(out, "redrafter")
+    out = exported.export_head(head, tmp_path / "h", {"kind": "eagle"})
+    with pytest.raises(exported.CheckpointError, match="not an exported head"):
+        exported.load_head(tmp_path, "eagle")
+    with pytest.raises(exported.CheckpointError, match="not 'redrafter'"):
+        exported.load_head(out, "redrafter")
     big = eagle.init_head(dataclasses.replace(TOY, hidden_size=24), jax.random.key(0))
-    with pytest.raises(export.CheckpointError, match="another model.*fc"):
-        export.load_head(out, "eagle", like=big)
+    with pytest.raises(exported.CheckpointError, match="another model.*fc"):
+        exported.load_head(out, "eagle", like=big)
     fewer = {k: v for k, v in head.items() if k != "fc_b"}
-    with pytest.raises(export.CheckpointError, match="another model.*fc_b"):
-        export.load_head(out, "eagle", like=fewer)
+    with pytest.raises(exported.CheckpointError, match="another model.*fc_b"):
+        exported.load_head(out, "eagle", like=fewer)
 
-    data = (out / export.PARAMS).read_bytes()
+    data = (out / exported.PARAMS).read_bytes()
     for broken in (data[:len(data) // 2], data[:5], b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage",
                    b""):
-        (out / export.PARAMS).write_bytes(broken)
-        with pytest.raises(export.CheckpointError, match="corrupt or truncated"):
-            export.load_head(out, "eagle", like=head)
-    (out / export.PARAMS).unlink()
-    with pytest.raises(export.CheckpointError, match="no parameters"):
-        export.load_head(out, "eagle")
+        (out / exported.PARAMS).write_bytes(broken)
+        with pytest.raises(exported.CheckpointError, match="corrupt or truncated"):
+            exported.load_head(out, "eagle", like=head)
+    (out / exported.PARAMS).unlink()
+    with pytest.raises(exported.CheckpointError, match="no parameters"):
+        exported.load_head(out, "eagle")
     (out / "head.json").write_text("{not json")
-    with pytest.raises(export.CheckpointError, match="corrupt"):
-        export.load_head(out, "eagle")
+    with pytest.raises(exported.CheckpointError, match="corrupt"):
+        exported.load_head(out, "eagle")
 
 
 # ----------------------------------------------------------------------------- placement
@@ -155,26 +156,27 @@ CHILD = textwrap.dedent("""
     import sys
     import jax, numpy as np
     from jax.sharding import PartitionSpec as P
-    from specjax import export, sharding
+    from specjax import sharding
+    from specjax.heads import exported
     assert len(jax.devices()) == 8, jax.devices()
     want = dict(np.load(sys.argv[2]))
     def same(params):
-        flat = export.flatten(jax.tree.map(np.asarray, params))
+        flat = exported.flatten(jax.tree.map(np.asarray, params))
         assert set(flat) == set(want), (set(flat), set(want))
         for k, v in flat.items():
             assert v.dtype.name == "bfloat16" and v.view(np.uint16).tobytes() == want[k].tobytes(), k
-    params, _ = export.load_head(sys.argv[1], "eagle")
+    params, _ = exported.load_head(sys.argv[1], "eagle")
     same(params)
     for x in jax.tree.leaves(params):
         assert x.sharding.device_set == {jax.devices()[0]} and not x.committed, x.sharding
     mesh = sharding.make_mesh(data=2, model=4)
-    params, _ = export.load_head(sys.argv[1], "eagle", mesh=mesh)
+    params, _ = exported.load_head(sys.argv[1], "eagle", mesh=mesh)
     same(params)
     for x in jax.tree.leaves(params):
         assert x.sharding.device_set == set(jax.devices()) and x.sharding.is_fully_replicated
     specs = jax.tree.map(lambda x: P(), params)
     specs["fc"] = P(None, "model")
-    params, _ = export.load_head(sys.argv[1], "eagle", mesh=mesh, specs=specs)
+    params, _ = exported.load_head(sys.argv[1], "eagle", mesh=mesh, specs=specs)
     same(params)
     fc = params["fc"]
     assert fc.sharding.device_set == set(jax.devices()) and not fc.sharding.is_fully_replicated
@@ -185,9 +187,9 @@ CHILD = textwrap.dedent("""
 
 def test_a_head_loads_in_another_process_on_8_devices(tmp_path):
     head = _head()
-    out = export.export_head(head, tmp_path / "h", {"kind": "eagle"})
+    out = exported.export_head(head, tmp_path / "h", {"kind": "eagle"})
     np.savez(tmp_path / "want.npz", **{k: v.view(np.uint16) for k, v in
-                                       export.flatten(jax.tree.map(np.asarray, _bf16(head))).items()})
+                                       exported.flatten(jax.tree.map(np.asarray, _bf16(head))).items()})
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     run = subprocess.run([sys.executable, "-c", CHILD, str(out), str(tmp_path / "want.npz")],
@@ -219,13 +221,13 @@ def test_a_legacy_orbax_head_saved_on_a_gpu_loads(tmp_path):
     with ocp.StandardCheckpointer() as ckpt, pytest.raises(ValueError, match="[Tt]opology"):
         ckpt.restore(out / "params")  # what load_head used to do: the bug this guards
     for like in (None, head):
-        back, meta = export.load_head(out, "eagle", like=like)
+        back, meta = exported.load_head(out, "eagle", like=like)
         assert _bits(back) == _bits(head) and meta["kind"] == "eagle"
     for f in (out / "params").rglob("*"):
         if f.is_file() and f.stat().st_size > 0 and "ocdbt" in str(f):
             f.write_bytes(b"\0garbage")
-    with pytest.raises(export.CheckpointError, match="corrupt"):
-        export.load_head(out, "eagle")
+    with pytest.raises(exported.CheckpointError, match="corrupt"):
+        exported.load_head(out, "eagle")
 
 
 def test_a_training_checkpoint_saved_on_a_gpu_restores(tmp_path):
@@ -251,14 +253,17 @@ SHIPPED = sorted(p for p in (ROOT / "specjax" / "heads").iterdir() if p.is_dir()
 def test_shipped_heads_are_safetensors_and_load(head):
     assert sorted(p.name for p in head.iterdir()) == ["head.json", "params.safetensors"]
     meta = json.loads((head / "head.json").read_text())
-    params, meta2 = export.load_head(head, meta["kind"])
+    params, meta2 = exported.load_head(head, meta["kind"])
     assert meta2 == meta
     assert json.loads(json.dumps(jax.tree.map(lambda x: list(x.shape), params))) == meta["shapes"]
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(meta["dtypes"]["float"])}
 
 
 def test_no_redrafter_head_ships_and_the_error_gives_the_recipe():
-    assert not redrafter.SHIPPED and redrafter.shipped_head("smollm2-135m") is None
+    from specjax.heads import shipped
+
+    assert not shipped.SHIPPED["redrafter"]
+    assert shipped.shipped_head("redrafter", "smollm2-135m") is None
 
     class LM:  # load_drafter looks for a head before it reads the model's config
         model = SimpleNamespace(config=None)

@@ -48,8 +48,7 @@ def test_hsd_lp_solver_without_scipy(monkeypatch):
 
 
 def test_published_bin_head_without_torch(monkeypatch, tmp_path):
-    from specjax.drafters import published
-    from specjax.export import CheckpointError
+    from specjax.heads import CheckpointError, published
 
     (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
     if "pytorch_model.bin" not in published.WEIGHT_FILES:

@@ -31,13 +31,20 @@ def _bad_files(tmp_path):
     return tmp_path
 
 
+GEN = ["generate", "--prompt", "hi"]
+
+
+def _with_head(method: str, path: str) -> list[str]:
+    return [*GEN, "--method", method, "--draft-checkpoint", path]
+
+
 PROBES = [  # argv, exit code, a piece of the message
-    (["generate", "--prompt", "hi", "--temperature", "-1"], 2, "--temperature must be >= 0"),
-    (["generate", "--prompt", "hi", "--temperature", "0.8", "--top-p", "0"], 2, "--top-p"),
-    (["generate", "--prompt", "hi", "--top-p", "1.5"], 2, "--top-p must be in (0, 1]"),
-    (["generate", "--prompt", "hi", "--top-k", "-1"], 2, "--top-k must be >= 0"),
+    ([*GEN, "--temperature", "-1"], 2, "--temperature must be >= 0"),
+    ([*GEN, "--temperature", "0.8", "--top-p", "0"], 2, "--top-p"),
+    ([*GEN, "--top-p", "1.5"], 2, "--top-p must be in (0, 1]"),
+    ([*GEN, "--top-k", "-1"], 2, "--top-k must be >= 0"),
     (["generate", "--prompt", "  "], 2, "--prompt is empty"),
-    (["generate", "--prompt", "hi", "--max-new-tokens", "0"], 2, "--max-new-tokens must be"),
+    ([*GEN, "--max-new-tokens", "0"], 2, "--max-new-tokens must be"),
     (["generate"], 2, "--prompt"),
     (["bench", "--methods", "foo"], 2, "unknown methods ['foo']"),
     (["bench", "--methods", "ar,hf-pld", "--temperature", "1"], 2, "hf-pld is greedy only"),
@@ -48,10 +55,10 @@ PROBES = [  # argv, exit code, a piece of the message
     (["bench", "--questions", "{d}/missing.jsonl"], 2, "missing.jsonl does not exist"),
     (["train", "eagle", "--data", "x"], 2, "--run"),
     # non-finite sampling values, unwritable outputs and corrupt inputs: named at once
-    (["generate", "--prompt", "hi", "--temperature", "inf"], 2, "--temperature must be a finite"),
-    (["generate", "--prompt", "hi", "--temperature", "nan"], 2, "--temperature must be a finite"),
-    (["generate", "--prompt", "hi", "--method", "foo"], 2, "unknown method 'foo'"),
-    (["generate", "--prompt", "hi", "--method", "eagle2:3,4"], 2, "want depth,topk,total"),
+    ([*GEN, "--temperature", "inf"], 2, "--temperature must be a finite"),
+    ([*GEN, "--temperature", "nan"], 2, "--temperature must be a finite"),
+    ([*GEN, "--method", "foo"], 2, "unknown method 'foo'"),
+    ([*GEN, "--method", "eagle2:3,4"], 2, "want depth,topk,total"),
     (["calibrate", "--out", "{d}/empty.jsonl/x.json"], 2, "empty.jsonl is a file"),
     (["tune", "--calibration", "{d}/malformed.jsonl"], 2,
      "malformed.jsonl is not a calibration JSON file"),
@@ -63,10 +70,10 @@ PROBES = [  # argv, exit code, a piece of the message
     (["train", "redrafter", "--data", "x", "--run", "r", "--export", "{d}/list.jsonl/h"], 2,
      "--export"),
     # spec rules a builder needs, refused when parsed
-    (["generate", "--prompt", "hi", "--method", "eagle3:7,10,5"], 2,
+    ([*GEN, "--method", "eagle3:7,10,5"], 2,
      "eagle3:7,10,5: total (5) must be >= depth (7)"),
     (["bench", "--methods", "ar,eagle2:2,2,7"], 2, "must be <= the 6 nodes"),
-    (["generate", "--prompt", "hi", "--method", "hsd:8:3,4:3,target"], 2,
+    ([*GEN, "--method", "hsd:8:3,4:3,target"], 2,
      "exit layers must increase"),
     (["bench", "--methods", "hsd:ngram:9,target"], 2, "fewer than T[0]=9"),
     # prompt files: missing, a directory, empty
@@ -78,29 +85,24 @@ PROBES = [  # argv, exit code, a piece of the message
     (["calibrate", "--prompts", "{d}/empty.jsonl", "--out", "{d}/c.json"], 1,
      "empty.jsonl holds no questions"),
     # head directories: what is wrong with the path given, before the target loads
-    (["generate", "--prompt", "hi", "--method", "eagle2", "--draft-checkpoint",
-      "{d}/missing"], 2, "missing does not exist"),
-    (["generate", "--prompt", "hi", "--method", "eagle3", "--draft-checkpoint",
-      "{d}/emptydir"], 2, "emptydir is empty: want an exported eagle3 head"),
-    (["generate", "--prompt", "hi", "--method", "eagle3", "--draft-checkpoint",
-      "{d}/empty.jsonl"], 2, "empty.jsonl is a file; give the directory"),
-    (["generate", "--prompt", "hi", "--method", "eagle3", "--draft-checkpoint",
-      "{d}/nohead"], 2, "nohead has no head.json and no config.json"),
-    (["generate", "--prompt", "hi", "--method", "eagle2", "--draft-checkpoint",
-      "{d}/cfgonly"], 2, "cfgonly has config.json but no weights"),
-    (["generate", "--prompt", "hi", "--method", "eagle2", "--draft-checkpoint",
-      "{d}/eagle3head"], 2, "holds an exported 'eagle3' head, not 'eagle': use --method eagle3"),
-    (["generate", "--prompt", "hi", "--method", "eagle3"], 2, "pass --draft-checkpoint DIR"),
+    (_with_head("eagle2", "{d}/missing"), 2, "missing does not exist"),
+    (_with_head("eagle3", "{d}/emptydir"), 2, "emptydir is empty: want an exported eagle3 head"),
+    (_with_head("eagle3", "{d}/empty.jsonl"), 2, "empty.jsonl is a file; give the directory"),
+    (_with_head("eagle3", "{d}/nohead"), 2, "nohead has no head.json and no config.json"),
+    (_with_head("eagle2", "{d}/cfgonly"), 2, "cfgonly has config.json but no weights"),
+    (_with_head("eagle2", "{d}/eagle3head"), 2,
+     "holds an exported 'eagle3' head, not 'eagle': use --method eagle3"),
+    ([*GEN, "--method", "eagle3"], 2, "pass --draft-checkpoint DIR"),
     (["bench", "--methods", "ar,eagle3", "--draft-checkpoint", "{d}/nohead"], 2,
      "nohead has no head.json"),
     (["demo", "--method", "eagle3", "--draft-checkpoint", "{d}/emptydir"], 2,
      "emptydir is empty"),
-    (["generate", "--prompt", "hi", "--method", "redrafter", "--redrafter-checkpoint",
-      "{d}/emptydir"], 2, "--redrafter-checkpoint"),
+    ([*GEN, "--method", "redrafter", "--redrafter-checkpoint", "{d}/emptydir"], 2,
+     "--redrafter-checkpoint"),
     (["bench", "--methods", "hsd:ngram:4,target", "--exit-heads", "{d}/missing"], 2,
      "--exit-heads"),
     # hsd's calibration
-    (["generate", "--prompt", "hi", "--method", "hsd"], 2, "needs a calibration"),
+    ([*GEN, "--method", "hsd"], 2, "needs a calibration"),
     (["bench", "--methods", "ar,hsd"], 2, "needs a calibration: --calibration FILE"),
     (["bench", "--methods", "hsd", "--calibration", "{d}/othercal.json"], 2,
      "othercal.json was measured for 'other'"),
@@ -185,13 +187,13 @@ def test_a_draft_vocabulary_runs_as_given_or_is_refused(tmp_path):
     one that ran; past the target's vocabulary or the head's ranking it is refused."""
     import toys
 
-    from specjax import export
     from specjax.drafters import eagle
+    from specjax.heads import exported
 
     lm = toys.ToyLM(*toys.llama())
-    export.export_head(eagle.init_head(toys.LLAMA, jax.random.key(2)), tmp_path / "h",
-                       {"kind": "eagle", "model": "toy", "draft_vocab": 0,
-                        "vocab_ids": list(range(8))}, dtype=np.float32)
+    exported.export_head(eagle.init_head(toys.LLAMA, jax.random.key(2)), tmp_path / "h",
+                         {"kind": "eagle", "model": "toy", "draft_vocab": 0,
+                          "vocab_ids": list(range(8))}, dtype=np.float32)
     opts = methods.Options(model_name="toy", draft_checkpoint=str(tmp_path / "h"))
     built = methods.build("eagle2:2,2,4:vocab=8", lm, opts)
     assert built.name == "eagle2:2,2,4:vocab=8" and built.params[1]["vocab_ids"].shape == (8,)

@@ -1,4 +1,4 @@
-"""``specjax.head_io``: one save and one load function per kind of exported head, the one
+"""``specjax.heads.kinds``: one save and one load function per kind of exported head, the one
 place decoding (``specjax.methods``) and training (``specjax.train.glue``: exports, warm
 starts, ``--init``) read and write heads. Each kind round-trips bit for bit, both sides read
 through the same function, a directory of another kind is refused in one line, and the
@@ -14,22 +14,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import cli, export, head_io, methods
+from specjax import cli, methods
 from specjax.drafters import eagle, eagle3, exit_heads, redrafter
+from specjax.heads import exported, kinds, shipped_head
 from specjax.train import eagle as train_eagle
 from specjax.train import exit_heads as train_exits
 from specjax.train import glue, onpolicy, ttt
 from specjax.train import redrafter as train_rd
 from toys import LLAMA, ToyLM, llama
 
-REC = head_io.Record(model="toy", train={"steps": 3, "lr": 0.5}, steps_done=3,
-                     data={"kind": "text", "tokens": 7}, tokens_seen=40, init="base")
+REC = kinds.Record(model="toy", train={"steps": 3, "lr": 0.5}, steps_done=3,
+                   data={"kind": "text", "tokens": 7}, tokens_seen=40, init="base")
 EXIT_LAYERS = (2, 1)  # in this order, not sorted
 
 
 def _bits(tree) -> dict:
     """``{name: (dtype, shape, bytes)}`` of every leaf: equal iff bit-identical."""
-    return {k: (v.dtype.str, v.shape, v.tobytes()) for k, v in export.flatten(
+    return {k: (v.dtype.str, v.shape, v.tobytes()) for k, v in exported.flatten(
         jax.tree.map(np.asarray, tree)).items()}
 
 
@@ -45,28 +46,28 @@ def _heads() -> dict:
 def _save(kind: str, params, out, dtype=jnp.float32):
     """``params`` saved as ``kind`` with ``REC`` and the kind's own fields."""
     if kind == "eagle":
-        return head_io.save_eagle(params, out, REC, vocab_ids=np.arange(10, 0, -1),
-                                  draft_vocab=4, dtype=dtype)
+        return kinds.save_eagle(params, out, REC, vocab_ids=np.arange(10, 0, -1),
+                                draft_vocab=4, dtype=dtype)
     if kind == "eagle3":
-        return head_io.save_eagle3(params, out, REC, vocab_ids=[3, 1, 4, 5, 9, 2],
-                                   layers=(2, 1, 0), dtype=dtype)
+        return kinds.save_eagle3(params, out, REC, vocab_ids=[3, 1, 4, 5, 9, 2],
+                                 layers=(2, 1, 0), dtype=dtype)
     if kind == "redrafter":
-        return head_io.save_redrafter(params, out, REC, vocab_ids=np.asarray([7, 0, 3, 1, 2]),
-                                      dtype=dtype)
-    return head_io.save_exit_heads(params, out, REC, layers=EXIT_LAYERS, rank=4,
-                                   vocab_ids=[1, 2, 3, 4, 5], dtype=dtype)
+        return kinds.save_redrafter(params, out, REC, vocab_ids=np.asarray([7, 0, 3, 1, 2]),
+                                    dtype=dtype)
+    return kinds.save_exit_heads(params, out, REC, layers=EXIT_LAYERS, rank=4,
+                                 vocab_ids=[1, 2, 3, 4, 5], dtype=dtype)
 
 
 def _load(kind: str, path, dtype=jnp.float32):
     """``(params, meta)`` read back by the kind's own loader, in the tree it was saved in
     (exit heads: cast to ``dtype``, as ``load_exit_heads`` returns them)."""
     if kind == "eagle":
-        return head_io.load_eagle(path, LLAMA)
+        return kinds.load_eagle(path, LLAMA)
     if kind == "eagle3":
-        return head_io.load_eagle3(path, LLAMA)
+        return kinds.load_eagle3(path, LLAMA)
     if kind == "redrafter":
-        return head_io.load_redrafter(path, LLAMA.hidden_size)
-    heads, meta = head_io.load_exit_heads(path, llama()[0], dtype)
+        return kinds.load_redrafter(path, LLAMA.hidden_size)
+    heads, meta = kinds.load_exit_heads(path, llama()[0], dtype)
     return {str(l): {k: v for k, v in hp.items() if k != "vocab_ids"}
             for l, hp in heads.items()}, meta
 
@@ -91,7 +92,7 @@ def test_each_kind_round_trips_bit_for_bit(kind, dtype, tmp_path):
     back, meta = _load(kind, out, dtype)
     cast = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
     assert _bits(back) == _bits(cast)
-    saved = json.loads((out / export.HEAD_JSON).read_text())
+    saved = json.loads((out / exported.HEAD_JSON).read_text())
     assert meta == saved and meta["kind"] == kind
     assert {k: meta[k] for k in EXPECTED[kind]} == EXPECTED[kind]
     assert {k: meta[k] for k in ("model", "train", "steps_done", "data", "tokens_seen",
@@ -104,21 +105,21 @@ def test_each_kind_round_trips_bit_for_bit(kind, dtype, tmp_path):
 
 
 def test_a_record_writes_only_what_it_knows(tmp_path):
-    out = head_io.save_eagle(_heads()["eagle"], tmp_path / "h",
-                             head_io.Record(model="m", train={}, steps_done=0))
-    meta = export.read_meta(out, "eagle")
+    out = kinds.save_eagle(_heads()["eagle"], tmp_path / "h",
+                           kinds.Record(model="m", train={}, steps_done=0))
+    meta = exported.read_meta(out, "eagle")
     assert [k for k in meta if k not in ("shapes", "dtypes", "params_sha256")] == [
         "kind", "model", "draft_vocab", "train", "steps_done", "data", "vocab_ids"]
-    bare = head_io.save_eagle(_heads()["eagle"], tmp_path / "b")
-    assert export.read_meta(bare, "eagle")["vocab_ids"] is None
+    bare = kinds.save_eagle(_heads()["eagle"], tmp_path / "b")
+    assert exported.read_meta(bare, "eagle")["vocab_ids"] is None
 
 
 def test_savers_refuse_inconsistent_fields(tmp_path):
     heads = _heads()
     with pytest.raises(ValueError, match="drafts over 5 tokens, but 3 vocab_ids"):
-        head_io.save_redrafter(heads["redrafter"], tmp_path / "r", vocab_ids=[1, 2, 3])
+        kinds.save_redrafter(heads["redrafter"], tmp_path / "r", vocab_ids=[1, 2, 3])
     with pytest.raises(ValueError, match="do not name the exit heads"):
-        head_io.save_exit_heads(heads["exit-heads"], tmp_path / "x", layers=(1,), rank=4)
+        kinds.save_exit_heads(heads["exit-heads"], tmp_path / "x", layers=(1,), rank=4)
     assert not (tmp_path / "r").exists() and not (tmp_path / "x").exists()
 
 
@@ -128,46 +129,46 @@ def test_a_directory_of_another_kind_is_refused_in_one_line(kind, tmp_path):
     other = "redrafter" if kind == "eagle" else "eagle"
     params = heads[other] if other == "eagle" else redrafter.exportable(heads[other])
     out = _save(other, params, tmp_path / "other")
-    with pytest.raises(export.CheckpointError) as e:
+    with pytest.raises(exported.CheckpointError) as e:
         _load(kind, out)
     msg = str(e.value)
     assert len(msg.splitlines()) == 1 and f"holds a '{other}' head, not '{kind}'" in msg
-    with pytest.raises(export.CheckpointError, match="not an exported head"):
+    with pytest.raises(exported.CheckpointError, match="not an exported head"):
         _load(kind, tmp_path)
 
 
 def test_a_head_for_other_sizes_is_refused(tmp_path):
     out = _save("eagle", _heads()["eagle"], tmp_path / "e")
-    with pytest.raises(export.CheckpointError, match="exported for another model"):
-        head_io.load_eagle(out, dataclasses.replace(LLAMA, hidden_size=48))
+    with pytest.raises(exported.CheckpointError, match="exported for another model"):
+        kinds.load_eagle(out, dataclasses.replace(LLAMA, hidden_size=48))
     rd = _save("redrafter", redrafter.exportable(_heads()["redrafter"]), tmp_path / "r")
     with pytest.raises(ValueError, match="hidden size 32, but toy has 48"):
-        head_io.load_redrafter(rd, 48, target="toy")
-    meta = json.loads((rd / export.HEAD_JSON).read_text())
+        kinds.load_redrafter(rd, 48, target="toy")
+    meta = json.loads((rd / exported.HEAD_JSON).read_text())
     del meta["blocks"]
-    (rd / export.HEAD_JSON).write_text(json.dumps(meta))
-    with pytest.raises(export.CheckpointError, match="does not describe a 'redrafter' head"):
-        head_io.load_redrafter(rd)
+    (rd / exported.HEAD_JSON).write_text(json.dumps(meta))
+    with pytest.raises(exported.CheckpointError, match="does not describe a 'redrafter' head"):
+        kinds.load_redrafter(rd)
 
 
 def test_the_shipped_heads_load_as_before():
     """Every head shipped in the package loads through its kind's function exactly as
-    ``export.load_head`` reads the directory."""
+    ``exported.load_head`` reads the directory."""
     from specjax.models import GEMMA3_270M, SMOLLM2_135M
 
     configs = {"smollm2-135m": SMOLLM2_135M, "gemma3-270m": GEMMA3_270M}
     for model, cfg in configs.items():
-        path = eagle.shipped_head(model)
+        path = shipped_head("eagle", model)
         if path is None:  # not installed with this copy of the package
             continue
-        head, meta = head_io.load_eagle(path, cfg)
-        raw, raw_meta = export.load_head(path, "eagle")
+        head, meta = kinds.load_eagle(path, cfg)
+        raw, raw_meta = exported.load_head(path, "eagle")
         assert _bits(head) == _bits(raw) and meta == raw_meta
-    path = exit_heads.shipped_heads("smollm2-135m")
+    path = shipped_head("exit-heads", "smollm2-135m")
     if path is None:
         return
-    heads, meta = head_io.load_exit_heads(path, _Target(SMOLLM2_135M))
-    raw, _ = export.load_head(path, "exit-heads")
+    heads, meta = kinds.load_exit_heads(path, _Target(SMOLLM2_135M))
+    raw, _ = exported.load_head(path, "exit-heads")
     assert sorted(heads) == sorted(int(k) for k in raw) == meta["layers"]
     for l, hp in heads.items():
         assert _bits({k: hp[k] for k in raw[str(l)]}) == _bits(
@@ -192,14 +193,14 @@ class _Spy:
 
 
 def _spy(monkeypatch, name: str) -> _Spy:
-    spy = _Spy(getattr(head_io, name))
-    monkeypatch.setattr(head_io, name, spy)
+    spy = _Spy(getattr(kinds, name))
+    monkeypatch.setattr(kinds, name, spy)
     return spy
 
 
 def test_decoding_and_warm_starts_read_through_the_same_functions(tmp_path, monkeypatch):
     """``methods.build`` (decoding) and ``glue``'s warm starts (``train eagle|redrafter
-    --init``, ``train onpolicy --init``) call the same ``head_io`` loader and get the same
+    --init``, ``train onpolicy --init``) call the same ``heads.kinds`` loader and get the same
     parameters."""
     lm = ToyLM(*llama())
     heads = _heads()
@@ -302,18 +303,18 @@ def test_an_eagle_head_without_attn_norm_round_trips_as_its_head_json_says(tmp_p
     with head.json claiming the norm, or a non-boolean, are refused in one line."""
     hp = eagle.init_head(LLAMA, jax.random.key(4), attn_norm=False)
     assert "attn_norm" not in hp["layer"] and "mlp_norm" in hp["layer"]
-    out = head_io.save_eagle(hp, tmp_path / "h", REC, dtype=jnp.float32)
-    meta = export.read_meta(out, "eagle")
-    assert meta["attn_norm"] is False and head_io.eagle_attn_norm(meta) is False
-    back, _ = head_io.load_eagle(out, LLAMA)
+    out = kinds.save_eagle(hp, tmp_path / "h", REC, dtype=jnp.float32)
+    meta = exported.read_meta(out, "eagle")
+    assert meta["attn_norm"] is False and kinds.eagle_attn_norm(meta) is False
+    back, _ = kinds.load_eagle(out, LLAMA)
     assert _bits(back) == _bits(hp)
     assert glue.eagle_attn_norm(out) is False
-    assert glue.eagle_attn_norm(head_io.save_eagle(_heads()["eagle"], tmp_path / "n")) is True
+    assert glue.eagle_attn_norm(kinds.save_eagle(_heads()["eagle"], tmp_path / "n")) is True
     assert glue.eagle_attn_norm(tmp_path / "missing") is None
     for value, msg in ((True, "shapes differ"), ("no", "does not describe")):
-        (out / export.HEAD_JSON).write_text(json.dumps({**meta, "attn_norm": value}))
-        with pytest.raises(export.CheckpointError, match=msg) as e:
-            head_io.load_eagle(out, LLAMA)
+        (out / exported.HEAD_JSON).write_text(json.dumps({**meta, "attn_norm": value}))
+        with pytest.raises(exported.CheckpointError, match=msg) as e:
+            kinds.load_eagle(out, LLAMA)
         assert len(str(e.value).splitlines()) == 1
 
 
@@ -323,18 +324,18 @@ def test_a_two_layer_eagle_head_round_trips_as_its_head_json_says(tmp_path):
     same files with head.json claiming one layer, or a non-integer, are refused in one
     line; EAGLE-3 runs refuse extra layers."""
     hp = eagle.init_head(LLAMA, jax.random.key(4), layers=2)
-    out = head_io.save_eagle(hp, tmp_path / "h", REC, dtype=jnp.float32)
-    meta = export.read_meta(out, "eagle")
-    assert meta["layers"] == 2 and head_io.eagle_layers(meta) == 2
-    assert "layers" not in export.read_meta(head_io.save_eagle(_heads()["eagle"],
+    out = kinds.save_eagle(hp, tmp_path / "h", REC, dtype=jnp.float32)
+    meta = exported.read_meta(out, "eagle")
+    assert meta["layers"] == 2 and kinds.eagle_layers(meta) == 2
+    assert "layers" not in exported.read_meta(kinds.save_eagle(_heads()["eagle"],
                                                                tmp_path / "one"), "eagle")
-    back, _ = head_io.load_eagle(out, LLAMA)
+    back, _ = kinds.load_eagle(out, LLAMA)
     assert _bits(back) == _bits(hp)
     for value, msg in ((1, "shapes differ|tensors"), ("two", "does not describe"),
                        (0, "does not describe")):
-        (out / export.HEAD_JSON).write_text(json.dumps({**meta, "layers": value}))
-        with pytest.raises(export.CheckpointError, match=msg) as e:
-            head_io.load_eagle(out, LLAMA)
+        (out / exported.HEAD_JSON).write_text(json.dumps({**meta, "layers": value}))
+        with pytest.raises(exported.CheckpointError, match=msg) as e:
+            kinds.load_eagle(out, LLAMA)
         assert len(str(e.value).splitlines()) == 1
     with pytest.raises(ValueError, match="EAGLE-2 options"):
         onpolicy.init_params(ttt.EAGLE3, LLAMA, onpolicy.OnPolicyConfig(draft_vocab=6,
@@ -361,11 +362,11 @@ def test_trainers_build_and_guard_the_layout_they_are_asked_for(tmp_path):
     run.mkdir()
     (run / "run.json").write_text(json.dumps({"attn_norm": False}))
     train_eagle.check_run_layout(run, False)
-    with pytest.raises(export.CheckpointError, match="without attn_norm; pass --no-attn-norm"):
+    with pytest.raises(exported.CheckpointError, match="without attn_norm; pass --no-attn-norm"):
         train_eagle.check_run_layout(run, True)
     (run / "run.json").write_text(json.dumps({"steps": 3}))  # written before the option
     train_eagle.check_run_layout(run, True)
-    with pytest.raises(export.CheckpointError, match="with attn_norm; drop --no-attn-norm"):
+    with pytest.raises(exported.CheckpointError, match="with attn_norm; drop --no-attn-norm"):
         train_eagle.check_run_layout(run, False)
 
 
@@ -373,19 +374,19 @@ def test_export_format_eagle_writes_the_published_eagle1_layout(tmp_path):
     """What ``--export-format eagle`` does after the export (``glue.export_published``):
     ``DIR-eagle`` holds the exported head, read back by ``published.load`` to the same
     parameters; a head with ``attn_norm`` has no such layout and writes nothing."""
-    from specjax.drafters import published
+    from specjax.heads import published
 
     hp = jax.tree.map(lambda x: x + 0.01, eagle.init_head(LLAMA, jax.random.key(5),
                                                            attn_norm=False))
-    head_dir = head_io.save_eagle(hp, tmp_path / "h", REC)
+    head_dir = kinds.save_eagle(hp, tmp_path / "h", REC)
     out = glue.export_published(head_dir, LLAMA)
     assert out == tmp_path / "h-eagle" == glue.published_dir(head_dir, "eagle")
     got = published.load(out, LLAMA)
     assert got.kind == "eagle" and "attn_norm" not in got.params["layer"]
-    want, _ = head_io.load_eagle(head_dir, LLAMA)
+    want, _ = kinds.load_eagle(head_dir, LLAMA)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b, np.float32)),
                  got.params, want)
-    normed = head_io.save_eagle(_heads()["eagle"], tmp_path / "n")
+    normed = kinds.save_eagle(_heads()["eagle"], tmp_path / "n")
     with pytest.raises(published.NoPublishedLayout, match="no input_layernorm"):
         glue.export_published(normed, LLAMA)
     assert not (tmp_path / "n-eagle").exists()

@@ -10,7 +10,7 @@ import pytest
 import specjax
 import toys
 from specjax.hsd import calibrate
-from specjax.drafters import exit_heads
+from specjax.heads import kinds, shipped_head
 from specjax import hsd
 from specjax.core import sampling
 
@@ -109,9 +109,9 @@ def test_bad_hierarchy_is_rejected(toy, levels, T, msg):
 @pytest.fixture(scope="module")
 def shipped(smollm):
     """The exit heads that ship for SmolLM2-135M: ``({layer: adapter}, metadata)``."""
-    path = exit_heads.shipped_heads("smollm2-135m")
+    path = shipped_head("exit-heads", "smollm2-135m")
     assert path is not None, "no exit heads ship for smollm2-135m"
-    return exit_heads.load_heads(smollm.model, path)
+    return kinds.load_exit_heads(path, smollm.model)
 
 
 @pytest.mark.extended  # opt-in (the suite's time): a property of the shipped files, which

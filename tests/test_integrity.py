@@ -26,6 +26,7 @@ import pytest
 import toys
 from specjax.models import WeightLoadError, loading
 from specjax.models.gguf_file import GGUFFormatError, read_gguf
+from specjax.models.gguf_source import open_gguf
 
 
 _one_line = toys.one_line
@@ -293,7 +294,7 @@ def test_a_flipped_tensor_info_byte_is_refused_or_reads_the_same(tmp_path):
     for i in list(range(first, end)):
         f.write_bytes(raw[:i] + bytes([raw[i] ^ 0x01]) + raw[i + 1:])
         try:
-            r = loading._open_gguf(f)
+            r = open_gguf(f)
         except WeightLoadError as e:
             assert "\n" not in str(e) and str(f) in str(e), (i, str(e))
             refused += 1
@@ -305,7 +306,7 @@ def test_a_flipped_tensor_info_byte_is_refused_or_reads_the_same(tmp_path):
     assert refused > (end - first) // 2, refused
     f.write_bytes(raw + bytes(32))  # data past the last tensor's padding
     with pytest.raises(WeightLoadError) as e:
-        loading._open_gguf(f)
+        open_gguf(f)
     _one_line(e, str(f), "32 bytes after the last tensor ('b.weight') belong to no tensor")
 
 
@@ -405,7 +406,7 @@ def test_a_feature_file_without_its_json_is_computed_again(tmp_path):
 
 
 def test_a_run_json_list_is_named(tmp_path):
-    from specjax.export import CheckpointError
+    from specjax.heads import CheckpointError
     from specjax.train import checkpoint
     from specjax.train import eagle as train_eagle
 
@@ -537,7 +538,7 @@ def test_a_resumed_run_after_a_fallback_trains_on_to_the_same_state(tmp_path):
 
 
 def test_when_every_step_is_damaged_the_run_is_refused_in_one_line(tmp_path):
-    from specjax.export import CheckpointError
+    from specjax.heads import CheckpointError
 
     _train(tmp_path / "run", 4)
     for s in (3, 4):

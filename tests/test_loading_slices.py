@@ -1,7 +1,7 @@
 """Loading onto a mesh that spans processes reads, in each process, only the rows of the
 checkpoint that its own devices hold, and places the same values as a one-process load.
 
-In this process: a block of a leaf built alone (``loading._build`` with a region, as
+In this process: a block of a leaf built alone (``streaming._build`` with a region, as
 ``loading.placer`` asks for it) equals that block of the whole leaf bit for bit, and reads
 only the block's rows, counted through the source: safetensors per layer and stacked,
 fused and split, and SmolLM2's GGUF (Q4_1, Q8_0 and F32 tensors; Q/K, which llama.cpp
@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.models import loading
+from specjax.models import loading, streaming
+from specjax.models.gguf_source import open_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("load_bench", ROOT / "scripts" / "load_bench.py")
@@ -79,19 +80,19 @@ def _bits(x):
 
 
 def _check_blocks(src, cfg, found, stacked, split, dtype, keep=lambda path: True):
-    for path, parts in loading._leaves(cfg, found, split=split, stacked=stacked):
+    for path, parts in streaming._leaves(cfg, found, split=split, stacked=stacked):
         if not keep(path):
             continue
         st = stacked and path[0] == "layers"
-        whole = loading._build(src, cfg, parts, st, dtype)
-        assert whole.shape == loading._leaf_shape(src, parts, st)
+        whole = streaming._build(src, cfg, parts, st, dtype)
+        assert whole.shape == streaming._leaf_shape(src, parts, st)
         for region, rows in _regions(whole.shape, st):
             counting = Counting(src)
-            block = loading._build(counting, cfg, parts, st, dtype, region)
+            block = streaming._build(counting, cfg, parts, st, dtype, region)
             assert block.dtype == whole.dtype
             np.testing.assert_array_equal(_bits(block), _bits(whole[region]), err_msg=str(path))
             layers = (region[0].stop - region[0].start) if st else 1
-            permuted = any(fn is not loading._same for p in parts for _, fn in p)
+            permuted = any(fn is not streaming.same for p in parts for _, fn in p)
             if not permuted:
                 assert sum(counting.rows.values()) == rows * layers, (path, region)
 
@@ -111,7 +112,7 @@ def test_a_gguf_block_dequantizes_only_its_rows():
     after dequantizing, so they are read whole, and their blocks still match."""
     from specjax.models.registry import resolve
 
-    reader = loading._open_gguf(resolve("smollm2-135m"))
+    reader = open_gguf(resolve("smollm2-135m"))
     cfg = loading.gguf_config(reader)
     src = loading.GGUFSource(reader)
     found = loading.check_names(cfg, src.shapes, loading.GGUF_KEYS, "smollm2")

@@ -14,9 +14,10 @@ import pytest
 
 import toys
 import specjax
-from specjax import export, methods
+from specjax import methods
 from specjax.core.speculative import Speculative
 from specjax.drafters import EarlyExitDrafter, NGramDrafter, eagle, redrafter
+from specjax.heads import exported
 from specjax.hsd import Exit, Hierarchy, HierarchySpec, NGram, hsd_generate
 from specjax.models import Llama
 from specjax.models.llama import init_params
@@ -46,14 +47,14 @@ def toy(tmp_path_factory):
     model = Llama(CFG)
     params = jax.tree.map(lambda x: x * 3.0, init_params(CFG, jax.random.key(1)))
     heads = tmp_path_factory.mktemp("heads")
-    export.export_head(eagle.init_head(CFG, jax.random.key(2)), heads / "eagle",
-                       {"kind": "eagle", "model": "toy", "draft_vocab": 0},
-                       dtype=np.float32)
+    exported.export_head(eagle.init_head(CFG, jax.random.key(2)), heads / "eagle",
+                         {"kind": "eagle", "model": "toy", "draft_vocab": 0},
+                         dtype=np.float32)
     rd = redrafter.init_head(CFG.hidden_size, CFG.vocab_size, jax.random.key(3))
-    export.export_head(redrafter.exportable(rd), heads / "redrafter",
-                       {"kind": "redrafter", "model": "toy", "hidden_size": CFG.hidden_size,
-                        "blocks": 2, "draft_vocab": CFG.vocab_size, "vocab_ids": None},
-                       dtype=np.float32)
+    exported.export_head(redrafter.exportable(rd), heads / "redrafter",
+                         {"kind": "redrafter", "model": "toy", "hidden_size": CFG.hidden_size,
+                          "blocks": 2, "draft_vocab": CFG.vocab_size, "vocab_ids": None},
+                         dtype=np.float32)
     return LM(model, params), heads
 
 

@@ -235,14 +235,14 @@ def test_two_processes_train_onpolicy_redrafter_and_exit_heads_as_one(toy, tmp_p
     same shard store, token for token, parameters equal to ``TOL``, one log row per step
     or round, each store shard, cached feature file and export written once. About a
     minute and a half on 2 CPU cores."""
-    from specjax import head_io
+    from specjax.heads import kinds
 
     lm, _, data = toy
     (tmp_path / "prompts").mkdir()
     (tmp_path / "prompts" / "gsm8k_train.jsonl").write_text("".join(
         json.dumps({"question": "ab " * (i % 3 + 1) + f"n{i}"}) + "\n" for i in range(40)))
-    init = head_io.save_eagle(train_eagle.eagle.init_head(lm.model.config, jax.random.key(1)),
-                              tmp_path / "init", vocab_ids=np.arange(16))
+    init = kinds.save_eagle(train_eagle.eagle.init_head(lm.model.config, jax.random.key(1)),
+                            tmp_path / "init", vocab_ids=np.arange(16))
     for name, n in (("two", 2), ("one", 1)):
         _launch(tmp_path / name, _onpolicy_argv(tmp_path, name, 2, init),
                 _onpolicy_argv(tmp_path, name, 3, init, export=True),

@@ -14,9 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import export, head_io, methods
+from specjax import methods
 from specjax.core.decoding import generate
 from specjax.drafters import blocks, eagle, eagle3
+from specjax.heads import exported, kinds
 from specjax.train import eagle as train_eagle
 from specjax.train import glue, onpolicy, shards, ttt
 from toys import loaded_llama
@@ -234,7 +235,7 @@ def test_a_two_layer_run_starts_from_a_one_layer_head_and_exports_both(lm, tmp_p
                                target_cfg=lm.model.config, start=glue.Start(None, None, "none"),
                                shards=tmp_path / "s", vocab_ids=vids)
     assert json.loads((out / "head.json").read_text())["layers"] == 2
-    back, _ = head_io.load_eagle(out, lm.model.config)
+    back, _ = kinds.load_eagle(out, lm.model.config)
     as_bf16 = lambda t: jax.tree.map(lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16)), t)  # noqa: E731
     jax.tree.map(np.testing.assert_array_equal, as_bf16(back), as_bf16(st["params"]))
     three = eagle.init_head(lm.model.config, jax.random.key(5), layers=3)
@@ -273,9 +274,9 @@ def test_an_exported_eagle3_head_decodes_as_ar(lm, tmp_path):
     state = onpolicy.train(lm, ttt.EAGLE3, dataclasses.replace(CFG, rounds=1), tmp_path / "r",
                            _store(lm, tmp_path / "s"), POOL, vids)
     layers = list(ttt.EAGLE3.layers(lm.model.config)[:-1])
-    export.export_head(state["params"], tmp_path / "head",
-                       {"kind": "eagle3", "vocab_ids": vids.tolist(), "layers": layers},
-                       dtype=jnp.float32)
+    exported.export_head(state["params"], tmp_path / "head",
+                         {"kind": "eagle3", "vocab_ids": vids.tolist(), "layers": layers},
+                         dtype=jnp.float32)
     built = methods.build("eagle3:2,3,6", lm,
                           methods.Options(draft_checkpoint=str(tmp_path / "head")))
     prompts, budgets = [[5, 9, 17, 3, 44], [1, 2, 8]], [16, 11]
@@ -362,7 +363,7 @@ def test_epochs_train_on_every_round_and_resume_exactly(lm, tmp_path, monkeypatc
     finished run given epochs trains them, a run stopped or killed during them resumes to
     the parameters of one that never stopped (and its log to the same epochs), and a run
     whose epochs began refuses more rounds before it decodes any."""
-    from specjax.export import CheckpointError
+    from specjax.heads import CheckpointError
     from specjax.train.loop import RunLog
 
     vids = np.arange(48, dtype=np.int32)
@@ -456,7 +457,7 @@ def test_stores_mixed_into_the_epochs_train_with_the_rounds_and_are_recorded(
     """``mix``: every shard of another store of the target joins each epoch, shuffled with
     the run's rounds; the run records the stores, so resuming with others is refused, and
     mixing without epochs is refused."""
-    from specjax.export import CheckpointError
+    from specjax.heads import CheckpointError
 
     vids = np.arange(48, dtype=np.int32)
     cfg = dataclasses.replace(CFG, rounds=2, val_every=2, epochs=1)
@@ -499,7 +500,7 @@ def test_answers_only_trains_on_answer_positions_and_the_run_records_it(lm, tmp_
     """``answers_only``: rounds and epochs count (and train on) the answers' positions
     only, so the head differs from a run on every position; the run records the setting,
     and a run directory of either setting refuses the other."""
-    from specjax.export import CheckpointError
+    from specjax.heads import CheckpointError
 
     vids = np.arange(48, dtype=np.int32)
     cfg = dataclasses.replace(CFG, rounds=2, val_every=2, epochs=1)

@@ -152,12 +152,12 @@ def test_bench_refuses_before_the_weights_load(argv, msg, dirs, weights_guard, c
 def test_exit_heads_at_other_layers_are_named_before_the_weights_load(dirs, weights_guard,
                                                                       tmp_path, capsys,
                                                                       monkeypatch):
-    from specjax import head_io
     from specjax.drafters import exit_heads
+    from specjax.heads import kinds
 
     cfg = models.config(str(dirs / "toy"))
     heads = exit_heads.init_heads(cfg, [1], jax.random.key(0), rank=4)
-    head_io.save_exit_heads(heads, tmp_path / "exits", layers=[1], rank=4)
+    kinds.save_exit_heads(heads, tmp_path / "exits", layers=[1], rank=4)
     got, err = _run(["generate", "--model", str(dirs / "toy"), "--prompt-ids", "1,2",
                      "--method", "hsd:ngram:4,2:3,target", "--exit-heads",
                      str(tmp_path / "exits")], capsys, monkeypatch)

@@ -21,8 +21,8 @@ from published import (d2t_absolute, d2t_target_ids, edit_state_dict, torch_eagl
 from specjax import methods
 from specjax.core import sampling
 from specjax.core.decoding import generate, prefill
-from specjax.drafters import Context, blocks, eagle, eagle3, published
-from specjax.export import CheckpointError
+from specjax.drafters import Context, blocks, eagle, eagle3
+from specjax.heads import CheckpointError, published
 from specjax.models.llama import Llama
 
 H, NQ, NKV, F, V, DV = 32, 4, 2, 64, 64, 24

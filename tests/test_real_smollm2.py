@@ -20,6 +20,7 @@ import specjax
 from specjax import hsd, methods
 from specjax.drafters import EarlyExitDrafter, ModelDrafter, NGramDrafter
 from specjax.drafters import eagle, exit_heads, redrafter
+from specjax.heads import kinds, shipped_head
 from toys import SMOLLM_PROMPTS as PROMPTS
 
 MODEL = "smollm2-135m"
@@ -39,7 +40,7 @@ SPECULATIVE = [pytest.param("ngram", marks=_OPT_IN), pytest.param("early-exit", 
 
 def _eagle(lm):
     """The shipped head when there is one (long accepted paths), else a random head."""
-    if eagle.shipped_head(MODEL) is not None:
+    if shipped_head("eagle", MODEL) is not None:
         return methods.load_drafter("eagle2:4,4,12", lm, MODEL)
     head = eagle.init_head(lm.model.config, jax.random.key(0))
     return (eagle.EagleDrafter(lm.model, depth=4, topk=4, total_tokens=12),
@@ -48,7 +49,7 @@ def _eagle(lm):
 
 def _redrafter(lm):
     """The shipped head when there is one (long accepted paths), else a random head."""
-    if redrafter.shipped_head(MODEL) is not None:
+    if shipped_head("redrafter", MODEL) is not None:
         return methods.load_drafter("redrafter:3,4", lm, MODEL)
     head = redrafter.init_head(lm.model.config.hidden_size, 4096, jax.random.key(0))
     return (redrafter.RedrafterDrafter(lm.model, width=3, length=4),
@@ -90,16 +91,16 @@ def test_speculative_greedy_equals_ar(smollm, ids, ar, name):
         assert np.all(np.asarray(out.target_forwards) <= np.asarray(out.lengths))
     if name == "model-tree":
         assert out.tau > 2.0, "a bf16 copy of the target should be accepted almost always"
-    if name == "redrafter" and redrafter.shipped_head(MODEL) is not None:
+    if name == "redrafter" and shipped_head("redrafter", MODEL) is not None:
         assert out.tau > 1.1, f"the shipped head's tau is {out.tau:.2f}"  # drafts usefully
 
 
 def test_three_level_hsd_greedy_equals_ar(smollm, ids, ar):
     """was: test_hsd.py::test_greedy_three_level_hsd_equals_ar_on_real_model. An n-gram
     bottom, the shipped exit head at layer 12, then the target."""
-    path = exit_heads.shipped_heads(MODEL)
+    path = shipped_head("exit-heads", MODEL)
     assert path is not None, f"no exit heads ship for {MODEL}"
-    heads, _ = exit_heads.load_heads(smollm.model, path)
+    heads, _ = kinds.load_exit_heads(path, smollm.model)
     h = hsd.Hierarchy((hsd.NGram(specjax.NGramDrafter(depth=4)),
                        hsd.Exit(12, exit_heads.exit_head), hsd.Exit()), (4, 2))
     kw = dict(eos_ids=smollm.eos_ids, hparams=(None, heads[12], None))

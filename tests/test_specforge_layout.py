@@ -21,7 +21,8 @@ import toys
 from published import (SPECFORGE_CONFIG_KEYS, d2t_target_ids, specforge_eagle3_expected_shapes,
                         specforge_serving_names, torch_specforge_eagle3_logits,
                         write_specforge_eagle3_head)
-from specjax.drafters import blocks, eagle3, published
+from specjax.drafters import blocks, eagle3
+from specjax.heads import published
 
 TARGET = toys.LLAMA_6  # V 64, hidden 32, 4 heads of 8, 2 K/V heads, 6 layers
 V, H, DV, B, T = TARGET.vocab_size, TARGET.hidden_size, 24, 2, 7

@@ -13,8 +13,7 @@ import pytest
 
 import toys
 from specjax.drafters import eagle
-from toys import ToyLM, assert_within_a_bf16_step
-from specjax.models.llama import Llama, init_params
+from toys import assert_within_a_bf16_step
 from specjax.train import checkpoint, distill
 from specjax.train import eagle as train_eagle
 
@@ -24,14 +23,12 @@ V = TOY.vocab_size
 
 @pytest.fixture(scope="module")
 def lm():
-    return ToyLM(Llama(TOY), jax.tree.map(lambda x: x * 3.0, init_params(TOY, jax.random.key(4))))
+    return toys.toy_lm(TOY, 4)
 
 
 @pytest.fixture(scope="module")
 def corpus(lm):
-    rng = np.random.default_rng(0)
-    prompts = [list(rng.integers(1, V, size=n)) for n in rng.integers(3, 20, size=24)]
-    return distill.answer_batch(lm, prompts, max_new_tokens=24)
+    return toys.answered_prompts(lm, 0)
 
 
 def test_distilled_features_are_the_targets_hidden_states(lm, corpus):

@@ -14,8 +14,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from specjax import cli, export
+from specjax import cli
 from specjax.drafters import eagle
+from specjax.heads import exported
 from specjax.train import checkpoint, distill, onpolicy, shards
 from toys import LLAMA, loaded_llama
 
@@ -59,8 +60,8 @@ def _inputs(d):
     (d / "data").mkdir()
     distill.save_shard(d / "data" / "shard_00000.npz",
                        [(np.arange(3, 9, dtype=np.int32), 2, np.zeros((6, 32), ml_dtypes.bfloat16))])
-    export.export_head(eagle.init_head(LLAMA, jax.random.key(0)), d / "head",
-                       {"kind": "eagle", "vocab_ids": list(range(128))})
+    exported.export_head(eagle.init_head(LLAMA, jax.random.key(0)), d / "head",
+                         {"kind": "eagle", "vocab_ids": list(range(128))})
     for name in ("store", "noshard", "badsha", "settings", "badjson", "alist", "noshards"):
         _store(d / name)
     (d / "noshard" / "shard_00001.npz").unlink()
@@ -243,8 +244,8 @@ def test_an_error_in_round_3_keeps_round_2_and_a_rerun_finishes(lm, tmp_path, ca
     monkeypatch.delenv("SPECJAX_DEBUG", raising=False)
     d = _inputs(tmp_path)
     monkeypatch.setattr("specjax.models.load", lambda *a, **k: lm)
-    export.export_head(eagle.init_head(lm.model.config, jax.random.key(0)), d / "head",
-                       {"kind": "eagle", "vocab_ids": list(range(128))})
+    exported.export_head(eagle.init_head(lm.model.config, jax.random.key(0)), d / "head",
+                         {"kind": "eagle", "vocab_ids": list(range(128))})
     argv = _with(ONPOLICY, "--shards", "{d}/mine", "--ttt", "1")
     real = onpolicy._round_data
 

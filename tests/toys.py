@@ -81,6 +81,24 @@ def llama(seed: int = 1, scale: float = 3.0):
     return Llama(LLAMA), llama_params(seed, scale)
 
 
+def toy_lm(config: LlamaConfig, seed: int) -> "ToyLM":
+    """A ``ToyLM`` of ``Llama(config)`` with ``llama_params(seed, 3.0, config)``."""
+    return ToyLM(Llama(config), llama_params(seed, 3.0, config))
+
+
+def answered_prompts(lm, seed: int, n: int = 24, max_new_tokens: int = 24):
+    """``n`` random prompts of 3-19 tokens (``np.random.default_rng(seed)``) answered
+    greedily by ``lm``: a distillation corpus (``distill.answer_batch``)."""
+    import numpy as np
+
+    from specjax.train import distill
+
+    rng = np.random.default_rng(seed)
+    v = lm.model.config.vocab_size
+    prompts = [list(rng.integers(1, v, size=k)) for k in rng.integers(3, 20, size=n)]
+    return distill.answer_batch(lm, prompts, max_new_tokens=max_new_tokens)
+
+
 @dataclasses.dataclass
 class ToyLM:
     """The part of ``LoadedModel`` that training and export code reads."""

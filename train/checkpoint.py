@@ -2,8 +2,8 @@
 
 A run directory holds ``run.json`` (what is being trained: a mismatch is refused) and an
 Orbax ``CheckpointManager`` tree of ``{params, opt_state, step}``. Exported heads (what
-inference loads) are written and read per kind by ``specjax.head_io``, on
-``specjax.export``'s layout; export's functions are re-exported here.
+inference loads) are written and read per kind by ``specjax.heads``, on
+``specjax.heads.exported``' layout; its functions are re-exported here.
 
 In a multi-process run (``specjax.distributed``) every process calls the same functions
 with the same arguments: Orbax saves the global arrays together (each process writes the
@@ -39,8 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from specjax.export import (CheckpointError, export_head, file_sha256, load_head,  # noqa: F401
-                            read_meta)
+from specjax.heads.exported import (CheckpointError, export_head, file_sha256,  # noqa: F401
+                                    load_head, read_meta)
 
 
 def _abstract(tree):

@@ -76,7 +76,7 @@ def check_run_layout(run_dir: str | Path, attn_norm: bool) -> None:
     """``CheckpointError`` (one line) when ``run_dir`` holds a run (``run.json``) of an
     EAGLE-1/2 head with the layer's ``attn_norm`` where ``attn_norm`` says without, or the
     reverse (absent from ``run.json``: with it): its checkpoints hold the other tree."""
-    from specjax.export import CheckpointError
+    from specjax.heads import CheckpointError
     from specjax.train.checkpoint import read_run
 
     run = read_run(run_dir)  # a damaged run.json: CheckpointError naming it

@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from specjax.export import file_sha256
+from specjax.heads.exported import file_sha256
 
 from specjax.train.shards import ShardStore
 

@@ -2,7 +2,7 @@
 warm starts from exported heads (``--init``), and exports that record what a head was
 trained on.
 
-Head directories are read and written by ``specjax.head_io``, the functions decoding
+Head directories are read and written by ``specjax.heads``, the functions decoding
 (``specjax.methods``) uses too, so a head a run exports or starts from is read exactly as a
 decoder reads it. Nothing here parses arguments or reports usage errors: that stays in
 ``specjax.commands.train``.
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from specjax import export, head_io
+from specjax.heads import exported, kinds
 
 # ----------------------------------------------------------------------------- configs
 
@@ -58,12 +58,12 @@ def store_summary(root: str | Path, rounds: int | None = None) -> dict:
 
 
 def record(model: str, cfg, state: dict, data: dict | None, *, train: dict | None = None,
-           **extra) -> head_io.Record:
-    """The ``head_io.Record`` of a finished run: ``model``, the config ``cfg`` as a dict (or
+           **extra) -> kinds.Record:
+    """The ``kinds.Record`` of a finished run: ``model``, the config ``cfg`` as a dict (or
     ``train``), the steps in ``state``, the ``data`` summary and ``extra`` fields
     (``tokens_seen``, ``init``)."""
-    return head_io.Record(model=model, train=dataclasses.asdict(cfg) if train is None else train,
-                          steps_done=int(state["step"]), data=data, **extra)
+    return kinds.Record(model=model, train=dataclasses.asdict(cfg) if train is None else train,
+                        steps_done=int(state["step"]), data=data, **extra)
 
 
 # ----------------------------------------------------------------------------- warm starts
@@ -71,16 +71,16 @@ def record(model: str, cfg, state: dict, data: dict | None, *, train: dict | Non
 
 def eagle_init(path: str | Path, target_cfg) -> dict:
     """The parameters of the exported EAGLE-1/2 head in ``path`` (``train eagle --init``),
-    read by ``head_io.load_eagle``, as decoding reads them."""
-    return head_io.load_eagle(path, target_cfg)[0]
+    read by ``kinds.load_eagle``, as decoding reads them."""
+    return kinds.load_eagle(path, target_cfg)[0]
 
 
 def redrafter_init(path: str | Path) -> tuple[dict, np.ndarray | None]:
     """``(parameters, draft vocabulary)`` of the exported ReDrafter head in ``path``
     (``train redrafter --init``: fine-tuning keeps both), read by
-    ``head_io.load_redrafter``, as decoding reads them."""
-    head, meta = head_io.load_redrafter(path)
-    return head, head_io.redrafter_vocab(meta)
+    ``kinds.load_redrafter``, as decoding reads them."""
+    head, meta = kinds.load_redrafter(path)
+    return head, kinds.redrafter_vocab(meta)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,25 +104,25 @@ def onpolicy_start(init: str, shipped, kind) -> Start:
     An EAGLE-2 head gives an EAGLE-3 run its vocabulary order only. ``CheckpointError``
     when the directory holds no EAGLE head."""
     if init == "none":
-        order = export.read_meta(shipped, head_io.EAGLE).get("vocab_ids") if shipped else None
+        order = exported.read_meta(shipped, kinds.EAGLE).get("vocab_ids") if shipped else None
         return Start(None, order, "none")
     path = shipped if init == "shipped" else init
     if path is None:
         raise ValueError("--init shipped: no EAGLE head ships for this model")
-    saved = export.read_kind(path)
-    meta = export.read_meta(path, saved if saved in (head_io.EAGLE, head_io.EAGLE3)
-                            else kind.name)
+    saved = exported.read_kind(path)
+    meta = exported.read_meta(path, saved if saved in (kinds.EAGLE, kinds.EAGLE3)
+                              else kind.name)
     same = meta["kind"] == kind.name
     return Start(path if same else None, meta.get("vocab_ids"), Path(str(path)).name,
-                 (meta.get("draft_vocab") or 0) if same and kind.name == head_io.EAGLE else 0)
+                 (meta.get("draft_vocab") or 0) if same and kind.name == kinds.EAGLE else 0)
 
 
 def onpolicy_head(start: Start, target_cfg, kind) -> dict | None:
     """The parameters of ``start``'s head for a target of ``target_cfg`` (None: a random
-    head), read by ``head_io.load_eagle`` or ``head_io.load_eagle3`` as ``kind`` says."""
+    head), read by ``kinds.load_eagle`` or ``kinds.load_eagle3`` as ``kind`` says."""
     if start.path is None:
         return None
-    load = head_io.load_eagle if kind.name == head_io.EAGLE else head_io.load_eagle3
+    load = kinds.load_eagle if kind.name == kinds.EAGLE else kinds.load_eagle3
     return load(start.path, target_cfg)[0]
 
 
@@ -132,7 +132,7 @@ def onpolicy_head(start: Start, target_cfg, kind) -> dict | None:
 def eagle_order(path: str | Path) -> list | None:
     """The vocabulary order (``vocab_ids``) the exported EAGLE-1/2 head in ``path``
     records, or None: a head warm-started from it keeps that order."""
-    return export.read_meta(path, "eagle").get("vocab_ids")
+    return exported.read_meta(path, "eagle").get("vocab_ids")
 
 
 def export_eagle(state: dict, cfg, out: str | Path, *, model: str, corpus: Sequence,
@@ -144,9 +144,9 @@ def export_eagle(state: dict, cfg, out: str | Path, *, model: str, corpus: Seque
 
     ids = (np.asarray(order, np.int32) if order is not None
            else train_eagle.vocab_by_frequency(corpus, vocab_size, 32768))
-    return head_io.save_eagle(state["params"], out, record(model, cfg, state,
-                                                           data_summary(data_dir)),
-                              vocab_ids=ids, draft_vocab=draft_vocab)
+    return kinds.save_eagle(state["params"], out, record(model, cfg, state,
+                                                         data_summary(data_dir)),
+                            vocab_ids=ids, draft_vocab=draft_vocab)
 
 
 def export_redrafter(state: dict, cfg, ids, out: str | Path, *, model: str, data_dir,
@@ -156,7 +156,7 @@ def export_redrafter(state: dict, cfg, ids, out: str | Path, *, model: str, data
     and the name of the head it started from (``init``, a directory, or None)."""
     data = data_summary(data_dir) if data_dir else store_summary(shards) if shards else None
     rec = record(model, cfg, state, data, init=init and Path(init).name)
-    return head_io.save_redrafter(state["params"], out, rec, vocab_ids=ids)
+    return kinds.save_redrafter(state["params"], out, rec, vocab_ids=ids)
 
 
 def export_exit_heads(state: dict, cfg, out: str | Path, *, model: str, corpus: Sequence,
@@ -166,9 +166,9 @@ def export_exit_heads(state: dict, cfg, out: str | Path, *, model: str, corpus: 
     from specjax.train import exit_heads as train_exits
 
     ids = train_exits.vocab_ids(corpus, vocab_size, cfg)
-    return head_io.save_exit_heads(state["params"], out,
-                                   record(model, cfg, state, data_summary(data_dir)),
-                                   layers=cfg.layers, rank=cfg.rank, vocab_ids=ids)
+    return kinds.save_exit_heads(state["params"], out,
+                                 record(model, cfg, state, data_summary(data_dir)),
+                                 layers=cfg.layers, rank=cfg.rank, vocab_ids=ids)
 
 
 def export_onpolicy(state: dict, kind, cfg, out: str | Path, *, model: str, target_cfg,
@@ -181,12 +181,12 @@ def export_onpolicy(state: dict, kind, cfg, out: str | Path, *, model: str, targ
     rec = record(model, cfg, state, store_summary(shards, int(state["round"])),
                  train={**dataclasses.asdict(cfg), "onpolicy": True},
                  tokens_seen=int(state["tokens"]), init=start.name)
-    if kind.name == head_io.EAGLE:
+    if kind.name == kinds.EAGLE:
         order = start.order if start.order is not None else vocab_ids
-        return head_io.save_eagle(state["params"], out, rec, vocab_ids=order,
-                                  draft_vocab=start.draft_vocab)
-    return head_io.save_eagle3(state["params"], out, rec, vocab_ids=vocab_ids,
-                               layers=kind.layers(target_cfg)[:-1])
+        return kinds.save_eagle(state["params"], out, rec, vocab_ids=order,
+                                draft_vocab=start.draft_vocab)
+    return kinds.save_eagle3(state["params"], out, rec, vocab_ids=vocab_ids,
+                             layers=kind.layers(target_cfg)[:-1])
 
 
 # ----------------------------------------------------------------------------- published
@@ -207,14 +207,14 @@ def export_published(head_dir: str | Path, target_cfg) -> Path:
     cannot express (an EAGLE-1/2 head with ``attn_norm`` or a reduced ``draft_vocab``)."""
     import jax
 
-    from specjax.drafters import published
+    from specjax.heads import published
 
-    kind = export.read_kind(head_dir)
-    if kind == head_io.EAGLE:
-        params, meta = head_io.load_eagle(head_dir, target_cfg)
+    kind = exported.read_kind(head_dir)
+    if kind == kinds.EAGLE:
+        params, meta = kinds.load_eagle(head_dir, target_cfg)
         sizes = {"draft_vocab": meta.get("draft_vocab") or 0}
     else:
-        params, meta = head_io.load_eagle3(head_dir, target_cfg)
+        params, meta = kinds.load_eagle3(head_dir, target_cfg)
         sizes = {"vocab_ids": meta["vocab_ids"], "layers": meta["layers"]}
     return published.save(kind, jax.tree.map(np.asarray, params),
                           published_dir(head_dir, kind), target_cfg, **sizes)
@@ -222,11 +222,11 @@ def export_published(head_dir: str | Path, target_cfg) -> Path:
 
 def eagle_attn_norm(path: str | Path) -> bool | None:
     """Whether the exported EAGLE-1/2 head in ``path`` normalizes its layer's attention
-    input (``head_io.eagle_attn_norm``), read from ``head.json`` alone; None when ``path``
+    input (``kinds.eagle_attn_norm``), read from ``head.json`` alone; None when ``path``
     holds no readable ``eagle`` head (the loader reports that)."""
     try:
-        return head_io.eagle_attn_norm(export.read_meta(path, head_io.EAGLE))
-    except (export.CheckpointError, TypeError):
+        return kinds.eagle_attn_norm(exported.read_meta(path, kinds.EAGLE))
+    except (exported.CheckpointError, TypeError):
         return None
 
 

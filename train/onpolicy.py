@@ -622,7 +622,7 @@ def _check_epochs(run_dir, cfg: OnPolicyConfig, rounds: int, epochs: int) -> Non
     ``rounds`` rounds then ``epochs`` epochs given other ``cfg.rounds`` (more rounds would
     come after epochs that did not see them), or ``cfg.epochs`` with fewer ``cfg.rounds``
     than the run trained (which rounds would the epochs cover?)."""
-    from specjax.export import CheckpointError
+    from specjax.heads import CheckpointError
 
     if epochs and cfg.rounds != rounds:
         raise CheckpointError(f"{run_dir} trained {rounds} rounds then {epochs} epochs over "

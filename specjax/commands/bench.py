@@ -144,9 +144,9 @@ def cmd_bench(args) -> int:
     print(bench.format_table(summary))
     report.update(methods=summary, greedy_mismatch_vs_ar=mismatches, complete=True)
     if hierarchies:
-        from specjax.drafters import exit_heads
+        from specjax.heads import shipped_head
 
-        path = args.exit_heads or exit_heads.shipped_heads(args.model)
+        path = args.exit_heads or shipped_head("exit-heads", args.model)
         report["hsd"] = {"hierarchies": hierarchies, "calibration": args.calibration,
                          "exit_heads": Path(path).name if path else None}
     if "ar" in summary:

@@ -1,5 +1,5 @@
 """``specjax convert-head``: a head specjax exported, written in the layout SafeAILab/EAGLE
-publishes (``specjax.drafters.published.save`` does the work; this module reads the
+publishes (``specjax.heads.published.save`` does the work; this module reads the
 arguments, the head and its target's configuration). After writing it prints which token
 embedding the converted head expects (``published.embedding_note``): SpecForge by default
 replaces a head's ``embed_tokens`` with the target's. ``--for-sglang`` writes a head with
@@ -54,8 +54,8 @@ def cmd_convert(args) -> int:
     import jax
     import numpy as np
 
-    from specjax import _atomic, export, head_io
-    from specjax.drafters import published
+    from specjax import _atomic
+    from specjax.heads import exported, kinds, published
 
     kind = _head_kind(args.head_dir)
     if kind != args.to:
@@ -71,12 +71,12 @@ def cmd_convert(args) -> int:
         raise UsageError(f"OUT_DIR {e}") from None
     except _atomic.OutputError as e:
         raise UsageError(str(e)) from None
-    model = args.model or export.read_meta(args.head_dir, kind).get("model")
+    model = args.model or exported.read_meta(args.head_dir, kind).get("model")
     if not model:
         raise UsageError(f"{args.head_dir}'s head.json names no target: pass --model")
     cfg = target_config(model)
     # the validating loader decoding uses: head.json's sizes, vocabulary and layers checked
-    load = head_io.load_eagle3 if kind == "eagle3" else head_io.load_eagle
+    load = kinds.load_eagle3 if kind == "eagle3" else kinds.load_eagle
     params, meta = load(args.head_dir, cfg)
     params = jax.tree.map(np.asarray, params)
     out = published.save(kind, params, args.out_dir, cfg, vocab_ids=meta.get("vocab_ids"),
@@ -90,7 +90,7 @@ def cmd_convert(args) -> int:
 
 def register(sub) -> list:
     """Adds ``convert-head`` to ``sub``; returns its parser."""
-    from specjax.drafters.published import SAVE_DTYPES
+    from specjax.heads.published import SAVE_DTYPES
 
     c = sub.add_parser(
         "convert-head", help="write an exported EAGLE head in SafeAILab/EAGLE's layout",

@@ -39,9 +39,9 @@ def _check_export(path: str | None, init: str | None = None) -> None:
                          "another directory (the starting head would be overwritten)")
     if path is None or not Path(path).is_dir():
         return
-    from specjax import export
+    from specjax.heads import exported
 
-    if not export.replaceable(path):
+    if not exported.replaceable(path):
         raise UsageError(f"--export {path} is a non-empty directory that is not an exported "
                          "head; give a new or empty directory")
 
@@ -355,10 +355,10 @@ def _onpolicy_start(args, kind):
     """``--init`` as a ``glue.Start`` (``shipped``: the head that ships for the model;
     ``none``: a random head), read from head.json alone, before the target loads;
     ``UsageError`` for ``shipped`` where no head ships."""
-    from specjax.drafters import eagle
+    from specjax.heads import shipped_head
     from specjax.train import glue
 
-    shipped = eagle.shipped_head(args.model)
+    shipped = shipped_head("eagle", args.model)
     if args.init == "shipped" and shipped is None:
         raise UsageError(f"--init shipped: no EAGLE head ships for {args.model!r}; "
                          "give --init none or a head directory")
@@ -560,7 +560,7 @@ def _check_export_format(args) -> None:
     (EAGLE-1/2's layer 0 has no input norm) and, for ``train eagle``, ``--draft-vocab 0``
     (the layout drafts over the whole vocabulary). Its directory (``DIR-KIND``) is new,
     empty or an earlier conversion. Each refused in one line before any work."""
-    from specjax.drafters import published
+    from specjax.heads import published
     from specjax.train import glue
 
     fmt, kind = args.export_format, getattr(args, "kind", "eagle")
@@ -622,9 +622,9 @@ def _check_onpolicy_layout(args) -> None:
     if args.init == "none":
         return
     if args.init == "shipped":
-        from specjax.drafters import eagle
+        from specjax.heads import shipped_head
 
-        path = eagle.shipped_head(args.model)
+        path = shipped_head("eagle", args.model)
         _check_init_layout(path, args.attn_norm, "--init none",
                            f"--init shipped: the shipped head ({path})")
         return

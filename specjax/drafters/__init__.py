@@ -1,12 +1,12 @@
 """Drafters: one protocol for every source of draft tokens (see ``base``), one file per
 drafter: ``ngram`` (prompt lookup), ``early_exit`` (the target's first layers),
 ``model`` (another specjax model), ``eagle`` (EAGLE-2's head and dynamic tree),
-``eagle3`` (EAGLE-3's fused-feature head on the same tree), ``published`` (EAGLE-1/2 and
-EAGLE-3 heads in SafeAILab/EAGLE's layout),
+``eagle3`` (EAGLE-3's fused-feature head on the same tree),
 ``redrafter`` (ReDrafter's recurrent head and beams) and ``exit_heads`` (trained early-exit
 adapters); ``blocks`` holds the layers draft heads are built from. A drafter that proposes
 a chain from the context alone subclasses ``StatelessChain`` (``ngram`` does). Method specs
-(``sd-ngram:7``, ``eagle2:3,4,7``) and loading heads from disk live in ``specjax.methods``."""
+(``sd-ngram:7``, ``eagle2:3,4,7``) live in ``specjax.methods``; head files (exported,
+published and shipped heads) in ``specjax.heads``."""
 
 from __future__ import annotations
 

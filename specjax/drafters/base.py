@@ -1,6 +1,6 @@
 """What drafters share: the top-k tree growth of model-based drafters, ``OnTarget`` (the
-base of drafters that run a head or the first layers on the target itself), the lookup of
-a shipped head, and the drafter protocol and context re-exported from
+base of drafters that run a head or the first layers on the target itself), and the
+drafter protocol and context re-exported from
 ``specjax.core.drafter`` (where the decoding loops define what they need of a drafter).
 """
 
@@ -161,14 +161,3 @@ class OnTarget:
             name = type(self).__name__
             article = "an" if name[0].lower() in "aeiou" else "a"
             raise ValueError(f"{article} {name} must be built on the target it drafts for")
-
-
-def shipped_head(shipped: dict[str, str], model_name: str):
-    """The package directory of the head that ships for ``model_name`` in ``shipped``
-    (registry name -> package-data path; each head kind keeps its own table, and
-    ``eagle.shipped_head(model)``, ``redrafter.shipped_head(model)`` and
-    ``exit_heads.shipped_heads(model)`` pass theirs), or None when none ships or its files
-    are missing (``specjax.export.shipped_dir``)."""
-    from specjax import export
-
-    return export.shipped_dir(shipped.get(model_name))

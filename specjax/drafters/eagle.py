@@ -54,8 +54,8 @@ class EagleHead(nnx.Module):
     params)`` rebuilds the module from it inside ``jit``. The layer's output projections
     start small, so a fresh head starts near ``fc``. ``attn_norm=False`` leaves out the
     layer's attention-input norm, as published EAGLE-1/2 heads' layer 0 has none: such a
-    head is what SafeAILab/EAGLE's layout holds (``published.save("eagle", ...)``); every
-    other parameter is drawn as with the norm.
+    head is what SafeAILab/EAGLE's layout holds (``heads.published.save("eagle", ...)``);
+    every other parameter is drawn as with the norm.
     """
 
     def __init__(self, target_cfg, key: Array, dtype=jnp.float32, attn_norm: bool = True):
@@ -515,15 +515,3 @@ class EagleDrafter(base.OnTarget):
         h = jnp.take_along_axis(ctx.hidden, nodes[:, :, None], axis=1)
         feats = self._features(ctx.params, h)
         return state.replace(feats=feats.astype(state.feats.dtype))
-
-
-# ----------------------------------------------------------------------------- shipped heads
-
-SHIPPED = {"smollm2-135m": "heads/smollm2-135m-eagle",  # registry name -> package data
-           "gemma3-270m": "heads/gemma3-270m-eagle"}
-
-
-def shipped_head(model_name: str):
-    """The directory of the head that ships for ``model_name``, or None
-    (``base.shipped_head`` over ``SHIPPED``)."""
-    return base.shipped_head(SHIPPED, model_name)

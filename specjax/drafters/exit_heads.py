@@ -14,19 +14,15 @@ from __future__ import annotations
 
 import functools
 import types
-from pathlib import Path
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float
 
-from specjax.drafters import base, blocks
+from specjax.drafters import blocks
 from specjax.drafters.eagle import output_embedding
-
-SHIPPED = {"smollm2-135m": "heads/smollm2-135m-exits"}  # registry name -> package data
 
 
 class ExitAdapter(nnx.Module):
@@ -100,31 +96,4 @@ def exit_head(target, tparams, hp: dict | None, hidden: Float[Array, "... D"]
     return full.at[..., ids].set(sub)
 
 
-def shipped_heads(model_name: str):
-    """The directory of the exit heads that ship for ``model_name``, or None
-    (``base.shipped_head`` over ``SHIPPED``)."""
-    return base.shipped_head(SHIPPED, model_name)
-
-
-def load_heads(target, path: str | Path, dtype=jnp.float32) -> tuple[dict[int, dict], dict]:
-    """``({layer: adapter}, metadata)`` from an exported exit-heads directory; a clear
-    ``CheckpointError`` when it is not one, is corrupt, or was made for another model."""
-    from specjax import export
-
-    meta = export.read_meta(path, "exit-heads")
-    like = init_heads(target.config, meta["layers"], jax.random.key(0), meta["rank"])
-    heads, meta = export.load_head(path, "exit-heads", like=like)
-    heads = {int(l): jax.tree.map(lambda x: jnp.asarray(x, dtype), hp) for l, hp in heads.items()}
-    ids = meta.get("vocab_ids")
-    if ids is not None:
-        ids = np.asarray(ids, np.int32)
-        v = target.config.vocab_size
-        if ids.ndim != 1 or not len(ids) or ids.min() < 0 or ids.max() >= v \
-                or len(np.unique(ids)) != len(ids):
-            raise export.CheckpointError(
-                f"{path}: vocab_ids must be distinct token ids in [0, {v})")
-        heads = {l: {**hp, "vocab_ids": jnp.asarray(ids)} for l, hp in heads.items()}
-    return heads, meta
-
-
-__all__ = ["ExitAdapter", "init_adapter", "init_heads", "adapt", "exit_head", "load_heads", "shipped_heads"]
+__all__ = ["ExitAdapter", "init_adapter", "init_heads", "adapt", "exit_head"]

@@ -241,23 +241,6 @@ def chains(tokens: Int[Array, "B W L"]) -> Draft:
                  valid=jnp.ones(flat.shape, bool))
 
 
-# ----------------------------------------------------------------------------- shipped heads
-
-# registry name -> package data. No ReDrafter head ships: the trained SmolLM2-135M and
-# Gemma-3-270M heads decoded slower than plain decoding (0.84x and 0.78x ``ar``); train one
-# with ``RECIPE``.
-SHIPPED: dict[str, str] = {}
-RECIPE = ("`specjax features --model {model} --prompts PROMPTS --out FEAT`, then `specjax train "
-          "redrafter --model {model} --data FEAT --run RUN --export DIR`, then pass "
-          "--redrafter-checkpoint DIR")
-
-
-def shipped_head(model_name: str):
-    """The directory of the head that ships for ``model_name``, or None
-    (``base.shipped_head`` over ``SHIPPED``)."""
-    return base.shipped_head(SHIPPED, model_name)
-
-
 def draft_params(head: dict, vocab_ids=None) -> dict:
     """What ``RedrafterDrafter`` reads: the head and, for a reduced draft vocabulary, the
     target ids of its entries."""
@@ -268,4 +251,4 @@ def draft_params(head: dict, vocab_ids=None) -> dict:
 
 
 __all__ = ["RedrafterHead", "RedrafterDrafter", "RedrafterState", "init_head", "unroll",
-           "features", "chains", "draft_params", "exportable", "shipped_head"]
+           "features", "chains", "draft_params", "exportable"]

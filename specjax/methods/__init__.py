@@ -9,7 +9,7 @@ Text forms (``parse`` / ``MethodSpec.format``; ``parse(m.format()) == m``):
   the target's first ``L`` layers;
 * ``eagle2[:depth,topk,total][:conf,norerank,fullvocab,vocab=N]``: EAGLE-2's head and
   dynamic tree (an exported head: ``Options.draft_checkpoint``, default the shipped one);
-  a published EAGLE-1/2 head directory (``specjax.drafters.published``) works too;
+  a published EAGLE-1/2 head directory (``specjax.heads.published``) works too;
 * ``eagle3[:depth,topk,total][:conf,norerank]``: a published EAGLE-3 head
   (``Options.draft_checkpoint``) over the target's fused hidden states;
 * ``redrafter[:W,L][:nodedup]``: ReDrafter's beams as one tree

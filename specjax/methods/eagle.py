@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from specjax.methods.registry import (Built, CliOption, Method, Options, SpecError, _cast,
-                                       _field_default, _head_dir, _joined, _sections, _sizes,
+                                       _field_default, _joined, _sections, _sizes,
                                        register, speculative)
 
 
@@ -93,16 +93,19 @@ class Eagle(Method):
 
     @classmethod
     def shipped(cls, model: str) -> Path | None:
-        from specjax.drafters import eagle
+        from specjax.heads import shipped_head
 
-        return eagle.shipped_head(model)
+        return shipped_head("eagle", model)
 
     def check(self, options: Options) -> None:
         """A ``draft_checkpoint`` holds a head of this kind (exported or published);
         without one, a head ships for ``options.model_name``."""
         if options.draft_checkpoint:
-            _head_dir(options.draft_checkpoint, "--draft-checkpoint", self.head_kind,
-                      published=True)
+            from specjax.heads import head_dir_error
+
+            if err := head_dir_error(options.draft_checkpoint, "--draft-checkpoint",
+                                     self.head_kind, published=True):
+                raise SpecError(err)
             self._check_published(options.draft_checkpoint)
         else:
             self._check_default(options)
@@ -110,7 +113,7 @@ class Eagle(Method):
     def _check_published(self, path) -> None:
         """A published head's kind (from its tensor names, no weight read) is this
         method's: EAGLE-1/2 for ``eagle2``, EAGLE-3 for ``eagle3``."""
-        from specjax.drafters import published
+        from specjax.heads import published
 
         if not published.is_published(path):
             return
@@ -136,13 +139,13 @@ class Eagle(Method):
                                     "--draft-checkpoint DIR")
 
     def build(self, lm, options: Options) -> Built:
-        from specjax import head_io
-        from specjax.drafters import eagle, published
+        from specjax.drafters import eagle
+        from specjax.heads import kinds, published
 
         if options.draft_checkpoint and published.is_published(options.draft_checkpoint):
             return _build_published(self, lm, options)
         path = options.draft_checkpoint or self.shipped(options.model_name)  # check: set
-        head, meta = head_io.load_eagle(path, lm.model.config)
+        head, meta = kinds.load_eagle(path, lm.model.config)
         dparams = eagle.draft_params(_cast(head, lm), lm.model, lm.params,
                                      _draft_vocab(self, meta, lm.model.config.vocab_size))
         drafter = eagle.EagleDrafter(lm.model, **self.drafter_kwargs())
@@ -196,13 +199,13 @@ class Eagle3(Eagle):
 
     def build(self, lm, options: Options) -> Built:
         """Over a published head, or one ``specjax train onpolicy --kind eagle3`` exported."""
-        from specjax import head_io
-        from specjax.drafters import eagle3, published
+        from specjax.drafters import eagle3
+        from specjax.heads import kinds, published
 
         path = options.draft_checkpoint  # check: an eagle3 head's directory
         if published.is_published(path):
             return _build_published(self, lm, options)
-        head, meta = head_io.load_eagle3(path, lm.model.config)
+        head, meta = kinds.load_eagle3(path, lm.model.config)
         ids = meta["vocab_ids"]
         drafter = eagle3.Eagle3Drafter(lm.model, layers=tuple(meta["layers"]),
                                        **self.drafter_kwargs())
@@ -234,7 +237,7 @@ def _published_kind(path: Path) -> str | None:
     import json
     import struct
 
-    from specjax.drafters.published import WEIGHT_FILES
+    from specjax.heads.published import WEIGHT_FILES
 
     f = next((path / n for n in WEIGHT_FILES if (path / n).is_file()), None)
     try:
@@ -288,7 +291,7 @@ def _draft_vocab(spec: Eagle, meta: dict, vocab: int):
 
 def _build_published(spec: Eagle, lm, opts: Options) -> Built:
     """An ``eagle2`` (EAGLE-1/2 head) or ``eagle3`` spec over a published head directory."""
-    from specjax.drafters import published
+    from specjax.heads import published
 
     head = published.load(opts.draft_checkpoint, lm.model.config)
     want = {"eagle": "eagle2", "eagle3": "eagle3"}[head.kind]

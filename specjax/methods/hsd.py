@@ -11,7 +11,7 @@ from typing import ClassVar, Sequence
 
 from specjax.hsd.spec import HierarchySpec
 from specjax.methods.registry import (Built, CliOption, Method, Options, SpecError, _check_lm,
-                                       _check_options, _head_dir, _type_error, register)
+                                       _check_options, _type_error, register)
 
 
 @register
@@ -71,7 +71,10 @@ class HSD(Method):
         """``exit_heads`` holds exported exit heads; bare ``hsd``'s calibration is
         readable and measured for ``options.model_name``."""
         if options.exit_heads:
-            _head_dir(options.exit_heads, "--exit-heads", "exit-heads")
+            from specjax.heads import head_dir_error
+
+            if err := head_dir_error(options.exit_heads, "--exit-heads", "exit-heads"):
+                raise SpecError(err)
         if self.hierarchy is None:
             _calibration(options)
 
@@ -127,14 +130,13 @@ def exit_heads(lm, opts: Options, layers: Sequence[int] | None = None):
     """``(heads, layers, source)``: trained exit heads from ``opts.exit_heads`` (default:
     the ones shipped for the model, named by directory, never by a machine path), else
     plain early exits at ``layers`` (default ``opts.layers``)."""
-    from specjax import head_io
-    from specjax.drafters import exit_heads as eh
+    from specjax.heads import kinds, shipped_head
 
     _check_lm(lm, "methods.exit_heads")
     _check_options(opts, "methods.exit_heads")
-    path = opts.exit_heads or eh.shipped_heads(opts.model_name)
+    path = opts.exit_heads or shipped_head("exit-heads", opts.model_name)
     if path is not None:
-        heads, _ = head_io.load_exit_heads(path, lm.model, lm.model.compute_dtype)
+        heads, _ = kinds.load_exit_heads(path, lm.model, lm.model.compute_dtype)
         return heads, sorted(heads), str(opts.exit_heads or Path(str(path)).name)
     return {}, list(opts.layers if layers is None else layers), None
 
@@ -143,18 +145,17 @@ def _exit_layers(opts: Options, default: Sequence[int] | None = None):
     """``(layers, source)`` as ``exit_heads`` returns them, from the heads' ``head.json``
     alone (no weight read): the exit heads' layers and directory, else the plain exits
     ``default`` (None: ``opts.layers``) and None."""
-    from specjax import export
-    from specjax.drafters import exit_heads as eh
+    from specjax.heads import exported, shipped_head
 
-    path = opts.exit_heads or eh.shipped_heads(opts.model_name)
+    path = opts.exit_heads or shipped_head("exit-heads", opts.model_name)
     if path is None:
         return list(opts.layers if default is None else default), None
-    meta = export.read_meta(path, "exit-heads")
+    meta = exported.read_meta(path, "exit-heads")
     try:
         layers = sorted(int(l) for l in meta["layers"])
     except (KeyError, TypeError, ValueError):
-        raise export.CheckpointError(f"{path}: head.json's 'layers' must be a list of ints, "
-                                     f"got {meta.get('layers')!r}") from None
+        raise exported.CheckpointError(f"{path}: head.json's 'layers' must be a list of ints, "
+                                       f"got {meta.get('layers')!r}") from None
     return layers, str(opts.exit_heads or Path(str(path)).name)
 
 

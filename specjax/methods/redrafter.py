@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from specjax.methods.registry import (Built, CliOption, Method, Options, SpecError, _cast,
-                                       _field_default, _head_dir, _joined, _sections, _sizes,
+                                       _field_default, _joined, _sections, _sizes,
                                        register, speculative)
 
 
@@ -55,20 +55,23 @@ class Redrafter(Method):
 
     @classmethod
     def shipped(cls, model: str) -> Path | None:
-        from specjax.drafters import redrafter
+        from specjax.heads import shipped_head
 
-        return redrafter.shipped_head(model)
+        return shipped_head("redrafter", model)
 
     def check(self, options: Options) -> None:
         """A ``redrafter_checkpoint`` holds an exported ReDrafter head; without one, a head
         ships for ``options.model_name``."""
-        from specjax.drafters import redrafter as rd
+        from specjax.heads import head_dir_error
+        from specjax.heads.shipped import REDRAFTER_RECIPE
 
         if options.redrafter_checkpoint:
-            _head_dir(options.redrafter_checkpoint, "--redrafter-checkpoint", "redrafter")
+            if err := head_dir_error(options.redrafter_checkpoint, "--redrafter-checkpoint",
+                                     "redrafter"):
+                raise SpecError(err)
         elif self.shipped(options.model_name) is None:
-            raise FileNotFoundError(f"no ReDrafter head ships for {options.model_name!r}; "
-                                    "train one: " + rd.RECIPE.format(model=options.model_name))
+            raise FileNotFoundError(f"no ReDrafter head ships for {options.model_name!r}; train "
+                                    "one: " + REDRAFTER_RECIPE.format(model=options.model_name))
 
     def scratch(self, options: Options) -> int:
         """The beams' nodes and the root (``Speculative.scratch``)."""
@@ -79,14 +82,14 @@ class Redrafter(Method):
         return w * n + 1
 
     def build(self, lm, options: Options) -> Built:
-        from specjax import head_io
         from specjax.drafters import redrafter as rd
+        from specjax.heads import kinds
 
         self.check(options)  # a head is given or ships
         path = options.redrafter_checkpoint or self.shipped(options.model_name)
-        head, meta = head_io.load_redrafter(path, lm.model.config.hidden_size,
-                                            target=options.model_name or "the target")
-        dparams = rd.draft_params(_cast(head, lm), head_io.redrafter_vocab(meta))
+        head, meta = kinds.load_redrafter(path, lm.model.config.hidden_size,
+                                          target=options.model_name or "the target")
+        dparams = rd.draft_params(_cast(head, lm), kinds.redrafter_vocab(meta))
         drafter = rd.RedrafterDrafter(lm.model, **self.drafter_kwargs())
         drafter.check_params(dparams)
         return speculative(self, lm, options, drafter, dparams)

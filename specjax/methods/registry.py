@@ -333,36 +333,6 @@ def check(spec: MethodSpec | str, options: Options = Options(), config=None) -> 
     return spec
 
 
-def _head_dir(path, flag: str, kind: str, published: bool = False) -> None:
-    """``SpecError`` naming ``flag`` and ``path`` unless ``path`` is a directory holding
-    an exported head of ``kind`` (``head.json``) or, with ``published``, a published
-    EAGLE head (``config.json`` and a weights file)."""
-    from specjax import export
-    from specjax.drafters.published import WEIGHT_FILES
-
-    p = Path(str(path))
-    want = (f"an exported {kind} head (head.json)" + (" or a published EAGLE head "
-            f"(config.json and {' or '.join(WEIGHT_FILES)})" if published else ""))
-    if not p.exists():
-        raise SpecError(f"{flag} {path} does not exist")
-    if not p.is_dir():
-        raise SpecError(f"{flag} {path} is a file; give the directory of {want}")
-    if (p / export.HEAD_JSON).is_file():
-        got = export.read_kind(p)  # None (unreadable): loading names the corruption
-        method = {"eagle": "eagle2", "eagle3": "eagle3"}
-        if got not in (None, kind):
-            raise SpecError(f"{flag} {path} holds an exported {got!r} head, not {kind!r}" + (
-                f": use --method {method[got]}" if got in method and kind in method else ""))
-    elif published and (p / "config.json").is_file():
-        if not any((p / f).is_file() for f in WEIGHT_FILES):
-            raise SpecError(f"{flag} {path} has config.json but no weights: want "
-                            f"{' or '.join(WEIGHT_FILES)} beside it")
-    else:
-        what = "is empty" if not any(p.iterdir()) else (
-            "has no head.json" + (" and no config.json" if published else ""))
-        raise SpecError(f"{flag} {path} {what}: want {want}")
-
-
 def speculative(spec, lm, opts: Options, drafter, dparams) -> Built:
     """A ``Speculative`` decoder of ``drafter`` (checked against ``lm``) as ``spec``."""
     from specjax.core.speculative import Speculative

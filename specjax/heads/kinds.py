@@ -12,10 +12,10 @@ kind (head.json)   head             save                load
 
 Decoding (``specjax.methods``) loads heads here; training (``specjax.train``: exports, warm
 starts, ``--init DIR``) saves and loads them here too, so both read a directory the same
-way. The file layout, dtypes and device placement are ``specjax.export``'s
+way. The file layout, dtypes and device placement are ``specjax.heads.exported``'s
 (``export_head`` / ``load_head``); this module adds what each kind writes into ``head.json``
 and the parameter template a directory is checked against when it loads. Published EAGLE
-layouts (``config.json`` and torch weights) are ``specjax.drafters.published``'s.
+layouts (``config.json`` and torch weights) are ``specjax.heads.published``'s.
 
 ``head.json`` holds ``kind``, the target's registry name (``model``), the kind's sizes, the
 rest of the ``Record`` (how the head was trained), the kind's vocabulary and fused layers,
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import export
+from specjax.heads import exported
 
 EAGLE, EAGLE3, REDRAFTER, EXIT_HEADS = "eagle", "eagle3", "redrafter", "exit-heads"
 
@@ -69,12 +69,12 @@ def _ids(ids) -> list[int] | None:
 
 def _save(params: Any, out_dir, kind: str, record: Record | None, sizes: dict, rest: dict,
           dtype) -> Path:
-    """``export.export_head`` of ``params``; ``head.json`` holds, in this order, ``kind``,
+    """``exported.export_head`` of ``params``; ``head.json`` holds, in this order, ``kind``,
     the record's ``model``, ``sizes``, the rest of the record, then ``rest``."""
     rec = record.fields() if record is not None else {}
     model = {"model": rec.pop("model")} if "model" in rec else {}
     meta = {"kind": kind, **model, **sizes, **rec, **rest}
-    return export.export_head(params, out_dir, meta, dtype=dtype)
+    return exported.export_head(params, out_dir, meta, dtype=dtype)
 
 
 def _template(path, kind: str, make) -> Any:
@@ -84,9 +84,9 @@ def _template(path, kind: str, make) -> Any:
     try:
         return make()
     except (KeyError, TypeError) as e:  # a size missing, None or not a number
-        raise export.CheckpointError(f"{Path(path).absolute()}: its {export.HEAD_JSON} does "
-                                     f"not describe a {kind!r} head ({type(e).__name__}: "
-                                     f"{str(e)[:200]})") from e
+        raise exported.CheckpointError(
+            f"{Path(path).absolute()}: its {exported.HEAD_JSON} does not describe a {kind!r} "
+            f"head ({type(e).__name__}: {str(e)[:200]})") from e
 
 
 # ----------------------------------------------------------------------------- EAGLE-1/2
@@ -133,16 +133,16 @@ def load_eagle(path: str | Path, target_cfg, *, mesh=None, specs=None) -> tuple[
     """``(params, meta)`` of the EAGLE-1/2 head in ``path`` for a target of ``target_cfg``
     (with or without the layer's ``attn_norm``, as ``head.json`` says:
     ``eagle_attn_norm``; of ``eagle_layers`` decoder layers), placed as
-    ``export.load_head`` documents; ``CheckpointError``
+    ``exported.load_head`` documents; ``CheckpointError``
     (one line) when ``path`` is not an exported ``eagle`` head or was made for another
     target's sizes."""
     from specjax.drafters import eagle
 
-    meta = export.read_meta(path, EAGLE)
+    meta = exported.read_meta(path, EAGLE)
     like = _template(path, EAGLE, lambda: eagle.init_head(
         target_cfg, jax.random.key(0), attn_norm=eagle_attn_norm(meta),
         layers=eagle_layers(meta)))
-    return export.load_head(path, EAGLE, like=like, mesh=mesh, specs=specs)
+    return exported.load_head(path, EAGLE, like=like, mesh=mesh, specs=specs)
 
 
 # ----------------------------------------------------------------------------- EAGLE-3
@@ -182,10 +182,10 @@ def load_eagle3(path: str | Path, target_cfg, *, mesh=None, specs=None) -> tuple
     made for another target's sizes."""
     from specjax.drafters import eagle3
 
-    meta = export.read_meta(path, EAGLE3)
+    meta = exported.read_meta(path, EAGLE3)
     like = _template(path, EAGLE3, lambda: eagle3.init_head(target_cfg, jax.random.key(0),
                                                       len(eagle3_fields(meta)[0])))
-    return export.load_head(path, EAGLE3, like=like, mesh=mesh, specs=specs)
+    return exported.load_head(path, EAGLE3, like=like, mesh=mesh, specs=specs)
 
 
 # ----------------------------------------------------------------------------- ReDrafter
@@ -218,13 +218,13 @@ def load_redrafter(path: str | Path, hidden_size: int | None = None, *,
     ``redrafter`` head or its parameters differ from the sizes its ``head.json`` gives."""
     from specjax.drafters import redrafter
 
-    meta = export.read_meta(path, REDRAFTER)
+    meta = exported.read_meta(path, REDRAFTER)
     if hidden_size is not None and meta.get("hidden_size") != hidden_size:
         raise ValueError(f"{path} holds a ReDrafter head for hidden size "
                          f"{meta.get('hidden_size')}, but {target} has {hidden_size}")
     like = _template(path, REDRAFTER, lambda: redrafter.exportable(redrafter.init_head(
         meta["hidden_size"], meta["draft_vocab"], jax.random.key(0), meta["blocks"])))
-    return export.load_head(path, REDRAFTER, like=like, mesh=mesh, specs=specs)
+    return exported.load_head(path, REDRAFTER, like=like, mesh=mesh, specs=specs)
 
 
 def redrafter_vocab(meta: dict) -> np.ndarray | None:
@@ -256,11 +256,23 @@ def load_exit_heads(path: str | Path, target, dtype=jnp.float32) -> tuple[dict, 
     """``({layer: adapter}, meta)`` of the exit heads in ``path`` for the model ``target``,
     in ``dtype``, each adapter carrying ``vocab_ids`` when the heads have one; a one-line
     ``CheckpointError`` when ``path`` is not an exported ``exit-heads`` directory, is
-    corrupt, or was made for another model. The reading is
-    ``specjax.drafters.exit_heads.load_heads`` (the drafter's own, below this layer)."""
+    corrupt, or was made for another model."""
     from specjax.drafters import exit_heads
 
-    return exit_heads.load_heads(target, path, dtype)
+    meta = exported.read_meta(path, EXIT_HEADS)
+    like = exit_heads.init_heads(target.config, meta["layers"], jax.random.key(0), meta["rank"])
+    heads, meta = exported.load_head(path, EXIT_HEADS, like=like)
+    heads = {int(l): jax.tree.map(lambda x: jnp.asarray(x, dtype), hp) for l, hp in heads.items()}
+    ids = meta.get("vocab_ids")
+    if ids is not None:
+        ids = np.asarray(ids, np.int32)
+        v = target.config.vocab_size
+        if ids.ndim != 1 or not len(ids) or ids.min() < 0 or ids.max() >= v \
+                or len(np.unique(ids)) != len(ids):
+            raise exported.CheckpointError(
+                f"{path}: vocab_ids must be distinct token ids in [0, {v})")
+        heads = {l: {**hp, "vocab_ids": jnp.asarray(ids)} for l, hp in heads.items()}
+    return heads, meta
 
 
 __all__ = ["Record", "EAGLE", "EAGLE3", "REDRAFTER", "EXIT_HEADS", "save_eagle", "load_eagle",
