@@ -583,6 +583,14 @@ def test_export_format_eagle_and_no_attn_norm_are_checked_before_any_work(
          "--max-prompt-tokens must be >= 1"),
         ([*to, "--kind", "eagle", "--no-attn-norm", "--init", str(normed)],
          "normalizes its attention input"),
+        ([*to, "--kind", "eagle", "--fold-attn-norm", "--init", str(normed)],
+         "add --no-attn-norm"),
+        ([*to, "--kind", "eagle", "--no-attn-norm", "--fold-attn-norm", "--init", "none"],
+         "--init none gives none to fold"),
+        ([*to, "--kind", "eagle", "--no-attn-norm", "--fold-attn-norm", "--init",
+          str(head_dir)], "gives none to fold"),
+        ([*to, "--kind", "eagle", "--no-attn-norm", "--fold-attn-norm", "--init",
+          str(normed)], "holds none yet"),
     ]
     if shipped_head("eagle", "smollm2-135m") is not None:  # the default --init shipped
         probes.append(([*to, "--no-attn-norm"], "--init shipped: the shipped head"))

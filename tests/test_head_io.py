@@ -370,6 +370,48 @@ def test_trainers_build_and_guard_the_layout_they_are_asked_for(tmp_path):
         train_eagle.check_run_layout(run, False)
 
 
+def test_a_folded_norm_keeps_the_attention_input_where_the_fc_output_has_its_scale():
+    """``fold_attn_norm`` drops the layer's attention-input norm and scales ``qkv``'s
+    columns by ``g / scale``: q, k and v of an ``fc`` output whose RMS is ``scale`` equal
+    the normed head's (to float32 rounding and the norm's eps), and differ off that scale;
+    the folded head is the layout a ``--no-attn-norm`` run warm-starts from. ``fc_rms`` is
+    the mean RMS of the ``fc`` output over EAGLE's head entries; a head without the norm
+    and a scale <= 0 are refused, and ``run.json`` records the flag only when set."""
+    from specjax.drafters import blocks
+
+    hp = eagle.init_head(LLAMA, jax.random.key(7))
+    g = 1.0 + 0.3 * jax.random.normal(jax.random.key(8), hp["layer"]["attn_norm"].shape)
+    hp = {**hp, "layer": {**hp["layer"], "attn_norm": g}}
+    spec, scale = blocks.LayerSpec.of(LLAMA), 2.5
+    x = jax.random.normal(jax.random.key(9), (LLAMA.hidden_size, 2, 5))  # [D, B, T]
+    x = x * scale / jnp.sqrt(jnp.mean(x ** 2, axis=0, keepdims=True))
+    folded = train_eagle.fold_attn_norm(hp, scale)
+    assert "attn_norm" not in folded["layer"] and folded["fc"] is hp["fc"]
+    want = blocks.qkv_heads(spec, hp["layer"], blocks.rms_norm(x, g, spec.rms_norm_eps, axis=0))
+    for got, ref in zip(blocks.qkv_heads(spec, folded["layer"], x), want):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-4, atol=1e-5)
+    off = blocks.qkv_heads(spec, folded["layer"], 2 * x)[0]
+    assert np.abs(np.asarray(off) - np.asarray(want[0])).max() > 1e-2
+    cfg = onpolicy.OnPolicyConfig(draft_vocab=6, attn_norm=False, fold_attn_norm=True)
+    assert "attn_norm" not in onpolicy.init_params(ttt.EAGLE2, LLAMA, cfg, folded)["layer"]
+    assert train_eagle.run_fields(cfg)["fold_attn_norm"] is True
+    assert "fold_attn_norm" not in train_eagle.run_fields(onpolicy.OnPolicyConfig())
+    model, tparams = llama()
+    rng = np.random.default_rng(0)
+    ex = [(rng.integers(0, LLAMA.vocab_size, n), 2,
+           rng.standard_normal((n, LLAMA.hidden_size)).astype(np.float32)) for n in (4, 7)]
+    rows = [np.concatenate([np.asarray(model.embed(tparams, jnp.asarray(t[None, 1:])))[0],
+                            f[:-1]], -1) @ np.asarray(hp["fc"]) + np.asarray(hp["fc_b"])
+            for t, _, f in ex]
+    rms = np.sqrt(np.mean(np.concatenate(rows) ** 2, -1))
+    assert len(rms) == 3 + 6
+    assert train_eagle.fc_rms(model, hp, tparams, ex) == pytest.approx(rms.mean(), rel=1e-5)
+    with pytest.raises(ValueError, match="no attention-input norm"):
+        train_eagle.fold_attn_norm(folded, scale)
+    with pytest.raises(ValueError, match="must be > 0"):
+        train_eagle.fold_attn_norm(hp, 0.0)
+
+
 def test_export_format_eagle_writes_the_published_eagle1_layout(tmp_path):
     """What ``--export-format eagle`` does after the export (``glue.export_published``):
     ``DIR-eagle`` holds the exported head, read back by ``published.load`` to the same

@@ -57,9 +57,9 @@ class TrainConfig:
 def run_fields(cfg) -> dict:
     """``cfg`` (a config with an ``attn_norm`` field) as ``run.json`` records it: every
     field, ``attn_norm`` only when False, ``head_layers`` only above 1, ``sources`` only
-    when given and ``answers_only`` only when True, so a run directory written before these
-    fields existed still resumes (a run of the other layout is refused:
-    ``check_run_layout``, or ``run.json``'s comparison)."""
+    when given and ``answers_only`` and ``fold_attn_norm`` only when True, so a run
+    directory written before these fields existed still resumes (a run of the other
+    layout is refused: ``check_run_layout``, or ``run.json``'s comparison)."""
     d = dataclasses.asdict(cfg)
     if d.get("attn_norm", True):
         d.pop("attn_norm", None)
@@ -69,6 +69,8 @@ def run_fields(cfg) -> dict:
         d.pop("sources")
     if not d.get("answers_only", True):  # on-policy runs' default: every position
         d.pop("answers_only")
+    if not d.get("fold_attn_norm", True):
+        d.pop("fold_attn_norm")
     return d
 
 
@@ -96,6 +98,41 @@ def check_layout(params: dict, attn_norm: bool, what: str = "the initial head") 
         raise ValueError(f"{what} {'normalizes' if has else 'does not normalize'} its "
                          "attention input (attn_norm), but this run trains a head "
                          f"{'with' if attn_norm else 'without'} it")
+
+
+def fc_rms(target, hp: dict, tparams, examples: Sequence) -> float:
+    """The mean root-mean-square of the EAGLE-1/2 head ``hp``'s ``fc`` output (its layer's
+    input) over every entry of EAGLE's head sequence (``eagle.head_inputs``) of
+    ``examples`` (``(tokens, prompt_len, features)`` rows, features as the head reads
+    them): the scale ``fold_attn_norm`` folds at."""
+    total, count = 0.0, 0
+    for toks, _, feats in examples:
+        t, f = eagle.head_inputs(jnp.asarray(toks, jnp.int32)[None],
+                                 jnp.asarray(feats, jnp.float32)[None])
+        emb = hp["embed"][t] if "embed" in hp else target.embed(tparams, t)
+        x = jnp.concatenate([emb.astype(jnp.float32), f], -1) @ hp["fc"] + hp["fc_b"]
+        total += float(jnp.sum(jnp.sqrt(jnp.mean(jnp.square(x), -1))))
+        count += int(t.shape[1])
+    if count == 0:
+        raise ValueError("fc_rms: the examples hold no head entry (every one is one token)")
+    return total / count
+
+
+def fold_attn_norm(hp: dict, scale: float) -> dict:
+    """The EAGLE-1/2 head ``hp`` without its layer's attention-input norm, its weight
+    ``g`` folded into the ``qkv`` columns at input RMS ``scale``
+    (``qkv · diag(g) / scale``): the same attention input wherever the ``fc`` output's RMS
+    is ``scale``, so the head keeps most of its drafts (``fc_rms`` gives the mean), and a
+    run trains the rest away. ``ValueError`` for a head without the norm or ``scale <= 0``."""
+    layer = hp["layer"]
+    if "attn_norm" not in layer:
+        raise ValueError("the head has no attention-input norm (attn_norm) to fold")
+    if not scale > 0:
+        raise ValueError(f"fold_attn_norm: scale {scale} must be > 0")
+    g = jnp.asarray(layer["attn_norm"], jnp.float32)
+    qkv = jnp.asarray(layer["qkv"], jnp.float32) * (g / scale)[None, :]
+    rest = {k: v for k, v in layer.items() if k != "attn_norm"}
+    return {**hp, "layer": {**rest, "qkv": qkv.astype(jnp.asarray(layer["qkv"]).dtype)}}
 
 
 def grow_layers(init: dict, fresh: dict) -> dict:

@@ -126,6 +126,24 @@ def onpolicy_head(start: Start, target_cfg, kind) -> dict | None:
     return load(start.path, target_cfg)[0]
 
 
+def folded_head(lm, head: dict, store, layers) -> dict:
+    """``head`` (an EAGLE-1/2 head with ``attn_norm``) with its norm folded
+    (``train.eagle.fold_attn_norm``) at the ``fc`` output's mean RMS over the first round of
+    ``store`` (``ShardStore``), its features from one prefill by ``lm``; prints the scale."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.train import eagle as train_eagle
+    from specjax.train.onpolicy import prefill_features
+
+    ex = prefill_features(lm, store.read(0), layers)
+    hp = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), head)
+    scale = train_eagle.fc_rms(lm.model, hp, lm.params, ex)
+    print(f"folding the head's attention-input norm at RMS {scale:.4f} (the fc output's mean "
+          f"over round 1's {len(ex)} sequences)", flush=True)
+    return train_eagle.fold_attn_norm(hp, scale)
+
+
 # ----------------------------------------------------------------------------- exports
 
 

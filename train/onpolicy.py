@@ -221,6 +221,10 @@ class OnPolicyConfig:
     # train on answer positions only (the predictions of the target's own tokens), not on
     # the prompts' too; held-out scoring is on answer positions either way
     answers_only: bool = False
+    # EAGLE-2 only, with attn_norm False: a warm start from a head with the norm, its norm
+    # folded into ``qkv`` (``specjax.train.eagle.fold_attn_norm``) at the ``fc`` output's
+    # mean RMS over the store's first round
+    fold_attn_norm: bool = False
 
     def __post_init__(self):
         low = [f"{k}={getattr(self, k)}" for k in ("rounds", "batch", "max_new_tokens",

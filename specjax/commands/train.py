@@ -466,6 +466,8 @@ def cmd_train_onpolicy(args) -> int:
                                    lm.model.config.vocab_size)
         mix.append((s, len(s) if n is None else n))
     head = glue.onpolicy_head(start, lm.model.config, kind)
+    if cfg.fold_attn_norm:
+        head = glue.folded_head(lm, head, store, kind.layers(lm.model.config))
     vfile = Path(args.run, "vocab_ids.npy")
     if not vfile.exists() and _main():  # the others hold the same ids (_onpolicy_vocab)
         vfile.parent.mkdir(parents=True, exist_ok=True)
@@ -619,6 +621,9 @@ def _check_onpolicy_layout(args) -> None:
             raise UsageError(f"--head-layers needs --kind eagle: an {args.kind} head has one "
                              "layer (the published EAGLE-3 layouts' midlayer)")
         return
+    if args.fold_attn_norm:
+        _check_fold(args)
+        return
     if args.init == "none":
         return
     if args.init == "shipped":
@@ -629,6 +634,25 @@ def _check_onpolicy_layout(args) -> None:
                            f"--init shipped: the shipped head ({path})")
         return
     _check_init_layout(args.init, args.attn_norm, "--init none")
+
+
+def _check_fold(args) -> None:
+    """``--fold-attn-norm``: with ``--no-attn-norm``, a warm start whose head has the norm,
+    and a store holding its first round (the fold's scale is measured on it); refused in
+    one line before the target loads."""
+    from specjax.heads import shipped_head
+    from specjax.train import glue, shards
+
+    if args.attn_norm:
+        raise UsageError("--fold-attn-norm trains a head without the norm: add --no-attn-norm")
+    path = shipped_head("eagle", args.model) if args.init == "shipped" else args.init
+    if args.init == "none" or path is None or glue.eagle_attn_norm(path) is not True:
+        raise UsageError(f"--fold-attn-norm folds the norm of a warm start that has one; "
+                         f"--init {args.init} gives none to fold")
+    if not (shards.read_manifest(args.shards) or {}).get("shards"):
+        raise UsageError(f"--fold-attn-norm measures its scale on the store's first round, "
+                         f"and {args.shards} holds none yet: decode it first "
+                         "(--decode-only --rounds 1)")
 
 
 _NO_ATTN_NORM = ("train the EAGLE-2 head without its layer's attention-input norm, as "
@@ -710,6 +734,11 @@ def _add_onpolicy(tsub):
     to.add_argument("--no-attn-norm", dest="attn_norm", action="store_false",
                     help=_NO_ATTN_NORM + " (--kind eagle; with --init none or such a head)")
     to.add_argument("--head-layers", type=int, default=1, help=_HEAD_LAYERS + " (--kind eagle)")
+    to.add_argument("--fold-attn-norm", action="store_true",
+                    help="with --no-attn-norm, start from --init's head (which has the norm) "
+                         "with its norm folded into the attention's input weights at the "
+                         "mean scale of the store's first round, an approximation the run "
+                         "trains away")
     to.add_argument("--export-format", choices=["eagle", "eagle3"],
                     help="also write the exported head in SafeAILab/EAGLE's published "
                          "layout, to EXPORT-eagle or EXPORT-eagle3 (the --kind of the same "
