@@ -418,7 +418,8 @@ def _check_keys(params: dict, top: set, optional: set, layer_optional: set, kind
             "the head's layer normalizes its attention input (attn_norm, as heads specjax "
             "trains do by default); EAGLE-1/2's layer 0 has no input_layernorm, so no EAGLE-1/2 "
             "layout computes this head: train with --no-attn-norm (train eagle, or train "
-            "onpolicy --kind eagle) for a head that exports to it")
+            "onpolicy --kind eagle) for a head that exports to it, or fine-tune this one "
+            "into that layout (train onpolicy --no-attn-norm --fold-attn-norm --init DIR)")
     extra = sorted((set(params) - top - optional)
                    | {f"layer/{k}" for k in got_layer - _LAYER_KEYS - layer_optional})
     missing = sorted((top - set(params)) | {f"layer/{k}" for k in _LAYER_KEYS - got_layer})
