@@ -23,7 +23,7 @@ from published import d2t_target_ids, torch_eagle1_logits, torch_eagle3_logits
 from specjax import cli, methods
 from specjax.core.decoding import generate
 from specjax.drafters import blocks, eagle, eagle3
-from specjax.heads import kinds, published, shipped_head
+from specjax.heads import exported, kinds, published, shipped_head
 from specjax.heads.published import NoPublishedLayout
 from specjax.models.base import RopeScaling
 
@@ -549,6 +549,35 @@ def test_a_head_trained_without_attn_norm_decodes_as_ar(toy, trained_eagle1, whi
     assert_decodes_as_ar(lm, "eagle2:3,3,8", pub if which == "published" else head_dir)
 
 
+def test_without_no_attn_norm_a_warm_start_keeps_its_layout(toy, trained_eagle1, tmp_path):
+    """Without ``--no-attn-norm`` (``attn_norm`` None) ``train eagle``/``onpolicy`` take the
+    layout of the EAGLE-2 head ``--init`` names (``shipped``: the model's shipped head), read
+    from ``head.json``; a random head, an EAGLE-3 run and an unreadable directory have the
+    norm, and the flag, when given, is kept."""
+    from argparse import Namespace
+
+    from specjax.commands.train import _resolve_attn_norm
+
+    head_dir, _ = trained_eagle1
+    normed = kinds.save_eagle(eagle.init_head(toy[0].model.config, jax.random.key(1)),
+                              tmp_path / "normed")
+    cases = [(str(head_dir), "eagle", None, False), (str(normed), "eagle", None, True),
+             ("none", "eagle", None, True), (str(head_dir), "eagle3", None, True),
+             (str(tmp_path / "missing"), "eagle", None, True),
+             (str(normed), "eagle", False, False)]
+    shipped = shipped_head("eagle", "smollm2-135m")
+    if shipped is not None:
+        cases.append(("shipped", "eagle", None,
+                      kinds.eagle_attn_norm(exported.read_meta(shipped, "eagle"))))
+    for init, kind, flag, want in cases:
+        args = Namespace(attn_norm=flag, init=init, kind=kind, model="smollm2-135m")
+        _resolve_attn_norm(args)
+        assert args.attn_norm is want, (init, kind, flag)
+    args = Namespace(attn_norm=None, init=str(head_dir), model="smollm2-135m")  # train eagle
+    _resolve_attn_norm(args)
+    assert args.attn_norm is False
+
+
 def test_export_format_eagle_and_no_attn_norm_are_checked_before_any_work(
         toy, trained_eagle1, tmp_path, capsys):
     """``--export-format eagle`` and ``--no-attn-norm`` refused in one usage line (exit 2)
@@ -570,9 +599,10 @@ def test_export_format_eagle_and_no_attn_norm_are_checked_before_any_work(
           "8"], "needs --draft-vocab 0, got 8"),
         ([*te, "--export", e, "--export-format", "eagle3"], "invalid choice: 'eagle3'"),
         ([*te, "--no-attn-norm", "--init", str(normed)], "normalizes its attention input"),
-        ([*te, "--init", str(head_dir)], "pass --no-attn-norm"),
-        ([*to, "--kind", "eagle", "--export", e, "--export-format", "eagle"],
-         "needs --no-attn-norm"),
+        ([*to, "--kind", "eagle", "--init", "none", "--export", e, "--export-format",
+          "eagle"], "needs --no-attn-norm"),
+        ([*to, "--kind", "eagle", "--init", str(normed), "--export", e, "--export-format",
+          "eagle"], "needs --no-attn-norm"),
         ([*to, "--kind", "eagle3", "--no-attn-norm", "--export", e, "--export-format",
           "eagle"], "--export-format eagle needs --kind eagle"),
         ([*to, "--kind", "eagle3", "--no-attn-norm"], "--no-attn-norm needs --kind eagle"),
@@ -592,8 +622,11 @@ def test_export_format_eagle_and_no_attn_norm_are_checked_before_any_work(
         ([*to, "--kind", "eagle", "--no-attn-norm", "--fold-attn-norm", "--init",
           str(normed)], "holds none yet"),
     ]
-    if shipped_head("eagle", "smollm2-135m") is not None:  # the default --init shipped
-        probes.append(([*to, "--no-attn-norm"], "--init shipped: the shipped head"))
+    for model in ("smollm2-135m", "gemma3-270m"):  # the default --init shipped, if normed
+        shipped = shipped_head("eagle", model)
+        if shipped is not None and kinds.eagle_attn_norm(exported.read_meta(shipped, "eagle")):
+            probes.append(([*to, "--model", model, "--no-attn-norm"],
+                           "--init shipped: the shipped head"))
     for argv, msg in probes:
         code, err = _cli(argv, capsys)
         assert code == 2 and len(err.splitlines()) == 1 and msg in err, (argv, code, err)

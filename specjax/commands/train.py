@@ -275,6 +275,7 @@ def cmd_train_exits(args) -> int:
 
 
 def cmd_train(args) -> int:
+    _resolve_attn_norm(args)
     _check_ranges(args, "eagle")
     _check_outputs(args)
     _check_export_format(args)
@@ -445,6 +446,7 @@ def cmd_train_onpolicy(args) -> int:
     from specjax.train import glue, onpolicy, shards, ttt
     from specjax.train.feature_cache import FeatureCache
 
+    _resolve_attn_norm(args)
     if args.decode_only:
         return _decode_only(args)
     if not args.run:
@@ -586,6 +588,25 @@ def _check_export_format(args) -> None:
         published.check_out_dir(glue.published_dir(args.export, fmt))
     except FileExistsError as e:
         raise UsageError(f"--export-format: {e}") from None
+
+
+def _resolve_attn_norm(args) -> None:
+    """``args.attn_norm`` where ``--no-attn-norm`` is absent (None): the layout of the
+    EAGLE-2 warm start (``--init``; ``shipped``: the model's shipped head), read from its
+    ``head.json`` alone, or with the norm for a random head, an unreadable ``--init`` (the
+    loader reports it) and an EAGLE-3 run. A warm start thus keeps its layout unless a flag
+    says otherwise, and ``_check_init_layout`` refuses what cannot be done."""
+    if args.attn_norm is not None:
+        return
+    from specjax.heads import shipped_head
+    from specjax.train import glue
+
+    init = getattr(args, "init", None)
+    path = None
+    if getattr(args, "kind", "eagle") == "eagle" and init not in (None, "none"):
+        path = shipped_head("eagle", args.model) if init == "shipped" else init
+    has = None if path is None else glue.eagle_attn_norm(path)
+    args.attn_norm = True if has is None else has
 
 
 def _check_init_layout(path, attn_norm: bool, random: str, what: str | None = None) -> None:
@@ -731,8 +752,9 @@ def _add_onpolicy(tsub):
     to.add_argument("--stop-after", type=int,
                     help="stop after this many rounds (then epochs) of this call")
     to.add_argument("--export", help="write the trained head (bfloat16) here")
-    to.add_argument("--no-attn-norm", dest="attn_norm", action="store_false",
-                    help=_NO_ATTN_NORM + " (--kind eagle; with --init none or such a head)")
+    to.add_argument("--no-attn-norm", dest="attn_norm", action="store_const", const=False,
+                    default=None, help=_NO_ATTN_NORM + " (--kind eagle; default: as the "
+                    "--init head has it, with the norm for --init none)")
     to.add_argument("--head-layers", type=int, default=1, help=_HEAD_LAYERS + " (--kind eagle)")
     to.add_argument("--fold-attn-norm", action="store_true",
                     help="with --no-attn-norm, start from --init's head (which has the norm) "
@@ -821,8 +843,9 @@ def register(sub) -> list:
     te.add_argument("--draft-vocab", type=int, default=0,
                     help="default draft vocabulary size of the exported head (0: full)")
     te.add_argument("--export", help="write the trained head (bfloat16) here")
-    te.add_argument("--no-attn-norm", dest="attn_norm", action="store_false",
-                    help=_NO_ATTN_NORM + " (--init: such a head)")
+    te.add_argument("--no-attn-norm", dest="attn_norm", action="store_const", const=False,
+                    default=None, help=_NO_ATTN_NORM + " (default: as the --init head has "
+                    "it, with the norm without --init)")
     te.add_argument("--head-layers", type=int, default=1, help=_HEAD_LAYERS)
     te.add_argument("--export-format", choices=["eagle"],
                     help="also write the exported head in SafeAILab/EAGLE's published "
