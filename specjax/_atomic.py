@@ -50,6 +50,15 @@ POINTS = ("written",         # the new result is complete in its temporary direc
           "device-check-saved")  # scripts/device_check.py: a measurement saved mid-run
 
 
+def plain_mode(f: str | Path) -> None:
+    """Gives the file ``f`` the mode ``open(f, "w")`` would (0666 less the umask):
+    safetensors' ``save_file`` creates its files 0600, which other users of a shared
+    filesystem (a cluster's home, a team's head directory) could not read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(f, 0o666 & ~mask)
+
+
 class OutputError(ValueError):
     """An output that cannot be written where it was asked (one line naming what to fix)."""
 

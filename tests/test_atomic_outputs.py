@@ -144,6 +144,24 @@ def test_the_same_head_exports_the_same_bytes(tmp_path):
     assert _files(a) == _files(b)
 
 
+def test_exported_and_converted_weights_are_readable_as_the_umask_allows(tmp_path):
+    """safetensors creates its files 0600; an exported head's ``params.safetensors`` and a
+    converted head's ``model.safetensors`` get the mode ``open(..., "w")`` gives (0666
+    less the umask), as ``head.json`` and ``config.json`` have, so a head directory is
+    readable by whoever may read the others."""
+    old = os.umask(0o022)
+    try:
+        out = exported.export_head(_head(3), tmp_path / "a", {"kind": "eagle"})
+        hp = jax.tree.map(lambda x: x + 0.01, eagle.init_head(toys.LLAMA, jax.random.key(5),
+                                                               attn_norm=False))
+        pub = published.save("eagle", hp, tmp_path / "p", toys.LLAMA)
+    finally:
+        os.umask(old)
+    for f in (out / exported.PARAMS, out / exported.HEAD_JSON, pub / "model.safetensors",
+              pub / "config.json"):
+        assert f.stat().st_mode & 0o777 == 0o644, (f, oct(f.stat().st_mode))
+
+
 @pytest.mark.parametrize("name", ["smollm2-135m-eagle", "gemma3-270m-eagle",
                                   "smollm2-135m-exits"])
 def test_shipped_heads_record_the_sha256_of_their_parameters(name):

@@ -172,6 +172,7 @@ def export_head(params: Any, out_dir: str | Path, meta: dict, dtype=jnp.bfloat16
     try:
         with _atomic.replace_dir(out) as tmp:
             save_file(flat, tmp / PARAMS, metadata=FORMAT)
+            _atomic.plain_mode(tmp / PARAMS)
             _sort_metadata(tmp / PARAMS)
             (tmp / HEAD_JSON).write_text(json.dumps(
                 {**meta, "shapes": shapes, "dtypes": {"float": jnp.dtype(dtype).name},

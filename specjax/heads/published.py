@@ -593,6 +593,7 @@ def save(kind: str, params: dict, out_dir: str | Path, target_cfg, *, spec=None,
     with _atomic.replace_dir(out) as tmp:  # swapped in whole: a kill leaves old or new
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        _atomic.plain_mode(tmp / "model.safetensors")
         load(tmp, target_cfg)  # what was written reads back, for this target
     return out
 
