@@ -428,17 +428,33 @@ def test_cli_refuses_linear_rope_with_another_base_unless_for_sglang(toy, tmp_pa
     assert written["rope_theta"] == 500000.0 and written["rope_scaling"]["factor"] == 2.0
 
 
-def test_the_shipped_smollm2_head_is_refused_for_its_input_norm(tmp_path, capsys):
-    """The shipped SmolLM2 head normalizes its attention input (``attn_norm``), which
-    EAGLE-1/2's layer 0 does not: no EAGLE-1/2 file computes it, so it is refused (read
-    against the registry's SmolLM2 configuration, no weights loaded)."""
-    shipped = shipped_head("eagle", "smollm2-135m")
-    if shipped is None:
-        pytest.skip("the shipped SmolLM2 head is not installed")
-    code, err = _cli(["convert-head", str(shipped), str(tmp_path / "o"), "--to", "eagle"],
-                     capsys)
-    assert code == 1 and len(err.splitlines()) == 1 and "attn_norm" in err, err
-    assert not (tmp_path / "o").exists()
+def test_the_shipped_heads_convert_to_the_published_layout_or_say_why_not(tmp_path, capsys):
+    """Whatever layout a shipped EAGLE head has, ``convert-head`` handles it in one step:
+    a head without the attention-input norm (``head.json``: ``attn_norm: false``) is
+    written in EAGLE-1/2's layout and read back to the parameters specjax decodes with,
+    bit for bit (bfloat16 both); a head with the norm, or of a non-Llama target, is
+    refused in one line naming why, and nothing is written. Read against the registry's
+    configurations, no weights loaded."""
+    from specjax.commands.convert import target_config
+
+    for model in ("smollm2-135m", "gemma3-270m"):
+        head = shipped_head("eagle", model)
+        if head is None:
+            continue
+        out = tmp_path / model
+        code, err = _cli(["convert-head", str(head), str(out), "--to", "eagle"], capsys)
+        meta = exported.read_meta(head, "eagle")
+        cfg = target_config(model)
+        if kinds.eagle_attn_norm(meta) or "Llama" not in type(cfg).__name__:
+            assert code == 1 and len(err.splitlines()) == 1, err
+            assert "attn_norm" in err or "target is a" in err, err
+            assert not out.exists()
+            continue
+        assert code == 0, err
+        back = published.load(out, cfg).params
+        ours, _ = kinds.load_eagle(head, cfg)
+        jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, back),
+                     jax.tree.map(np.asarray, ours))
 
 
 # --- train onpolicy --export-format eagle3 --------------------------------------------------
