@@ -48,10 +48,14 @@ def _argv(data: Path, run: Path, steps: int = STEPS, save_every: int = 1, export
 
 
 def _config(argv) -> train_eagle.TrainConfig:
-    """The ``TrainConfig`` the CLI builds from ``argv``."""
+    """The ``TrainConfig`` the CLI builds from ``argv`` (``--no-attn-norm`` absent: the
+    layout of ``--init``, with the norm without one, as ``cmd_train`` resolves it)."""
     from specjax import cli
+    from specjax.commands.train import _resolve_attn_norm
 
-    return glue.from_args(train_eagle.TrainConfig, cli.build_parser().parse_args(argv))
+    args = cli.build_parser().parse_args(argv)
+    _resolve_attn_norm(args)
+    return glue.from_args(train_eagle.TrainConfig, args)
 
 
 def _meta(data: Path) -> dict:
