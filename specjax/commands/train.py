@@ -598,15 +598,22 @@ def _resolve_attn_norm(args) -> None:
     says otherwise, and ``_check_init_layout`` refuses what cannot be done."""
     if args.attn_norm is not None:
         return
-    from specjax.heads import shipped_head
     from specjax.train import glue
 
-    init = getattr(args, "init", None)
-    path = None
-    if getattr(args, "kind", "eagle") == "eagle" and init not in (None, "none"):
-        path = shipped_head("eagle", args.model) if init == "shipped" else init
+    path = _init_path(args) if getattr(args, "kind", "eagle") == "eagle" else None
     has = None if path is None else glue.eagle_attn_norm(path)
     args.attn_norm = True if has is None else has
+
+
+def _init_path(args):
+    """The head directory ``--init`` names (``shipped``: the model's shipped EAGLE head),
+    or None for a random head (``none``, or no ``--init``)."""
+    from specjax.heads import shipped_head
+
+    init = getattr(args, "init", None)
+    if init in (None, "none"):
+        return None
+    return shipped_head("eagle", args.model) if init == "shipped" else init
 
 
 def _check_init_layout(path, attn_norm: bool, random: str, what: str | None = None) -> None:
@@ -661,13 +668,12 @@ def _check_fold(args) -> None:
     """``--fold-attn-norm``: with ``--no-attn-norm``, a warm start whose head has the norm,
     and a store holding its first round (the fold's scale is measured on it); refused in
     one line before the target loads."""
-    from specjax.heads import shipped_head
     from specjax.train import glue, shards
 
     if args.attn_norm:
         raise UsageError("--fold-attn-norm trains a head without the norm: add --no-attn-norm")
-    path = shipped_head("eagle", args.model) if args.init == "shipped" else args.init
-    if args.init == "none" or path is None or glue.eagle_attn_norm(path) is not True:
+    path = _init_path(args)
+    if path is None or glue.eagle_attn_norm(path) is not True:
         raise UsageError(f"--fold-attn-norm folds the norm of a warm start that has one; "
                          f"--init {args.init} gives none to fold")
     if not (shards.read_manifest(args.shards) or {}).get("shards"):
