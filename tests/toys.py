@@ -50,6 +50,8 @@ LLAMA_EXTRAS = dataclasses.replace(LLAMA, vocab_size=128, hidden_size=64, interm
                                    qk_norm=True)
 # 40 tokens, 1024 positions: character-level text (tests/test_text_corpus: 1 + ord % 38)
 LLAMA_TEXT = dataclasses.replace(LLAMA_TRAIN, vocab_size=40, max_position_embeddings=1024)
+# 100 tokens: the character-level chat tokenizer of ``chat_tokenizer`` (tests/test_conversations)
+LLAMA_CHAT = dataclasses.replace(LLAMA_TRAIN, vocab_size=100, max_position_embeddings=1024)
 GEMMA = gemma.GemmaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
                           num_heads=4, num_kv_heads=2, head_dim=8,
                           layer_types=("sliding", "full"), sliding_window=4)
@@ -286,3 +288,26 @@ def one_line(e, *fragments: str) -> str:
     for f in fragments:
         assert f in msg, msg
     return msg
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def chat_tokenizer(template: str | None = CHATML):
+    """A transformers fast tokenizer of 100 ids: ``<pad>`` 0, ``<s>`` 1 (BOS),
+    ``<|im_start|>`` 2, ``<|im_end|>`` 3 (EOS), then one id per printable ASCII character
+    and newline; ChatML's template (``template``; None: none, a base model's)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "<|im_start|>": 2, "<|im_end|>": 3}
+    for c in [chr(c) for c in range(32, 127)] + ["\n"]:
+        vocab[c] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    t = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>",
+                                pad_token="<pad>",
+                                additional_special_tokens=["<|im_start|>"])
+    t.chat_template = template
+    return t

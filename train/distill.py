@@ -199,12 +199,42 @@ def answer_batch(lm, prompts: Sequence[list[int]], max_new_tokens: int, chunk: i
 
 # ----------------------------------------------------------------------------- shards
 
+class Example(tuple):
+    """``(tokens, prompt_len, feats)``, as every consumer unpacks it, and ``loss_mask``:
+    None (the loss covers the tokens after ``prompt_len``), or uint8 per token, 1 where
+    the loss covers that token (a conversation's assistant turns: ``train.conversations``;
+    ``prompt_len`` is then the first such token)."""
+
+    loss_mask: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, tokens, prompt_len, feats, loss_mask=None) -> "Example":
+        e = cls((tokens, prompt_len, feats))
+        if loss_mask is not None:
+            e.loss_mask = np.asarray(loss_mask, np.uint8)
+        return e
+
+
+def loss_mask(example) -> np.ndarray:
+    """Which tokens of ``example`` the loss covers (uint8 per token): its ``loss_mask``,
+    else those after its prompt."""
+    m = getattr(example, "loss_mask", None)
+    if m is not None:
+        return m
+    out = np.zeros(len(example[0]), np.uint8)
+    out[example[1]:] = 1
+    return out
+
+
 def save_shard(path: Path, examples) -> None:
     tokens = np.concatenate([e[0] for e in examples])
     feats = np.concatenate([e[2] for e in examples]).view(np.uint16)
+    masks = {}
+    if any(getattr(e, "loss_mask", None) is not None for e in examples):
+        masks["loss_masks"] = np.concatenate([loss_mask(e) for e in examples])
     tmp = path.with_name("tmp_" + path.name)  # outside the shard_*.npz glob
     np.savez(tmp, tokens=tokens, lengths=np.asarray([len(e[0]) for e in examples], np.int32),
-             prompt_lens=np.asarray([e[1] for e in examples], np.int32), feats=feats)
+             prompt_lens=np.asarray([e[1] for e in examples], np.int32), feats=feats, **masks)
     tmp.rename(path)  # a shard exists only once complete
 
 
@@ -217,8 +247,11 @@ def _read_shard(p: Path) -> dict[str, np.ndarray]:
     ``ShardReadError`` naming ``p`` when it is damaged or its arrays do not fit together."""
     try:
         with np.load(p) as z:
-            a = {k: z[k] for k in ("tokens", "lengths", "prompt_lens", "feats")}
+            a = {k: z[k] for k in ("tokens", "lengths", "prompt_lens", "feats", "loss_masks")
+                 if k != "loss_masks" or k in z.files}
         lengths, tokens, feats = a["lengths"], a["tokens"], a["feats"]
+        if "loss_masks" in a and a["loss_masks"].shape != tokens.shape:
+            raise ValueError("its loss_masks do not match its tokens")
         if (tokens.ndim != 1 or lengths.ndim != 1 or feats.ndim != 2
                 or feats.dtype != np.uint16 or a["prompt_lens"].shape != lengths.shape
                 or int(lengths.sum()) != len(tokens) or len(feats) != len(tokens)
@@ -232,8 +265,9 @@ def _read_shard(p: Path) -> dict[str, np.ndarray]:
     return a
 
 
-def load_shards(data: str | Path) -> list[tuple[np.ndarray, int, np.ndarray]]:
-    """Every example of a distilled corpus: ``(tokens, prompt_len, feats bfloat16)``.
+def load_shards(data: str | Path) -> list[Example]:
+    """Every example of a distilled corpus: ``(tokens, prompt_len, feats bfloat16)``, with
+    its ``loss_mask`` where the shard holds one (an ``Example``).
     ``ShardReadError`` naming a shard that is damaged (a bad CRC-32, arrays that do not
     fit together)."""
     paths = sorted(Path(data).glob("shard_*.npz"))
@@ -244,8 +278,10 @@ def load_shards(data: str | Path) -> list[tuple[np.ndarray, int, np.ndarray]]:
         z = _read_shard(p)
         tokens, feats = z["tokens"], z["feats"].view(ml_dtypes.bfloat16)
         ends = np.cumsum(z["lengths"])
+        masks = z.get("loss_masks")
         for e, n, pl in zip(ends, z["lengths"], z["prompt_lens"]):
-            out.append((tokens[e - n:e], int(pl), feats[e - n:e]))
+            out.append(Example.of(tokens[e - n:e], int(pl), feats[e - n:e],
+                                  None if masks is None else masks[e - n:e]))
     return out
 
 
@@ -290,7 +326,7 @@ def _summarize(out: Path, lm, too_long: int, max_new_tokens: int, before: float,
     seconds = round(time.perf_counter() - t0, 1)
     summary = {"examples": len(corpus), "prompts_too_long": too_long,
                "tokens": int(sum(len(e[0]) for e in corpus)),
-               "answer_tokens": int(sum(len(e[0]) - e[1] for e in corpus)),
+               "answer_tokens": int(sum(loss_mask(e).sum() for e in corpus)),
                "seconds_this_run": seconds, "seconds_total": round(before + seconds, 1),
                "max_new_tokens": max_new_tokens, "model": Path(str(lm.source)).name}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -26,7 +26,7 @@ import numpy as np
 import optax
 
 from specjax.drafters import eagle
-from specjax.train import loop
+from specjax.train import distill, loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,8 +199,12 @@ def batch_at(corpus, plan, step: int, cfg: TrainConfig):
         prev[r, 1:n] = feats[r, :n - 1]
         if cut:
             prev[r, 0] = np.asarray(f[cut - 1], np.float32)
-        lo = 0 if cfg.all_positions else max(pl - 1 - cut, 0)
-        mask[r, lo:n - 1] = 1.0  # positions whose next token is an answer token
+        own = getattr(corpus[i], "loss_mask", None)  # a conversation's assistant turns
+        if own is not None and not cfg.all_positions:
+            mask[r, :n - 1] = own[cut + 1:cut + n]  # positions whose next token is trained
+        else:
+            lo = 0 if cfg.all_positions else max(pl - 1 - cut, 0)
+            mask[r, lo:n - 1] = 1.0  # positions whose next token is an answer token
     return toks, feats, prev, mask
 
 
@@ -338,8 +342,9 @@ def train(target, tparams, corpus: Sequence, cfg: TrainConfig, run_dir: str | Pa
 
 
 def vocab_by_frequency(corpus, vocab_size: int, n: int) -> np.ndarray:
-    """The ``n`` most frequent token ids of the corpus's answers (ties: lower id first)."""
+    """The ``n`` most frequent token ids of the corpus's answers (``distill.loss_mask``:
+    the tokens the loss covers; ties: lower id first)."""
     counts = np.zeros(vocab_size, np.int64)
-    for tok, pl, _ in corpus:
-        np.add.at(counts, tok[pl:], 1)
+    for e in corpus:
+        np.add.at(counts, e[0][distill.loss_mask(e).astype(bool)], 1)
     return np.argsort(-counts, kind="stable")[:n].astype(np.int32)

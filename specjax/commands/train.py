@@ -83,6 +83,55 @@ def _sources(args, check) -> tuple[str, ...] | None:
     return sources
 
 
+def is_conversations(path: str | None) -> bool:
+    """Whether ``--data`` names conversations (``specjax.train.conversations``: a JSON-lines
+    or parquet file, a folder of parquet files or a saved ``datasets`` folder) rather than a
+    corpus of shards."""
+    if path is None:
+        return False
+    p = Path(path)
+    if p.is_dir():
+        return not any(p.glob("shard_*.npz")) and (
+            any(p.glob("*.parquet")) or (p / "dataset_info.json").exists()
+            or (p / "dataset_dict.json").exists())
+    return p.suffix in (".jsonl", ".ndjson", ".parquet", ".json")
+
+
+def _scan_conversations(args):
+    """``--data``'s conversations checked whole (``conversations.scan``: a bad record is one
+    line naming its file and line or row) before any weights load; prints their counts."""
+    from specjax.train import conversations
+
+    if getattr(args, "prompts", None) or getattr(args, "sources", None):
+        raise UsageError("--data (conversations) replaces --prompts and --sources: give one")
+    index = conversations.scan(args.data)
+    c = index.counts
+    print(f"{args.data}: {c['conversations']} conversations, {c['turns']} turns "
+          f"({c['user']} user, {c['assistant']} assistant, {c['system']} system)", flush=True)
+    return index
+
+
+def _cmd_conversation_corpus(args, regenerate: bool) -> int:
+    """``features --data`` and ``distill --data``: a corpus of the conversations' features,
+    their answers kept (``features``) or the target's (``distill``, ``--answers target``)."""
+    from tqdm import tqdm
+
+    from specjax.train import chat_corpus
+
+    common.writable(args.out, "--out", directory=True)
+    index = _scan_conversations(args)
+    exclude = _spec_bench_texts(args.exclude)
+    lm = _load(args)
+    with tqdm(total=args.tokens, desc="features", unit="tok", unit_scale=True) as bar:
+        summary = chat_corpus.build(lm, index, args.out, max_tokens=args.tokens,
+                                    max_len=args.max_len, loss=args.loss, seed=args.seed,
+                                    regenerate_answers=regenerate,
+                                    max_new_tokens=args.max_new_tokens, batch=args.batch,
+                                    exclude=exclude, progress=bar)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def _check_prompts(path: str | None) -> None:
     """``--prompts`` names a directory holding training prompt files
     (``distill.read_prompts``); nothing to check without it (``--sources sharegpt``)."""
@@ -193,6 +242,11 @@ def cmd_distill(args) -> int:
 
     from specjax.train import distill
 
+    if args.data:
+        return _cmd_conversation_corpus(args, regenerate=True)
+    if not args.prompts:
+        raise UsageError("give --prompts DIR (training prompt files) or --data FILE "
+                         "(conversations)")
     common.writable(args.out, "--out", directory=True)
     _check_prompts(args.prompts)
     exclude = _spec_bench_texts(args.exclude)
@@ -214,6 +268,8 @@ def cmd_features(args) -> int:
 
     from specjax.train import sharegpt, text_corpus
 
+    if args.data:
+        return _cmd_conversation_corpus(args, regenerate=args.answers == "target")
     common.writable(args.out, "--out", directory=True)
     sources = _sources(args, text_corpus.check_sources)
     _check_prompts(args.prompts)
@@ -285,12 +341,15 @@ def cmd_train(args) -> int:
     from specjax.train import distill, glue
     from specjax.train import eagle as train_eagle
 
+    if is_conversations(args.data):
+        return _train_eagle_online(args)
     corpus = distill.load_shards(_input_dir(args.data, "--data"))
     mesh = common.mesh(args, rows=None)
     lm = _load(args, vocab=True, mesh=mesh)
     cfg = glue.from_args(train_eagle.TrainConfig, args)
     log = RunLog(args.run)
-    n_tok = sum(len(t) - (0 if cfg.all_positions else pl) for t, pl, _ in corpus)
+    n_tok = sum(len(e[0]) if cfg.all_positions else int(distill.loss_mask(e).sum())
+                for e in corpus)
     print(f"{len(corpus)} examples, {n_tok} trained tokens; {cfg}", flush=True)
     init = glue.eagle_init(args.init, lm.model.config) if args.init else None
     with tqdm(total=cfg.steps, desc="train eagle", unit="step") as bar:
@@ -304,6 +363,43 @@ def cmd_train(args) -> int:
         out = glue.export_eagle(state, cfg, args.export, model=args.model, corpus=corpus,
                                 vocab_size=lm.model.config.vocab_size,
                                 draft_vocab=args.draft_vocab, data_dir=args.data,
+                                order=glue.eagle_order(args.init) if args.init else None)
+        print(f"exported the head (bfloat16) to {out}")
+        _export_published(args, out, lm.model.config)
+    return 0
+
+
+def _train_eagle_online(args) -> int:
+    """``train eagle --data CONVERSATIONS``: the head trained on the conversations
+    (``specjax.train.online``), the stream's position checkpointed with it."""
+    from tqdm import tqdm
+
+    from specjax.train import glue, online
+    from specjax.train import eagle as train_eagle
+
+    if args.val_examples:
+        raise UsageError("--val-examples needs a corpus: training on conversations holds "
+                         "none out (build one with `specjax features --data`)")
+    index = _scan_conversations(args)
+    mesh = common.mesh(args, rows=None)
+    lm = _load(args, vocab=True, mesh=mesh)
+    cfg = glue.from_args(train_eagle.TrainConfig, args)
+    eos = lm.eos_ids[0] if lm.eos_ids else None
+    init = glue.eagle_init(args.init, lm.model.config) if args.init else None
+    counts: dict = {}
+    with tqdm(total=cfg.steps, desc="train eagle (conversations)", unit="step") as bar:
+        state = online.train(lm.model, lm.params, lm.tokenizer, index, cfg, args.run,
+                             loss=args.loss, eos=eos, progress=bar, log=RunLog(args.run),
+                             mesh=mesh, counts=counts, init=init,
+                             meta={"model": args.model, "data": Path(args.data).name,
+                                   "init": args.init and Path(args.init).name})
+    print(json.dumps({"stream": counts}), flush=True)
+    state = _on_host({k: v for k, v in state.items() if k != "reader"})
+    if args.export and _main():
+        sample = online.vocab_sample(index, lm.tokenizer, cfg, args.loss, eos, cfg.seed)
+        out = glue.export_eagle(state, cfg, args.export, model=args.model, corpus=sample,
+                                vocab_size=lm.model.config.vocab_size,
+                                draft_vocab=args.draft_vocab, data_dir=None,
                                 order=glue.eagle_order(args.init) if args.init else None)
         print(f"exported the head (bfloat16) to {out}")
         _export_published(args, out, lm.model.config)
@@ -775,12 +871,26 @@ def _add_onpolicy(tsub):
     return to
 
 
+def _add_data(p, what: str) -> None:
+    """``--data`` (a user's conversations) and ``--loss``."""
+    p.add_argument("--data", help="conversations: JSON lines with ShareGPT 'conversations' "
+                   "(from/value) or OpenAI 'messages' (role/content), parquet files or a "
+                   "datasets folder (pip install 'specjax[data]'); " + what)
+    p.add_argument("--loss", choices=["assistant", "all"], default="assistant",
+                   help="with --data: the loss on the assistant's tokens (default) or on all")
+
+
 def register(sub) -> list:
     """Adds this module's commands to ``sub``; returns their parsers."""
     ds = sub.add_parser("distill", help="self-distilled training data: the target answers "
                                          "training prompts; its features are kept")
     common.add_model(ds, max_new=192)
-    ds.add_argument("--prompts", required=True, help="directory of training prompt files")
+    ds.add_argument("--prompts", help="directory of training prompt files")
+    _add_data(ds, "the target answers their user turns, turn by turn (instead of --prompts)")
+    ds.add_argument("--tokens", type=int, default=2_000_000,
+                    help="with --data: corpus size in tokens")
+    ds.add_argument("--max-len", type=int, default=1024,
+                    help="with --data: tokens per conversation (cut there)")
     ds.add_argument("--exclude", help="Spec-Bench question.jsonl: overlapping prompts are dropped")
     ds.add_argument("--num-prompts", type=int, default=2000)
     ds.add_argument("--batch", type=int, default=16)
@@ -813,6 +923,15 @@ def register(sub) -> list:
                                       "prefixes as messages (pip install 'specjax[data]')")
     fe.add_argument("--exclude", help="Spec-Bench question.jsonl: overlapping prompts are "
                                       "dropped (sharegpt: whole conversations)")
+    _add_data(fe, "their answers kept (--answers data) or the target's (--answers target); "
+                  "instead of --prompts and --sources")
+    fe.add_argument("--answers", choices=["data", "target"], default="data",
+                    help="with --data: the conversations' own answers (off-policy), or the "
+                         "target's, regenerated turn by turn (on-policy)")
+    fe.add_argument("--max-new-tokens", type=int, default=512,
+                    help="with --answers target: tokens per regenerated answer")
+    fe.add_argument("--batch", type=int, default=32,
+                    help="with --answers target: prompts decoded together")
     fe.add_argument("--tokens", type=int, default=2_000_000, help="corpus size in tokens")
     fe.add_argument("--max-len", type=int, default=512, help="tokens per text (left-truncated)")
     fe.add_argument("--seed", type=int, default=0)
@@ -823,7 +942,13 @@ def register(sub) -> list:
     tsub = t.add_subparsers(dest="head", required=True)
     te = tsub.add_parser("eagle", help="the EAGLE head, on a corpus from `specjax distill`")
     te.add_argument("--model", default="smollm2-135m")
-    te.add_argument("--data", required=True)
+    te.add_argument("--data", required=True,
+                    help="a corpus from `specjax features`/`distill`, or conversations "
+                         "(JSON lines with ShareGPT 'conversations' or OpenAI 'messages', "
+                         "parquet, a datasets folder): trained on directly, the target's "
+                         "features computed per step and the stream's place checkpointed")
+    te.add_argument("--loss", choices=["assistant", "all"], default="assistant",
+                    help="with conversations: the loss on the assistant's tokens or on all")
     te.add_argument("--run", required=True, help="run directory: checkpoints; resumes")
     te.add_argument("--steps", type=int, default=2000)
     te.add_argument("--batch-tokens", type=int, default=4096)
