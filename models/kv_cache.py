@@ -110,8 +110,12 @@ def write(layer_kv: Array, length: Int[Array, "B"], new: Array, axis: int) -> Ar
     """Returns ``layer_kv`` with ``new`` at slots ``length[b] + j`` along its slot ``axis``.
 
     ``new`` has the layout of ``layer_kv`` with T entries on ``axis``. Requires
-    ``length[b] + T <= capacity``; the slice update is in place inside a loop.
+    ``length[b] + T <= capacity``; the slice update is in place inside a loop. A cache of
+    capacity 0 (a forward that keeps no cache: ``ops.attention`` then sees only the new
+    tokens) is returned as it is.
     """
+    if layer_kv.shape[axis] == 0:
+        return layer_kv
     new = new.astype(layer_kv.dtype)
     if new.shape[0] > _UNROLL_ROWS:  # one batched scatter
         upd = lambda l, n, s: lax.dynamic_update_slice_in_dim(l, n, s, axis - 1)
@@ -128,7 +132,9 @@ def write_layer(stack: Array, layer: Int[Array, ""], length: Int[Array, "B"], ne
     """``write`` into layer ``layer`` of a stacked ``[L, B, ...]`` cache array: ``new`` (one
     layer's layout, T entries on its slot ``axis``) goes to slots ``length[b] + j``. Only the
     new entries are written, so inside a ``lax.scan`` over layers the stacked cache is
-    updated in place."""
+    updated in place. A stack of capacity 0 is returned as it is (``write``)."""
+    if stack.shape[axis + 1] == 0:
+        return stack
     new = new.astype(stack.dtype)
     if new.shape[0] > _UNROLL_ROWS:
         def upd(l, n, s):

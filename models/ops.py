@@ -75,6 +75,35 @@ def rms_norm(x: Array, weight: Array, eps: float, axis: int = -1) -> Array:
     return weight * xf.astype(x.dtype)
 
 
+QUERY_BLOCK = 128
+"""Queries per block of a capacity-0 forward (``_new_only``): block ``i`` attends only to the
+keys up to its last query, so a long causal forward skips most of the masked half."""
+
+
+def _new_only(qf, k_new, v_new, mask, softcap, bias, shape):
+    """``attention`` over the new keys alone (no cache slots), causally: ``mask`` and the
+    causal mask together. The queries go in blocks of ``QUERY_BLOCK``, each over the keys
+    up to its end (what the causal mask lets it see), with the same scores, mask and
+    softmax as the whole."""
+    b, nk, g, t, hd = shape
+    q5 = qf.reshape(b, nk, g, t, hd)
+    mask = mask & jnp.tril(jnp.ones((t, t), bool))[None]
+    outs = []
+    for lo in range(0, t, QUERY_BLOCK):
+        hi = min(lo + QUERY_BLOCK, t)  # queries [lo, hi) see keys [0, hi)
+        sc = jnp.einsum("bkgqh,bknh->bkgqn", q5[:, :, :, lo:hi], k_new[:, :, :hi],
+                        ).astype(jnp.float32)
+        if softcap is not None:
+            sc = softcap * jnp.tanh(sc / softcap)
+        if bias is not None:
+            sc = sc + jnp.broadcast_to(bias, (b, nk, g, t, t))[:, :, :, lo:hi, :hi]
+        sc = jnp.where(mask[:, None, None, lo:hi, :hi], sc, jnp.finfo(jnp.float32).min)
+        p = jax.nn.softmax(sc, axis=-1).astype(v_new.dtype)
+        outs.append(jnp.einsum("bkgqn,bknh->bkgqh", p, v_new[:, :, :hi],
+                               preferred_element_type=jnp.float32))
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
+
+
 def attention(q, k_new, v_new, k_cache, v_cache, length, mask, visible=None, *,
                scale: float | None = None, softcap: float | None = None, bias=None):
     """Grouped-query attention of new tokens over the committed cache and each other.
@@ -82,6 +111,8 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, mask, visible=None, *,
     q: [B,K,G,T,H]; k_new, v_new: [B,K,T,H]; k_cache: [B,K,H,S]; v_cache: [B,K,S,H]; length: [B];
     mask: [B,T,T]. Query ``i`` sees cache slots ``< length`` (or, if given, the slots ``s``
     with ``visible[b, i, s]``, [B,1,S] or [B,T,S]) and new keys ``j`` with ``mask[b, i, j]``.
+    A cache of capacity 0 (S = 0) leaves the new tokens alone, causally (``mask`` and the
+    causal mask together): a forward that keeps no cache (``text_corpus``'s feature pass).
     Scores are scaled by ``scale`` (default ``H ** -0.5``) and, with ``softcap``, squashed
     to ``softcap * tanh(score / softcap)`` before masking (Gemma 2). ``bias`` is an optional
     pair of additive score biases ``(over cache slots, over new keys)``, broadcastable to
@@ -97,6 +128,9 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, mask, visible=None, *,
     s = k_cache.shape[3]
     scale = 1 / math.sqrt(hd) if scale is None else scale
     qf = q.reshape(b, nk, g * t, hd) * jnp.asarray(scale, q.dtype)
+    if s == 0:  # a cache of capacity 0: the new tokens alone (a teacher-forced forward)
+        return _new_only(qf, k_new, v_new, mask, softcap, None if bias is None else bias[1],
+                         (b, nk, g, t, hd))
     # b batch, k kv-head, s cache slot, n new key, q = (g query heads per kv-head, t query), h head dim
     old = jnp.einsum("bkqh,bkhs->bkqs", qf, k_cache).astype(jnp.float32).reshape(b, nk, g, t, s)
     new = jnp.einsum("bkqh,bknh->bkqn", qf, k_new).astype(jnp.float32).reshape(b, nk, g, t, t)

@@ -127,6 +127,30 @@ def test_every_family_implements_the_contract(make):
         assert src.dtype == jnp.int32 and src.tolist() == source
 
 
+@pytest.mark.parametrize("make", [_llama, _gemma, _t5], ids=["llama", "gemma", "t5"])
+def test_a_forward_without_cache_equals_one_into_an_empty_cache(make, monkeypatch):
+    """A cache of capacity 0 (the feature pass's teacher-forced forward) attends to the new
+    tokens alone, causally, in query blocks: its logits and hidden states equal a forward
+    into an empty cache of capacity T, with the blocks uneven (``QUERY_BLOCK`` 2, T 5), the
+    causal mask implied, and a narrower mask (each token alone) still obeyed."""
+    from specjax.models import ops
+
+    monkeypatch.setattr(ops, "QUERY_BLOCK", 2)
+    model, params, _ = make()
+    toks = jnp.asarray([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
+    pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+    full, hid, _ = model.forward(params, toks, pos, model.init_cache(2, 5), return_layers=(1,))
+    none, hid0, out = model.forward(params, toks, pos, model.init_cache(2, 0), return_layers=(1,))
+    assert out.capacity == 0
+    np.testing.assert_allclose(none, full, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(hid0[1], hid[1], rtol=1e-5, atol=1e-5)
+    alone = jnp.broadcast_to(jnp.eye(5, dtype=bool), (2, 5, 5))
+    a_full, _, _ = model.forward(params, toks, pos, model.init_cache(2, 5), alone)
+    a_none, _, _ = model.forward(params, toks, pos, model.init_cache(2, 0), alone)
+    np.testing.assert_allclose(a_none, a_full, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(a_none[:, 4], none[:, 4], atol=1e-4)
+
+
 def test_no_module_outside_models_reads_parameters_by_name():
     pattern = re.compile(r"""params\[["'](embed|final_norm|lm_head|layers)["']\]""")
     hits = [f"{f.relative_to(ROOT)}:{i}" for d in ("specjax", "train")

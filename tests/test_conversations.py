@@ -146,7 +146,9 @@ def test_cli_refuses_bad_data_in_one_line_before_loading(tmp_path, no_model, cap
     bad.write_text(json.dumps(_openai(_convs(1)[0])) + "\n" + '{"messages": 5}\n')
     for argv in (["features", "--data", str(bad), "--out", str(tmp_path / "o")],
                  ["distill", "--data", str(bad), "--out", str(tmp_path / "o2")],
-                 ["train", "eagle", "--data", str(bad), "--run", str(tmp_path / "r")]):
+                 ["train", "eagle", "--data", str(bad), "--run", str(tmp_path / "r")],
+                 ["train", "onpolicy", "--data", str(bad), "--run", str(tmp_path / "r2"),
+                  "--shards", str(tmp_path / "s")]):
         assert main(argv) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [f"specjax: error: {bad}:2: its turns are int, expected a list"]
@@ -253,6 +255,21 @@ def test_a_corpus_of_conversations_keeps_the_loss_mask(tmp_path, lm):
     again = chat_corpus.build(lm, index, tmp_path / "corpus", max_tokens=10_000, max_len=160,
                               shard_tokens=600)
     assert again["examples"] == 12 and again["seconds_this_run"] < s["seconds_this_run"] + 5
+
+
+def test_onpolicy_prompts_from_conversations(tmp_path):
+    from specjax.train import onpolicy
+
+    convs = _convs(6)
+    long = " ".join(f"word{i}" for i in range(20))  # a 13-word span to exclude
+    convs[2][0]["content"] = long
+    index = conv.scan(_jsonl(tmp_path / "c.jsonl", [_openai(c) for c in convs]))
+    pool = onpolicy.conversation_pool(index, seed=0)
+    assert len(pool) == sum(m["role"] == "user" for c in convs for m in c)
+    pid, msgs = next(p for p in pool if p[0] == "data#2.4")  # record 2's third user turn
+    assert msgs == convs[2][:5] and msgs[-1]["role"] == "user"
+    assert len(onpolicy.conversation_pool(index, exclude=["so " + long])) == len(pool) - 3
+    assert len(onpolicy.conversation_pool(index, max_prompt_tokens=10)) < len(pool)
 
 
 def test_regenerated_answers_are_the_targets(tmp_path, lm):

@@ -104,6 +104,28 @@ def prompt_pool(data_dir: str | Path | None, exclude: Sequence[str] = (), seed: 
     return out
 
 
+def conversation_pool(index, exclude: Sequence[str] = (), seed: int = 0,
+                      max_prompt_tokens: int | None = None) -> list[tuple[str, list]]:
+    """``prompt_pool`` for a user's conversations (``conversations.scan``'s ``index``):
+    every user turn an answer follows, with the turns before it
+    (``conversations.prompts``: ids ``data#<record>.<turn>``, in the seeded stream's
+    order), without the prompts of a conversation that shares a 13-word span with
+    ``exclude`` and those of more than ``sharegpt.CHARS_PER_TOKEN`` characters a token of
+    ``max_prompt_tokens``."""
+    from specjax.train import conversations, sharegpt
+
+    banned = set().union(*(distill.ngrams(t) for t in exclude)) if exclude else set()
+    limit = None if max_prompt_tokens is None else sharegpt.CHARS_PER_TOKEN * max_prompt_tokens
+    out = []
+    for pid, msgs in conversations.prompts(index, seed):
+        if limit is not None and sum(len(m["content"]) for m in msgs) > limit:
+            continue
+        if banned and any(distill.ngrams(m["content"]) & banned for m in msgs):
+            continue
+        out.append((pid, msgs))
+    return out
+
+
 def _text_groups(data_dir: str | Path, seed: int) -> dict[str, list]:
     """``(id, text)`` of ``DEFAULT_SOURCES``' prompts files under ``data_dir``, by source, each
     in an order drawn from ``seed`` (every source shuffled, in turn, from one generator)."""
@@ -211,6 +233,8 @@ class OnPolicyConfig:
     seed: int = 0
     # the prompt sources (``prompt_pool``); None: all of them
     sources: tuple[str, ...] | None = None
+    # the name of the user's conversations the prompts come from instead (``--data``)
+    data_file: str | None = None
     loss: ttt.LossConfig = ttt.LossConfig()
     # EAGLE-2 only. False: no attention-input norm in the head's layer (layer 0 of a
     # published EAGLE-1/2 head), so it has SafeAILab/EAGLE's layout
@@ -358,6 +382,8 @@ def store_settings(cfg: OnPolicyConfig, exclude: str) -> dict:
     """The part of a store's header that needs no model: the sampling settings and how
     prompts were chosen."""
     chosen = {} if cfg.sources is None else {"sources": list(cfg.sources)}
+    if cfg.data_file is not None:
+        chosen["data"] = cfg.data_file
     return {"sampling": {"decoding": "greedy", "max_new_tokens": cfg.max_new_tokens},
             "prompts": {"seed": cfg.seed, "batch": cfg.batch, "exclude": exclude,
                         "max_prompt_tokens": cfg.max_prompt_tokens,

@@ -119,16 +119,17 @@ def encode_pair(lm, prompt: str | list, answer: str, max_len: int) -> tuple[np.n
 
 
 def _prefill_fn(model):
+    """``run(params, tokens[B, T]) -> last-layer features [B, T, D]`` (bfloat16): one causal
+    forward from position 0 over a cache of capacity 0, so attention runs over the tokens
+    alone and nothing is written (``ops.attention``); the features equal those of a forward
+    into an empty cache (``tests/test_contract.py``)."""
     @jax.jit
-    def fwd(params, tokens, cache):  # an empty cache, passed in so XLA cannot fold it
-        b, t = tokens.shape
-        pos = jnp.broadcast_to(jnp.arange(t), (b, t))
-        _, hidden, _ = model.forward(params, tokens, pos, cache, compute_logits=False)
-        return hidden[model.config.num_layers].astype(jnp.bfloat16)
-
     def run(params, tokens):
         b, t = tokens.shape
-        return fwd(params, tokens, model.init_cache(b, t))
+        pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+        _, hidden, _ = model.forward(params, tokens, pos, model.init_cache(b, 0),
+                                     compute_logits=False)
+        return hidden[model.config.num_layers].astype(jnp.bfloat16)
     return run
 
 

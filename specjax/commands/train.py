@@ -505,12 +505,20 @@ def _onpolicy_settings(args):
     _check_run_record(args.run)
     common.writable(args.shards, "--shards", directory=True)
     _check_export(args.export, None if args.init in ("shipped", "none") else args.init)
-    sources = _sources(args, onpolicy.check_sources)
-    _check_prompts(args.prompts)
+    if args.data:
+        index, sources = _scan_conversations(args), None
+    else:
+        sources = _sources(args, onpolicy.check_sources)
+        _check_prompts(args.prompts)
     cfg = glue.from_args(onpolicy.OnPolicyConfig, args, sources=sources,
+                         data_file=Path(args.data).name if args.data else None,
                          loss=glue.from_args(ttt.LossConfig, args, k=args.ttt))
-    pool = onpolicy.prompt_pool(args.prompts, _spec_bench_texts(args.exclude), args.seed,
-                                sources, cfg.max_prompt_tokens)
+    if args.data:
+        pool = onpolicy.conversation_pool(index, _spec_bench_texts(args.exclude), args.seed,
+                                          cfg.max_prompt_tokens)
+    else:
+        pool = onpolicy.prompt_pool(args.prompts, _spec_bench_texts(args.exclude), args.seed,
+                                    sources, cfg.max_prompt_tokens)
     need = cfg.val_prompts + cfg.rounds * cfg.batch
     if need > len(pool):
         have = f"--prompts {args.prompts}" if args.prompts else f"--sources {args.sources}"
@@ -793,7 +801,10 @@ def _add_onpolicy(tsub):
     to.add_argument("--model", default="smollm2-135m")
     to.add_argument("--kind", choices=["eagle", "eagle3"], default="eagle")
     to.add_argument("--prompts", help="directory of training prompt files (required unless "
-                                      "--sources sharegpt alone)")
+                                      "--sources sharegpt alone, or --data)")
+    to.add_argument("--data", help="the prompts from conversations instead: every user turn "
+                    "an answer follows, with the turns before it (JSON lines with ShareGPT "
+                    "'conversations' or OpenAI 'messages', parquet, a datasets folder)")
     to.add_argument("--exclude", help="Spec-Bench question.jsonl: overlapping prompts are dropped")
     to.add_argument("--shards", required=True,
                     help="token shard store (manifest.json): replayed, then extended")
