@@ -47,16 +47,17 @@ def _time(fn, repeats: int) -> float:
 
 def roofline(cfg, rows: int, head: bool, repeats: int, seed: int = 0) -> float:
     """Seconds for the target's matrix products on ``rows`` rows: every layer's
-    projections (and the LM head when ``head``), chained, float32, weights on the left."""
+    projections (and the LM head when ``head``), chained, float32, weights on the left.
+    Every layer has its own weights, as the model does, so at a small row count the chain
+    pays for reading them from memory as a decoding step does."""
     d, i = cfg.hidden_size, cfg.intermediate_size
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    k = jax.random.split(jax.random.key(seed), 5)
-    w = {"qkv": jax.random.normal(k[0], (qkv, d)) * 0.02,
-         "o": jax.random.normal(k[1], (d, cfg.num_heads * cfg.head_dim)) * 0.02,
-         "gu": jax.random.normal(k[2], (2 * i, d)) * 0.02,
-         "down": jax.random.normal(k[3], (d, i)) * 0.02}
-    layers = [w] * cfg.num_layers  # the same arrays: the products' cost, not their reads
-    emb = jax.random.normal(k[4], (cfg.vocab_size, d)) * 0.02
+    shapes = {"qkv": (qkv, d), "o": (d, cfg.num_heads * cfg.head_dim), "gu": (2 * i, d),
+              "down": (d, i)}
+    k = jax.random.split(jax.random.key(seed), cfg.num_layers + 1)
+    layers = [{n: jax.random.normal(jax.random.fold_in(k[j], c), s) * 0.02
+               for c, (n, s) in enumerate(shapes.items())} for j in range(cfg.num_layers)]
+    emb = jax.random.normal(k[-1], (cfg.vocab_size, d)) * 0.02
 
     @jax.jit
     def chain(layers, emb, x):  # x [D, rows]
@@ -112,6 +113,20 @@ def train_step(lm, batch_tokens: int, length: int, repeats: int) -> float:
     return _time(lambda: step(state, lm.params, toks, h, h, mask, vids)[1]["loss"], repeats)
 
 
+def _commit() -> str | None:
+    """The checkout's commit, ``-dirty`` with uncommitted changes; None outside git."""
+    import subprocess
+
+    def git(*a):
+        return subprocess.run(["git", *a], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "") or None
+    except OSError:
+        return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -151,7 +166,7 @@ def main() -> None:
         r = {"phase": "train_step", "rows": n, "tokens_per_s": round(n / s, 1)}
         rows.append(r)
         print(json.dumps(r), flush=True)
-    out = {"model": args.model, "machine": f"{platform.machine()}, {jax.device_count()} "
+    out = {"model": args.model, "commit": _commit(), "machine": f"{platform.machine()}, {jax.device_count()} "
            f"{jax.devices()[0].platform} device(s), {jax.local_devices()[0].device_kind}",
            "jax": jax.__version__, "settings": {k: v for k, v in vars(args).items() if k != "out"},
            "rows": rows}

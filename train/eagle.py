@@ -236,7 +236,7 @@ def loss_fn(hp, tparams, toks, hidden, prev_hidden, mask, key, vocab_ids, *, tar
     loss = jnp.sum((cfg.w_reg * reg + cfg.w_ce * ce) * mask) / n
     acc = jnp.sum((jnp.argmax(h_logits, -1) == jnp.argmax(t_logits, -1)) * mask) / n
     return loss, {"loss": loss, "ce": jnp.sum(ce * mask) / n, "reg": jnp.sum(reg * mask) / n,
-                  "acc": acc}
+                  "acc": acc, "tokens": jnp.sum(mask)}
 
 
 def split(corpus: Sequence, cfg: TrainConfig) -> tuple[list, list]:

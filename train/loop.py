@@ -191,7 +191,7 @@ def run_steps(state: dict, step: Callable[[dict, int], tuple[dict, dict]], mngr,
         log.rewind(start)
     if progress is not None:
         progress.update(start)
-    t0 = time.perf_counter()
+    t0, seen = time.perf_counter(), 0.0
     with checkpoint.closing(mngr):
         for s in range(start, end):
             state, m = step(state, s)
@@ -201,8 +201,11 @@ def run_steps(state: dict, step: Callable[[dict, int], tuple[dict, dict]], mngr,
                      "seconds": round(time.perf_counter() - t0, 1)})
             if progress is not None:
                 progress.update(1)
-                progress.set_postfix({k: f"{float(v):.3f}" for k, v in m.items() if k in
-                                      ("loss", "acc")})
+                post = {k: f"{float(v):.3f}" for k, v in m.items() if k in ("loss", "acc")}
+                if "tokens" in m:  # the step's loss-covered tokens: training tokens/s
+                    seen += float(m["tokens"])
+                    post["tok/s"] = f"{seen / (time.perf_counter() - t0):.0f}"
+                progress.set_postfix(post)
             if (s + 1) % save_every == 0 or s + 1 == end:
                 mngr.save(s + 1, args=checkpoint.ocp.args.StandardSave(state), force=True)
                 if on_save is not None and log is not None:  # log: a no-op off process 0

@@ -45,7 +45,7 @@ import optax
 from specjax import sharding
 from specjax._compile import AotCache
 from specjax.core.decoder import prepare
-from specjax.core.decoding import prefill
+from specjax.core.decoding import hidden_features, prefill
 from specjax.train import checkpoint, distill, loop, shards, ttt
 from specjax.train.eagle import _bucket  # padded lengths: multiples of 64
 from specjax.train.eagle import check_run_layout, run_fields
@@ -181,16 +181,77 @@ def _prefill_all(params, tokens, lengths, *, model, capacity: int, chunk: int,
 _PREFILL = AotCache(_prefill_all, ("model", "capacity", "chunk", "layers"))
 
 
+def _features_all(params, tokens, positions, segments, *, model, layers: tuple[int, ...]):
+    """``hidden_features`` at every position of packed rows ``tokens`` [B, T], float32:
+    ``segments`` [B, T] numbers the sequences of a row (each at ``positions`` from 0), and
+    a token attends causally within its own sequence only, in one forward over a cache of
+    capacity 0 (``ops.attention``: nothing is cached or written)."""
+    b, _ = tokens.shape
+    mask = segments[:, :, None] == segments[:, None, :]
+    _, hidden, _ = model.forward(params, tokens, positions, model.init_cache(b, 0), mask,
+                                 compute_logits=False, return_layers=layers)
+    return hidden_features(hidden, layers).astype(jnp.float32)
+
+
+PACK_ROWS, PACK_LEN = 8, 512  # a packed call: 8 rows of 512 tokens (longer rows if needed)
+
+
+def _pack(lengths: Sequence[int], width: int) -> list[list[tuple[int, int]]]:
+    """Rows of ``(sequence, start)``: the sequences, longest first, each in the first row
+    with room for it (first-fit decreasing), rows of ``width`` tokens."""
+    rows: list[list[tuple[int, int]]] = []
+    fill: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        r = next((r for r in range(len(rows)) if fill[r] + lengths[i] <= width), None)
+        if r is None:
+            rows.append([]), fill.append(0)
+            r = len(rows) - 1
+        rows[r].append((i, fill[r]))
+        fill[r] += lengths[i]
+    return rows
+
+
+def _packed_features(lm, seqs: Sequence[np.ndarray], layers: tuple[int, ...]) -> dict:
+    """``prefill_features``' features off a mesh: the sequences packed into calls of
+    ``PACK_ROWS`` rows (``_features_all``; the last call's rows rounded up to a power of
+    two), so little is padding and few shapes compile."""
+    width = max(PACK_LEN, _bucket(max(len(t) for t in seqs)))
+    rows, feats = _pack([len(t) for t in seqs], width), {}
+    for j in range(0, len(rows), PACK_ROWS):
+        part = rows[j:j + PACK_ROWS]
+        n_rows = 1 << (len(part) - 1).bit_length()  # a power of two: few shapes compile
+        toks, pos = np.zeros((2, n_rows, width), np.int32)
+        seg = np.full((n_rows, width), -1, np.int32)
+        for r, items in enumerate(part):
+            for k, (i, st) in enumerate(items):
+                n = len(seqs[i])
+                toks[r, st:st + n], pos[r, st:st + n], seg[r, st:st + n] = seqs[i], np.arange(n), k
+        h, _ = _FEATURES(lm.params, toks, pos, seg, model=lm.model, layers=tuple(layers))
+        h = np.asarray(h)
+        for r, items in enumerate(part):
+            for i, st in items:
+                n = len(seqs[i])
+                feats[i] = np.concatenate([h[r, st:st + n - 1], np.zeros((1, h.shape[-1]), h.dtype)])
+    return feats
+
+
+_FEATURES = AotCache(_features_all, ("model", "layers"))
+
+
 def prefill_features(lm, examples: Sequence[tuple[np.ndarray, int]], layers: tuple[int, ...],
                      chunk: int = 64, group: int = 8, mesh=None) -> list[Example]:
-    """Features of stored sequences, from one prefill of each (in groups of ``group``
-    sequences of similar length, the last group padded with repeats, so padding costs
-    little and few shapes compile): what ``decode_round`` returned for them, up to float
-    rounding. With ``mesh`` (``lm`` sharded over it), each group's rows are split over
-    ``data`` (``group`` rounded up to a multiple of it); on a mesh spanning processes,
-    every process calls it with the same sequences and gets every row's features."""
-    group += -group % sharding.axis_size(mesh, DATA)
+    """Features of stored sequences: what ``decode_round`` returned for them, up to float
+    rounding. Off a mesh, from cacheless forwards of the sequences packed into rows
+    (``_packed_features``). With ``mesh`` (``lm`` sharded over it), from one prefill of
+    each, in groups of ``group`` sequences of similar length (the last group padded with
+    repeats), each group's rows split over ``data`` (``group`` rounded up to a multiple of
+    it); on a mesh spanning processes, every process calls it with the same sequences and
+    gets every row's features."""
     seqs = [np.asarray(t, np.int32) for t, _ in examples]
+    if mesh is None:
+        feats = _packed_features(lm, seqs, layers) if seqs else {}
+        return [(t, pl, feats[i]) for i, (t, pl) in enumerate(examples)]
+    group += -group % sharding.axis_size(mesh, DATA)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     feats: dict[int, np.ndarray] = {}
     for j in range(0, len(order), group):
