@@ -48,6 +48,9 @@ LLAMA3_ROPE = dataclasses.replace(LLAMA, num_kv_heads=1, rope_theta=500000.0,
 LLAMA_EXTRAS = dataclasses.replace(LLAMA, vocab_size=128, hidden_size=64, intermediate_size=128,
                                    num_layers=2, head_dim=32, attention_bias=True, o_bias=True,
                                    qk_norm=True)
+# an LM head of its own (not the embedding): tests/test_head_layouts' target, whose next
+# token is a permutation of the current one (embedding and LM head set apart)
+LLAMA_UNTIED = dataclasses.replace(LLAMA, tie_embeddings=False)
 # 40 tokens, 1024 positions: character-level text (tests/test_text_corpus: 1 + ord % 38)
 LLAMA_TEXT = dataclasses.replace(LLAMA_TRAIN, vocab_size=40, max_position_embeddings=1024)
 # 100 tokens: the character-level chat tokenizer of ``chat_tokenizer`` (tests/test_conversations)

@@ -1042,6 +1042,9 @@ def register(sub) -> list:
     tx.add_argument("--export", help="write the trained heads (bfloat16) here")
     tx.set_defaults(fn=cmd_train_exits)
     to = _add_onpolicy(tsub)
+    from specjax.commands import train_dflash
+
+    train_dflash.add_parser(tsub)
     for t in (te, tr, tx, to):
         t.add_argument("--mesh", help="train on a device mesh, e.g. data=8 or data=2,model=4: "
                        "the target split over model as for decoding, batch rows over data "

@@ -12,8 +12,17 @@ skipped). One decoder layer attends over ``[input_layernorm(emb); hidden_norm(h)
     f̂ = layer(h, emb)                       logits = lm_head(norm(f̂))   (draft vocabulary)
 
 A draft id ``j`` is the target id ``vocab_ids[j]`` (``j + d2t[j]`` in the published
-checkpoints). The draft is deterministic (``EagleDrafter``'s tree), so verification against
-the full-vocabulary target stays lossless at any temperature.
+checkpoints).
+
+**EAGLE 3.1** (vLLM's ``fc_norm`` and ``norm_output``) changes two things, each optional:
+``hp["fc_norm"]`` ``[n, D_target]`` normalizes each of the ``n`` fused streams with its own
+RMSNorm before ``fc`` (``fc([norm_0(h_2); norm_1(h_{L/2}); norm_2(h_{L-3})])``), and
+``post_norm`` feeds the head's output back *after* the final norm (``f̂ = norm(layer(h,
+emb))``, and ``logits = lm_head(f̂)``, so the logits are the same function of the layer's
+output). Without either, the computation is EAGLE-3's, op for op.
+
+The draft is deterministic (``EagleDrafter``'s tree), so verification against the
+full-vocabulary target stays lossless at any temperature.
 """
 
 from __future__ import annotations
@@ -48,27 +57,43 @@ def layer_spec(target_cfg) -> blocks.LayerSpec:
 
 def apply_head(spec: blocks.LayerSpec, hp, emb: Float[Array, "B T D"],
                h: Float[Array, "B T F"], positions: Int[Array, "B T"], k_cache, v_cache,
-               length, mask, visible=None) -> tuple[Float[Array, "B T D"], Array, Array]:
+               length, mask, visible=None, post_norm: bool = False
+               ) -> tuple[Float[Array, "B T D"], Array, Array]:
     """The EAGLE-3 layer on ``hp`` (``{"fc" [D, F], "embed_norm", "hidden_norm", "layer",
-    "norm", "lm_head"}``, weights ``[out, in]``): ``h`` wider than ``D`` is a fused target
-    feature and goes through ``fc`` first; a ``D``-wide ``h`` is the head's own output.
-    Returns the layer's output (before ``norm``) and the one-layer cache with the new
-    tokens' K/V written at slot ``length``."""
+    "norm", "lm_head"}``, weights ``[out, in]``, and EAGLE 3.1's optional ``"fc_norm"``
+    ``[n, F / n]``): ``h`` wider than ``D`` is a fused target feature and goes through
+    ``fc`` first (each of its ``n`` streams RMS-normalized by its ``fc_norm`` row before,
+    where ``hp`` has one); a ``D``-wide ``h`` is the head's own output. Returns the layer's
+    output (before ``norm``; after it with ``post_norm``, EAGLE 3.1's post-norm feedback)
+    and the one-layer cache with the new tokens' K/V written at slot ``length``."""
     lp, eps = hp["layer"], spec.rms_norm_eps
     ht = h.transpose(2, 0, 1)  # [F,B,T]
-    x = dense(hp["fc"], ht) if h.shape[-1] != spec.width else ht.astype(jnp.float32)
+    if h.shape[-1] == spec.width:
+        x = ht.astype(jnp.float32)
+    elif "fc_norm" in hp:  # EAGLE 3.1: one RMSNorm per fused stream, then fc
+        parts = jnp.split(ht, hp["fc_norm"].shape[0], axis=0)
+        x = dense(hp["fc"], jnp.concatenate(
+            [rms_norm(part, w, eps, axis=0) for part, w in zip(parts, hp["fc_norm"])], axis=0))
+    else:
+        x = dense(hp["fc"], ht)
     e = rms_norm(emb.transpose(2, 0, 1).astype(x.dtype), hp["embed_norm"], eps, axis=0)
     a_in = jnp.concatenate([e, rms_norm(x, hp["hidden_norm"], eps, axis=0)], axis=0)
     att, k, v = blocks.self_attention(spec, lp, a_in, positions, k_cache, v_cache, length, mask,
                                       visible)
     x = x + att
     x = x + blocks.swiglu(lp, rms_norm(x, lp["mlp_norm"], eps, axis=0), spec.intermediate_size)
+    if post_norm:  # EAGLE 3.1: the normed output is both the feedback and lm_head's input
+        x = rms_norm(x, hp["norm"], eps, axis=0)
     return (x.transpose(1, 2, 0), kv_cache.write(k_cache, length, k, axis=3),
             kv_cache.write(v_cache, length, v, axis=2))
 
 
-def draft_logits(spec: blocks.LayerSpec, hp, out: Float[Array, "... D"]) -> Float[Array, "... Vd"]:
-    """Float32 logits over the draft vocabulary: ``lm_head(norm(out))``."""
+def draft_logits(spec: blocks.LayerSpec, hp, out: Float[Array, "... D"],
+                 post_norm: bool = False) -> Float[Array, "... Vd"]:
+    """Float32 logits over the draft vocabulary: ``lm_head(norm(out))``; with ``post_norm``
+    (``out`` is ``apply_head``'s post-norm output) ``lm_head(out)``."""
+    if post_norm:
+        return head_logits(hp["lm_head"], out)
     return head_logits(hp["lm_head"], rms_norm(out, hp["norm"], spec.rms_norm_eps))
 
 
@@ -109,9 +134,12 @@ class Eagle3Drafter(EagleDrafter):
     """EAGLE-3: ``EagleDrafter``'s dynamic tree (``depth`` levels expanding the ``topk``
     best nodes, ``total_tokens`` kept) drafted by an EAGLE-3 head (``apply_head``) over the
     target's hidden states after ``layers`` (default ``fused_layers``) and its draft
-    vocabulary. ``spec``: the head layer's sizes (default ``layer_spec(target.config)``)."""
+    vocabulary. ``spec``: the head layer's sizes (default ``layer_spec(target.config)``).
+    ``post_norm``: EAGLE 3.1's post-norm feedback (``apply_head``); the head's ``fc_norm``,
+    where it has one, is read from its parameters."""
 
     layers: tuple[int, ...] | None = None
+    post_norm: bool = False
 
     @property
     def layer_spec(self) -> blocks.LayerSpec:
@@ -142,6 +170,11 @@ class Eagle3Drafter(EagleDrafter):
             raise ValueError(f"the head's fc reads {got} features, but {len(self.feature_layers)}"
                              f" fused layers of width {self.target.config.hidden_size} give "
                              f"{want}")
+        fc_norm = dparams["head"].get("fc_norm")
+        want = (len(self.feature_layers), self.target.config.hidden_size)
+        if fc_norm is not None and tuple(fc_norm.shape) != want:
+            raise ValueError(f"the head's fc_norm has shape {tuple(fc_norm.shape)}: one RMSNorm "
+                             f"per fused layer of width {want[1]} is {want}")
 
     def _features(self, tparams, hidden):
         return hidden  # the fused streams, as Context.hidden concatenates them
@@ -151,10 +184,11 @@ class Eagle3Drafter(EagleDrafter):
         hp = dparams["head"]
         emb = hp["embed"][tokens] if "embed" in hp else self.target.embed(tparams, tokens)
         return apply_head(self.layer_spec, hp, emb, prev, positions, k, v, length, mask,
-                          visible)
+                          visible, post_norm=self.post_norm)
 
     def _logq(self, dparams, tparams, f):
-        return jax.nn.log_softmax(draft_logits(self.layer_spec, dparams["head"], f), axis=-1)
+        return jax.nn.log_softmax(draft_logits(self.layer_spec, dparams["head"], f,
+                                               post_norm=self.post_norm), axis=-1)
 
 
 __all__ = ["Eagle3Drafter", "apply_head", "draft_logits", "draft_params", "fused_layers",

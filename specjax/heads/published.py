@@ -10,6 +10,18 @@ the target's embedding and LM head complete it.
 embedding, ``hidden_norm`` of the hidden state, q/k/v over their ``2D`` concatenation),
 ``norm``, ``lm_head`` over the draft vocabulary and ``d2t`` (target id = draft id +
 ``d2t[draft id]``; ``t2d`` marks the covered target ids), read as ``eagle3.apply_head``'s.
+tails-mpt/SpecJAX's heads (thoughtworks' on the hub) are this layout exactly: the same
+tensors, a thinner ``config.json`` (``head_dim`` and ``draft_vocab_size``, no
+``target_hidden_size`` or ``eagle_config``; ``architectures`` ``LlamaForCausalLM``) and
+``d2t`` as int32 offsets where JAX ran without x64.
+
+**EAGLE 3.1** (vLLM's ``llama_eagle3.py``, SpecForge, TorchSpec) is EAGLE-3 with two
+``config.json`` flags: ``"fc_norm": true`` adds one RMSNorm per fused stream before ``fc``
+(``fc_norm.{i}.weight`` [target_hidden_size]), and ``"norm_output": true`` feeds the
+head's post-norm output back to the next draft step (``PublishedHead.post_norm``). The
+variants of vLLM's file that specjax does not compute (``norm_before_fc``,
+``norm_before_residual``, no ``use_aux_hidden_state``) and a head of more than one layer are
+refused in one line naming the field.
 
 Each tensor name is mapped explicitly; a missing or unexpected tensor, a head for another
 hidden size or vocabulary, or fused layers the target lacks fail with one line naming it.
@@ -49,9 +61,11 @@ _ROTARY = ".rotary_emb.inv_freq"  # buffers older transformers saved; derived fr
 
 @dataclasses.dataclass(frozen=True)
 class PublishedHead:
-    """A loaded published head: ``kind`` (``"eagle"`` for EAGLE-1/2, ``"eagle3"``), the
-    layer's sizes, the parameter pytree (numpy, float32), EAGLE-3's target id per draft id
-    and fused layers, and the directory it came from."""
+    """A loaded published head: ``kind`` (``"eagle"`` for EAGLE-1/2, ``"eagle3"``, EAGLE 3.1
+    included), the layer's sizes, the parameter pytree (numpy, float32; EAGLE 3.1's
+    ``fc_norm`` [n, D_target] where the head has one), EAGLE-3's target id per draft id and
+    fused layers, the directory it came from, and whether the head feeds its output back
+    after the final norm (EAGLE 3.1's ``norm_output``)."""
 
     kind: str
     spec: blocks.LayerSpec
@@ -59,6 +73,7 @@ class PublishedHead:
     vocab_ids: np.ndarray | None
     layers: tuple[int, ...] | None
     source: str
+    post_norm: bool = False
 
 
 def is_published(path: str | Path) -> bool:
@@ -237,6 +252,46 @@ def _eagle1(p: Path, f: Path, cfg: ConfigFields, tensors: dict, target_cfg) -> P
     return PublishedHead("eagle", spec, hp, None, None, str(p))
 
 
+# vLLM's EAGLE-3 variants (``llama_eagle3.py``) that specjax's head does not compute: each
+# changes the forward where set true, so a head that sets one is refused, not misrun
+_UNCOMPUTED = {
+    "norm_before_fc": "one RMSNorm over the whole concatenation of the fused features "
+                      "(input_norm.weight), vLLM's gpt-oss speculators",
+    "norm_before_residual": "the layer's residual taken after hidden_norm",
+}
+
+
+def _eagle3_variant(p: Path, cfg: ConfigFields, tensors: dict, layers: tuple) -> tuple[bool, bool]:
+    """``(fc_norm, norm_output)``: EAGLE 3.1's flags in ``config.json`` (absent: false);
+    ``CheckpointError`` naming the field for a value that is not true or false, a variant
+    ``_UNCOMPUTED`` names, ``eagle_config.use_aux_hidden_state`` false (no fused features),
+    a ``num_aux_hidden_states`` other than the fused layers', more than one layer, or
+    ``fc_norm.*`` tensors the config does not ask for."""
+    where = p / "config.json"
+    ec = cfg.obj("eagle_config")
+    for key, what in _UNCOMPUTED.items():
+        for fields in (cfg, ec):
+            if fields.flag(key, False):
+                raise CheckpointError(f"{where}: {fields.name(key)} is true ({what}), which "
+                                      "specjax's EAGLE-3 head does not compute")
+    if not ec.flag("use_aux_hidden_state", True):
+        raise CheckpointError(f"{where}: 'eagle_config.use_aux_hidden_state' is false (a head "
+                              "without fused features); specjax's EAGLE-3 head reads them")
+    if cfg.integer("num_aux_hidden_states", len(layers)) != len(layers):
+        raise CheckpointError(f"{where}: 'num_aux_hidden_states' is "
+                              f"{cfg.d['num_aux_hidden_states']}, but the head fuses "
+                              f"{len(layers)} layers {list(layers)}")
+    if cfg.integer("num_hidden_layers", 1) != 1:
+        raise CheckpointError(f"{where}: 'num_hidden_layers' is {cfg.d['num_hidden_layers']}; "
+                              "an EAGLE-3 head is one layer (midlayer)")
+    fc_norm, norm_output = cfg.flag("fc_norm", False), cfg.flag("norm_output", False)
+    stray = sorted(k for k in tensors if k.startswith("fc_norm."))
+    if stray and not fc_norm:
+        raise CheckpointError(f"{where}: the weights hold {stray[:3]} (EAGLE 3.1's per-stream "
+                              "norms), but 'fc_norm' is not true")
+    return fc_norm, norm_output
+
+
 def _eagle3(p: Path, f: Path, cfg: ConfigFields, tensors: dict, target_cfg) -> PublishedHead:
     from specjax.drafters.eagle3 import fused_layers
 
@@ -252,12 +307,15 @@ def _eagle3(p: Path, f: Path, cfg: ConfigFields, tensors: dict, target_cfg) -> P
         raise CheckpointError(f"{p} fuses the outputs of layers {list(ids)} (the hidden "
                               f"states entering layers {list(layers)}), which a {n}-layer "
                               f"target does not have")
+    fc_norm, post_norm = _eagle3_variant(p, cfg, tensors, layers)
     dv = cfg.integer("draft_vocab_size", v)
     spec = layer_spec(cfg, 2 * d)
     want = {"fc.weight": (d, len(layers) * d_t), "midlayer.input_layernorm.weight": (d,),
             "midlayer.hidden_norm.weight": (d,), **_layer_shapes("midlayer.", spec, False),
             "norm.weight": (d,), "lm_head.weight": (dv, d), "d2t": (dv,), "t2d": (v,),
             "embed_tokens.weight": (v, d)}
+    if fc_norm:  # EAGLE 3.1: one norm per fused stream, each of the target's width
+        want.update({f"fc_norm.{i}.weight": (d_t,) for i in range(len(layers))})
     # EAGLE drops d2t and t2d from a head whose draft vocabulary is the target's; a head
     # narrower than its target cannot read the target's embedding and carries its own
     optional = ("t2d",) + (("d2t",) if dv == v else ()) + (() if d != d_t
@@ -276,7 +334,10 @@ def _eagle3(p: Path, f: Path, cfg: ConfigFields, tensors: dict, target_cfg) -> P
           "lm_head": t["lm_head.weight"]}
     if "embed_tokens.weight" in t:
         hp["embed"] = t["embed_tokens.weight"]
-    return PublishedHead("eagle3", spec, hp, vocab_ids.astype(np.int32), layers, str(p))
+    if fc_norm:
+        hp["fc_norm"] = np.stack([t[f"fc_norm.{i}.weight"] for i in range(len(layers))])
+    return PublishedHead("eagle3", spec, hp, vocab_ids.astype(np.int32), layers, str(p),
+                         post_norm)
 
 
 def drafter_and_params(head: PublishedHead, target, dtype, **sizes) -> tuple[Any, dict]:
@@ -290,7 +351,8 @@ def drafter_and_params(head: PublishedHead, target, dtype, **sizes) -> tuple[Any
     hp = jax.tree.map(lambda x: jnp.asarray(x, dtype), head.params)
     if head.kind == "eagle":
         return eagle.EagleDrafter(target, spec=head.spec, **sizes), {"head": hp}
-    drafter = eagle3.Eagle3Drafter(target, spec=head.spec, layers=head.layers, **sizes)
+    drafter = eagle3.Eagle3Drafter(target, spec=head.spec, layers=head.layers,
+                                   post_norm=head.post_norm, **sizes)
     return drafter, eagle3.draft_params(hp, target, head.vocab_ids)
 
 
@@ -458,13 +520,17 @@ def _eagle1_tensors(hp: dict, spec: blocks.LayerSpec, target_cfg, draft_vocab: i
     return extra, t
 
 
-def _eagle3_tensors(hp: dict, spec: blocks.LayerSpec, target_cfg, vocab_ids, layers
-                    ) -> tuple[dict, dict[str, np.ndarray]]:
+def _eagle3_tensors(hp: dict, spec: blocks.LayerSpec, target_cfg, vocab_ids, layers,
+                    post_norm: bool = False) -> tuple[dict, dict[str, np.ndarray]]:
     from specjax.drafters.eagle3 import fused_layers
 
     n, d_t, v = target_cfg.num_layers, int(target_cfg.hidden_size), int(target_cfg.vocab_size)
     _check_keys(hp, {"fc", "embed_norm", "hidden_norm", "layer", "norm", "lm_head"},
-                {"embed"}, set(), "eagle3")
+                {"embed", "fc_norm"}, set(), "eagle3")
+    if "fc_norm" in hp and tuple(np.shape(hp["fc_norm"])) != (len(fused_layers(n)), d_t):
+        raise NoPublishedLayout(f"the head's fc_norm has shape {tuple(np.shape(hp['fc_norm']))}"
+                                f"; EAGLE 3.1's is one norm of the target's width {d_t} per "
+                                f"fused layer, ({len(fused_layers(n))}, {d_t})")
     if layers is not None and tuple(int(x) for x in layers) != fused_layers(n):
         raise NoPublishedLayout(
             f"the head fuses the hidden states entering layers {list(layers)}; SafeAILab/EAGLE "
@@ -491,7 +557,11 @@ def _eagle3_tensors(hp: dict, spec: blocks.LayerSpec, target_cfg, vocab_ids, lay
          "d2t": (ids - np.arange(dv)).astype(np.int64), "t2d": t2d}
     if "embed" in hp:
         t["embed_tokens.weight"] = np.asarray(hp["embed"])
-    extra = {"draft_vocab_size": dv, **({"target_hidden_size": d_t} if spec.width != d_t else {})}
+    if "fc_norm" in hp:
+        t.update({f"fc_norm.{i}.weight": np.asarray(w) for i, w in enumerate(hp["fc_norm"])})
+    extra = {"draft_vocab_size": dv, **({"target_hidden_size": d_t} if spec.width != d_t else {}),
+             **({"fc_norm": True} if "fc_norm" in hp else {}),
+             **({"norm_output": True} if post_norm else {})}
     return extra, t
 
 
@@ -522,7 +592,8 @@ def embedding_note(params: dict) -> str:
 
 def to_published(kind: str, params: dict, target_cfg, *, spec: blocks.LayerSpec | None = None,
                  vocab_ids=None, layers=None, draft_vocab: int = 0, dtype: str = "bfloat16",
-                 for_sglang: bool = False) -> tuple[dict, dict[str, np.ndarray]]:
+                 for_sglang: bool = False, post_norm: bool = False
+                 ) -> tuple[dict, dict[str, np.ndarray]]:
     """``(config.json object, {tensor name: array})`` of the published layout of the head
     ``params`` of ``kind`` (``"eagle"``: EAGLE-1/2, ``"eagle3"``) for a target of
     ``target_cfg``; floating tensors cast to ``dtype`` (``SAVE_DTYPES``). ``spec``: the
@@ -533,8 +604,10 @@ def to_published(kind: str, params: dict, target_cfg, *, spec: blocks.LayerSpec 
     EAGLE's own); ``draft_vocab`` (eagle): a reduced vocabulary the head drafts over (0:
     none). ``for_sglang``: the files are for SpecForge/SGLang, so linear RoPE scaling with
     a base other than 10000 is written rather than refused (``_check_eagle_linear_rope``).
-    ``rms_norm_eps`` is written as ``_float32_decimal`` says. ``NoPublishedLayout`` (one
-    line) for a head the layout cannot express."""
+    ``rms_norm_eps`` is written as ``_float32_decimal`` says. EAGLE 3.1 (eagle3): a head
+    with ``fc_norm`` writes ``fc_norm.{i}.weight`` and ``"fc_norm": true``, and
+    ``post_norm`` writes ``"norm_output": true``. ``NoPublishedLayout`` (one line) for a
+    head the layout cannot express."""
     from specjax.drafters import eagle3
 
     np_dtype = _np_dtype(dtype)
@@ -544,9 +617,12 @@ def to_published(kind: str, params: dict, target_cfg, *, spec: blocks.LayerSpec 
         spec = blocks.LayerSpec.of(target_cfg) if kind == "eagle" else eagle3.layer_spec(target_cfg)
     _check_target_and_spec(kind, spec, target_cfg)
     if kind == "eagle":
+        if post_norm:
+            raise NoPublishedLayout("post-norm feedback (norm_output) is EAGLE 3.1's; the "
+                                    "EAGLE-1/2 layout has no such field")
         extra, t = _eagle1_tensors(params, spec, target_cfg, draft_vocab)
     else:
-        extra, t = _eagle3_tensors(params, spec, target_cfg, vocab_ids, layers)
+        extra, t = _eagle3_tensors(params, spec, target_cfg, vocab_ids, layers, post_norm)
     t = {k: np.ascontiguousarray(a.astype(np_dtype) if k not in ("d2t", "t2d") else a)
          for k, a in sorted(t.items())}
     return _config(kind, spec, target_cfg, dtype, extra, for_sglang), t
@@ -567,7 +643,7 @@ def check_out_dir(out: Path) -> None:
 
 def save(kind: str, params: dict, out_dir: str | Path, target_cfg, *, spec=None,
          vocab_ids=None, layers=None, draft_vocab: int = 0, dtype: str = "bfloat16",
-         for_sglang: bool = False) -> Path:
+         for_sglang: bool = False, post_norm: bool = False) -> Path:
     """Writes the head ``params`` of ``kind`` in its published layout (``to_published``) to
     ``out_dir`` (absent, empty, or a previous ``save``: ``FileExistsError`` otherwise):
     ``config.json`` (2-space JSON) and ``model.safetensors`` (metadata ``format: pt``);
@@ -577,7 +653,8 @@ def save(kind: str, params: dict, out_dir: str | Path, target_cfg, *, spec=None,
     (cast to ``dtype``; a full-size draft vocabulary with its ``lm_head`` rows in identity
     order, the same draft logits over the target's vocabulary). The head drafts with the
     embedding ``embedding_note`` names: its own if ``params`` has ``embed``, else the
-    target's."""
+    target's. ``post_norm``: an EAGLE 3.1 head that feeds its post-norm output back
+    (``PublishedHead.post_norm``; written as ``"norm_output": true``)."""
     import json
 
     from safetensors.numpy import save_file
@@ -589,7 +666,7 @@ def save(kind: str, params: dict, out_dir: str | Path, target_cfg, *, spec=None,
     check_out_dir(out)
     cfg, tensors = to_published(kind, params, target_cfg, spec=spec, vocab_ids=vocab_ids,
                                 layers=layers, draft_vocab=draft_vocab, dtype=dtype,
-                                for_sglang=for_sglang)
+                                for_sglang=for_sglang, post_norm=post_norm)
     with _atomic.replace_dir(out) as tmp:  # swapped in whole: a kill leaves old or new
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})

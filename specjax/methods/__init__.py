@@ -54,6 +54,7 @@ from specjax.methods.eagle import Eagle, Eagle3  # noqa: E402, F401
 from specjax.methods.redrafter import Redrafter  # noqa: E402, F401
 from specjax.methods.hsd import HSD  # noqa: E402, F401
 from specjax.methods.hsd import draft_temperatures, exit_heads, read_calibration  # noqa: E402
+from specjax.methods.dflash import DFlash  # noqa: E402, F401
 from specjax.methods.peer import Peer  # noqa: E402, F401
 
 #: the classes registered by specjax itself (``registered()`` before any user registration)
