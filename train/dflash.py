@@ -44,7 +44,7 @@ class DFlashConfig:
     layers: int = 1
     block_size: int = 8
     target_layers: tuple[int, ...] | None = None
-    anchors: int = 32
+    anchors: int = 16
     gamma: float = 4.0
     epochs: int = 2
     batch_tokens: int = 2048
@@ -159,17 +159,21 @@ def make_step(target, spec, cfg: DFlashConfig, opt):
 # ----------------------------------------------------------------------------- data
 
 def store_examples(lm, roots: Sequence[str | Path], layers: tuple[int, ...], progress=None,
-                   batch: int = 16) -> list[tuple]:
-    """Every sequence of the shard stores ``roots`` (held-out sets excepted) with the
-    residual streams after ``layers`` (float16), from cacheless forwards."""
+                   batch: int = 16, max_tokens: int | None = None) -> list[tuple]:
+    """The sequences of the shard stores ``roots`` (held-out sets excepted; in store and
+    shard order, whole shards, until ``max_tokens`` tokens are read) with the residual
+    streams after ``layers`` (float16), from cacheless forwards."""
     from specjax.train.shards import ShardStore, target_hash
 
     target = onpolicy.store_target(lm, target_hash(lm.model.config, lm.params))
-    out = []
+    out, seen = [], 0
     for root in roots:
         store = ShardStore.open(root, target, lm.model.config.vocab_size)
         for i in range(len(store)):
+            if max_tokens is not None and seen >= max_tokens:
+                return out
             rows = store.read(i)
+            seen += sum(len(t) for t, _ in rows)
             for j in range(0, len(rows), batch):
                 out += [(t, pl, f.astype(np.float16)) for t, pl, f in
                         onpolicy.prefill_features(lm, rows[j:j + batch], layers)]
@@ -210,6 +214,11 @@ def train(lm, examples: Sequence[tuple], cfg: DFlashConfig, run_dir: str | Path,
     steps = plan(examples, cfg)
     opt = optimizer(cfg, len(steps))
     params = dflash.init_params(spec, jax.random.key(cfg.seed), scale=cfg.init_scale)
+    # the final norm starts as the target's (read through its final_norm of a unit-RMS
+    # vector), so the first logits are on the target's scale rather than far sharper
+    d = spec.layer.width
+    params["norm"] = jnp.asarray(lm.model.final_norm(lm.params, jnp.ones((d,), jnp.float32)),
+                                 jnp.float32)
     fresh = {"params": params, "opt_state": opt.init(params), "step": jnp.asarray(0, jnp.int32)}
     fields = {k: (list(v) if isinstance(v, tuple) else v)
               for k, v in dataclasses.asdict(cfg).items()}

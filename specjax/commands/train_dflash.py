@@ -40,6 +40,8 @@ def add_parser(tsub):
     p.add_argument("--export", help="write the trained drafter here (z-lab's hub layout, "
                                     "bfloat16)")
     p.add_argument("--stop-after", type=int, help="stop after this many steps of this call")
+    p.add_argument("--tokens", type=int, help="read whole shards until this many tokens "
+                                              "(default: every shard)")
     cls, fields = _config_fields()
     for f in fields:
         flag = "--" + f.name.replace("_", "-")
@@ -63,8 +65,10 @@ def _check(args):
         cfg = glue.from_args(DFlashConfig, args)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if args.stop_after is not None and args.stop_after < 1:
-        raise UsageError(f"--stop-after must be >= 1, got {args.stop_after}")
+    for flag in ("stop_after", "tokens"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
     for root in args.shards:
         if not Path(root).is_dir():
             raise UsageError(f"--shards {root}: no such directory")
@@ -94,7 +98,8 @@ def cmd_train_dflash(args) -> int:
                          f"{lm.model.config.num_layers} layers")
     layers = tuple(l + 1 for l in spec.target_layers)
     with tqdm(desc="target features", unit="shard") as bar:
-        examples = train_df.store_examples(lm, args.shards, layers, progress=bar)
+        examples = train_df.store_examples(lm, args.shards, layers, progress=bar,
+                                              max_tokens=args.tokens)
     n_tok = sum(len(t) for t, _, _ in examples)
     print(f"{len(examples)} sequences, {n_tok} tokens; {cfg}", flush=True)
     total = len(train_df.plan(examples, cfg))

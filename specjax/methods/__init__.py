@@ -14,6 +14,8 @@ Text forms (``parse`` / ``MethodSpec.format``; ``parse(m.format()) == m``):
   (``Options.draft_checkpoint``) over the target's fused hidden states;
 * ``redrafter[:W,L][:nodedup]``: ReDrafter's beams as one tree
   (``Options.redrafter_checkpoint``);
+* ``dflash[:depth[,topk,total]]``: a DFlash block drafter (``Options.draft_checkpoint``,
+  z-lab's hub layout), verified as a chain or a tree of each slot's top-k;
 * ``hsd[:SPEC]``: a hierarchy (``specjax.hsd.HierarchySpec``; bare ``hsd`` is tuned from
   ``Options.calibration``);
 * ``hf``, ``hf-pld``: the transformers peers a benchmark compares against (not decoders).
@@ -28,7 +30,7 @@ registered classes (``registered()``). Adding a method is one ``Method`` subclas
 with ``register`` (see ``Method``), in a module of its own; ``unregister`` removes one.
 
 Layout: ``registry`` holds the machinery; each built-in method is one module here (``ar``,
-``sd``, ``eagle``, ``redrafter``, ``hsd``, ``peer``), imported below in registration order:
+``sd``, ``eagle``, ``redrafter``, ``hsd``, ``dflash``, ``peer``), imported below in registration order:
 a new built-in method is its module and one import line.
 
 ``build`` returns a ``Built``: the decoder, its parameters and the spec as run, callable
