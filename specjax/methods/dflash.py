@@ -10,6 +10,9 @@ from specjax.methods.registry import (Built, Method, Options, SpecError, _cast, 
                                        _sections, register, speculative)
 
 
+RANDOM_BLOCK = 16  # the block of a random drafter without sizes (z-lab's published b16)
+
+
 @register
 @dataclasses.dataclass(frozen=True)
 class DFlash(Method):
@@ -97,10 +100,19 @@ class DFlash(Method):
             raise SpecError(str(e)) from None
 
     def scratch(self, options: Options) -> int | None:
-        """The nodes and the root (``Speculative.scratch``), where the spec sizes them."""
-        if self.depth is None:
-            return None
-        return (self.depth if self.topk == 1 else self.total) + 1
+        """The nodes and the root (``Speculative.scratch``). Bare ``dflash`` drafts its
+        drafter's whole block: ``block_size`` from the checkpoint's config (the random
+        build's ``RANDOM_BLOCK`` without one; None where the config is unreadable)."""
+        if self.depth is not None:
+            return (self.depth if self.topk == 1 else self.total) + 1
+        if not options.draft_checkpoint:
+            return RANDOM_BLOCK
+        from specjax.heads import dflash as heads
+
+        try:
+            return heads.read_spec(options.draft_checkpoint).block_size
+        except heads.CheckpointError:
+            return None  # ``check`` names the problem
 
     def _drafter(self, lm, spec):
         from specjax.drafters.dflash import DFlashDrafter
@@ -124,7 +136,8 @@ class DFlash(Method):
 
         cfg = lm.model.config
         spec = dflash.DFlashSpec.of(cfg, num_layers=5 if cfg.num_layers >= 24 else 2,
-                                    block_size=16 if self.depth is None else self.depth + 1)
+                                    block_size=RANDOM_BLOCK if self.depth is None
+                                    else self.depth + 1)
         # weights at 0.2: drafts that vary with the context (at 0.05 a toy accepts ~nothing)
         params = dflash.init_params(spec, key, lm.model.compute_dtype, scale=0.2)
         return speculative(self, lm, options, self._drafter(lm, spec), params)
