@@ -28,8 +28,11 @@ import transformers
 from safetensors import safe_open
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-import dflash.model as dm
-from dflash.model import DFlashDraftModel, extract_context_feature
+try:  # z-lab's reference: only in its own environment (scripts/dflash_ref_env.sh)
+    import dflash.model as dm
+    from dflash.model import DFlashDraftModel, extract_context_feature
+except ModuleNotFoundError:  # importable elsewhere (tests/test_scripts.py); main() needs it
+    dm = DFlashDraftModel = extract_context_feature = None
 
 # z-lab/dflash commit 44947fb (dflash/model.py last changed in 7d2ea1e).
 DFLASH_COMMIT = "44947fbf71114e241c96de194f4b382b5dd330d0"

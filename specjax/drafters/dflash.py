@@ -123,17 +123,17 @@ def init_params(spec: DFlashSpec, key: Array, dtype=jnp.float32, scale: float = 
     return jax.tree.unflatten(treedef, out)
 
 
-def check_params(spec: DFlashSpec, params: dict) -> None:
+def check_dp(spec: DFlashSpec, dp: dict) -> None:
     """``ValueError`` naming the first weight missing, unexpected or of another shape."""
     want = param_shapes(spec)
-    if set(params) != set(want):
-        raise ValueError(f"DFlash parameters have keys {sorted(params)}; expected "
+    if set(dp) != set(want):
+        raise ValueError(f"DFlash parameters have keys {sorted(dp)}; expected "
                          f"{sorted(want)}")
-    if len(params["layers"]) != spec.num_layers:
-        raise ValueError(f"DFlash parameters have {len(params['layers'])} layers; the spec "
+    if len(dp["layers"]) != spec.num_layers:
+        raise ValueError(f"DFlash parameters have {len(dp['layers'])} layers; the spec "
                          f"says {spec.num_layers}")
-    flat = [("", params, want)] + [(f"layers[{i}].", p, w) for i, (p, w) in
-                                   enumerate(zip(params["layers"], want["layers"]))]
+    flat = [("", dp, want)] + [(f"layers[{i}].", p, w) for i, (p, w) in
+                                   enumerate(zip(dp["layers"], want["layers"]))]
     for prefix, p, w in flat:
         for name, shape in w.items():
             if name == "layers":

@@ -127,7 +127,7 @@ def _names(spec) -> dict[str, tuple]:
 
 
 def load(path: str | Path, target_cfg) -> tuple:
-    """``(spec, params)``: the drafter in ``path`` checked against ``target_cfg``, its
+    """``(spec, dp)``: the drafter in ``path`` checked against ``target_cfg``, its
     weights as float32 numpy in ``specjax.drafters.dflash``'s pytree."""
     from specjax.heads.published import _check_dtypes, _take, read_tensors
 
@@ -137,14 +137,14 @@ def load(path: str | Path, target_cfg) -> tuple:
     _check_dtypes(tensors, f)
     names = _names(spec)
     got = _take(tensors, {k: s for k, (_, s) in names.items()}, f)
-    params = {k: None for k in TOP_KEYS}
-    params["layers"] = [{} for _ in range(spec.num_layers)]
+    dp = {k: None for k in TOP_KEYS}
+    dp["layers"] = [{} for _ in range(spec.num_layers)]
     for name, (where, _) in names.items():
         if where[0] == "layers":
-            params["layers"][where[1]][where[2]] = got[name]
+            dp["layers"][where[1]][where[2]] = got[name]
         else:
-            params[where[0]] = got[name]
-    return spec, params
+            dp[where[0]] = got[name]
+    return spec, dp
 
 
 def config(spec, target_cfg, dtype: str = "bfloat16") -> dict:
@@ -184,8 +184,8 @@ def rope_fields(s) -> dict:
     return out
 
 
-def save(spec, params, out_dir: str | Path, target_cfg, dtype: str = "bfloat16") -> Path:
-    """Writes the drafter ``params`` in the hub layout to ``out_dir`` (absent, empty or a
+def save(spec, dp, out_dir: str | Path, target_cfg, dtype: str = "bfloat16") -> Path:
+    """Writes the drafter ``dp`` in the hub layout to ``out_dir`` (absent, empty or a
     previous ``save``), swapped in whole, and checks it reads back; returns the directory."""
     import jax
     from safetensors.numpy import save_file
@@ -199,7 +199,7 @@ def save(spec, params, out_dir: str | Path, target_cfg, dtype: str = "bfloat16")
     np_dtype = _np_dtype(dtype)
     tensors = {}
     for name, (where, _) in _names(spec).items():
-        leaf = params[where[0]] if where[0] != "layers" else params["layers"][where[1]][where[2]]
+        leaf = dp[where[0]] if where[0] != "layers" else dp["layers"][where[1]][where[2]]
         tensors[name] = np.ascontiguousarray(np.asarray(jax.device_get(leaf), np.float32)
                                              .astype(np_dtype))
     with _atomic.replace_dir(out) as tmp:
