@@ -113,17 +113,15 @@ def param_shapes(spec: DFlashSpec) -> dict:
 def init_params(spec: DFlashSpec, key: Array, dtype=jnp.float32, scale: float = 0.05) -> dict:
     """Random parameters (norm gains 1, weights normal with ``scale``), for tests, training
     from scratch and timing."""
-    shapes = param_shapes(spec)
-    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    keys = jax.random.split(key, len(leaves))
-    paths = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
-    out = [jnp.ones(s, dtype) if "norm" in p else (jax.random.normal(k, s) * scale).astype(dtype)
-           for p, s, k in zip(paths, leaves, keys)]
+    leaf = lambda x: isinstance(x, tuple)  # noqa: E731 -- a shape
+    paths, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(spec), is_leaf=leaf)
+    keys = jax.random.split(key, len(paths))
+    out = [jnp.ones(s, dtype) if "norm" in jax.tree_util.keystr(p)
+           else (jax.random.normal(k, s) * scale).astype(dtype) for (p, s), k in zip(paths, keys)]
     return jax.tree.unflatten(treedef, out)
 
 
-def check_dp(spec: DFlashSpec, dp: dict) -> None:
+def check_params(spec: DFlashSpec, dp: dict) -> None:
     """``ValueError`` naming the first weight missing, unexpected or of another shape."""
     want = param_shapes(spec)
     if set(dp) != set(want):
@@ -214,8 +212,7 @@ def block_inputs(spec: DFlashSpec, root: Int[Array, "B"]) -> Int[Array, "B T"]:
 
 def draft_logits(target, tparams, h: Float[Array, "... D"]) -> Float[Array, "... V"]:
     """Float32 logits of the drafter's normed output through the target's LM head."""
-    head = target.output_head(tparams)
-    return head_logits(head.astype(h.dtype) if head.dtype != h.dtype else head, h)
+    return head_logits(target.output_head(tparams).astype(h.dtype), h)
 
 
 # ----------------------------------------------------------------------------- the drafter
