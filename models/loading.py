@@ -103,15 +103,18 @@ def load_gguf(path: str | Path, dtype=jnp.float32, mesh=None,
 def hf_dir_config(path: str | Path) -> Config:
     """The model config of a local HF directory, from its ``config.json``;
     ``WeightLoadError`` naming the file (and the key) for a file that is not a JSON object,
-    an unsupported ``model_type``, a missing key or a value of the wrong type."""
+    a missing or unsupported ``model_type``, a missing key or a value of the wrong type."""
     cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{path}: no config.json")
     f = read_config_json(cfg_file)
-    kind = f.text("model_type", "llama")
+    kinds = [t for fam in FAMILIES.values() for t in fam.hf_model_types]
+    if f.d.get("model_type") is None:
+        f.fail("'model_type' is missing: it names the architecture, as transformers "
+               f"requires ({', '.join(kinds)})")
+    kind = f.text("model_type")
     fam = hf_family(kind)
     if fam is None:
-        kinds = [t for fam in FAMILIES.values() for t in fam.hf_model_types]
         f.fail(f"model_type {kind!r} is not supported ({', '.join(kinds)})")
     return fam.hf_config(f)
 

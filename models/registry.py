@@ -278,14 +278,33 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model",
                     "tokenizer.model")
 
 
+_TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
 def _dir_tokenizer(path: Path):
     """The tokenizer of an HF directory, or None when it has no tokenizer files (a
-    random-weight directory: prompts are then given as token ids)."""
+    random-weight directory: prompts are then given as token ids). ``WeightLoadError``
+    naming the file for a tokenizer JSON file that does not parse, and naming the directory
+    for one transformers cannot read otherwise."""
     from transformers import AutoTokenizer
 
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
         return None
-    return AutoTokenizer.from_pretrained(str(path))
+    for name in _TOKENIZER_JSON:
+        f = path / name
+        if f.is_file():
+            try:
+                json.loads(f.read_bytes())
+            except (ValueError, UnicodeDecodeError) as e:
+                raise loading.WeightLoadError(
+                    f"{f}: not a readable JSON file ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0]})") from None
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 -- transformers raises many kinds; name the place
+        msg = (str(e).splitlines() or [""])[0]
+        raise loading.WeightLoadError(f"{path}: transformers cannot read its tokenizer "
+                                      f"({type(e).__name__}: {msg})") from e
 
 
 def generation_eos_ids(path: str | Path) -> tuple[int, ...]:

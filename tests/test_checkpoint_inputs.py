@@ -362,6 +362,7 @@ def test_head_weights_that_are_not_floats_are_refused(tmp_path, change, refusal)
 #: (family, config edit (a key set to None is removed), fragment of the one-line refusal)
 TARGET_CONFIGS = [
     ("llama", {"vocab_size": None}, "'vocab_size' is missing"),
+    ("llama", {"model_type": None}, "'model_type' is missing: it names the architecture"),
     ("llama", {"num_attention_heads": None}, "'num_attention_heads' is missing"),
     ("llama", {"intermediate_size": None}, "'intermediate_size' is missing"),
     ("llama", {"hidden_size": "32"}, "'hidden_size' must be an integer >= 1, got '32'"),

@@ -35,6 +35,9 @@ def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("preload")
     (root / "toy").mkdir()
     (root / "toy" / "config.json").write_text(json.dumps(TOY))
+    (root / "badtok").mkdir()
+    (root / "badtok" / "config.json").write_text(json.dumps(TOY))
+    (root / "badtok" / "tokenizer.json").write_text('{"version": "1.0", "model": {')
     write_eagle1_head(root / "eagle1", weights="model.safetensors", **HEAD)
     write_eagle1_head(root / "eagle1bin", weights="pytorch_model.bin", **HEAD)
     write_eagle3_head(root / "eagle3", draft_vocab=24, weights="model.safetensors", **HEAD)
@@ -98,6 +101,24 @@ GENERATE = [  # generate arguments after --model, exit code, a piece of the mess
      "+ 8 draft slots"),
     (["--prompt-ids", _ids(500), "--max-new-tokens", "8", "--method", "hsd:ngram:4,2:3,target",
       "--layers", "2"], 2, "draft slots"),
+    # --verify-widths: what does not read as widths, then widths the method's draft refuses
+    *[(["--prompt-ids", "1,2", "--method", "sd-ngram:7", "--verify-widths", w], 2,
+       f"argument --verify-widths: {m}") for w, m in [
+        ("0", "verification widths '0' must be positive"),
+        ("-1", "verification widths '-1' must be positive"),
+        ("abc", "unknown verification widths 'abc'"),
+        ("", "unknown verification widths ''"),
+        ("padded,3", "unknown verification widths 'padded,3'"),
+        ("1,,8", "unknown verification widths '1,,8'")]],
+    (["--prompt-ids", "1,2", "--method", "sd-ngram:3", "--verify-widths", "8,4"], 2,
+     "--verify-widths 8,4: sd-ngram:3: verification widths 4,8 must lie in [1, 4] and "
+     "include 4"),
+    (["--prompt-ids", "1,2", "--method", "sd-ngram:7", "--verify-widths", "100000"], 2,
+     "--verify-widths 100000: sd-ngram:7: verification widths 100000 must lie in [1, 8]"),
+    (["--prompt-ids", "1,2", "--method", "eagle3", "--draft-checkpoint", "{d}/eagle3",
+      "--verify-widths", "1,8"], 2, "--verify-widths 1,8: eagle3"),
+    (["--prompt-ids", "1,2", "--method", "hsd:ngram:4,2:3,target", "--layers", "2",
+      "--verify-widths", "1,5"], 2, "not fixed widths 1,5"),
 ]
 
 
@@ -119,14 +140,24 @@ def test_generate_refuses_before_the_weights_load(argv, code, msg, dirs, weights
     ["--prompt-ids", "1,2", "--method", "sd-early-exit:3"],
     ["--prompt-ids", "1,2", "--method", "hsd:ngram:4,2:3,target", "--layers", "2"],
     ["--prompt-ids", "1,2", "--method", "eagle2:3,2,5", "--draft-checkpoint", "{d}/eagle1"],
+    ["--prompt-ids", "1,2", "--method", "sd-ngram:7", "--verify-widths", "8,1,4"],
+    ["--prompt-ids", "1,2", "--method", "hsd:ngram:4,2:3,target", "--layers", "2",
+     "--verify-widths", "per-width"],
 ], ids=["ar-full-context", "eagle3-full-context", "early-exit-3", "hsd-layers-2",
-        "eagle2-eagle1"])
+        "eagle2-eagle1", "widths-8,1,4", "hsd-per-width"])
 def test_what_fits_goes_on_to_the_weights(argv, dirs, weights_guard, capsys, monkeypatch):
     """The edges of each refusal are accepted: the run goes on to read the weights."""
     argv = ["generate", "--model", str(dirs / "toy"),
             *(a.replace("{d}", str(dirs)) for a in argv)]
     got, err = _run(argv, capsys, monkeypatch)
     assert got == 1 and WEIGHTS_READ in err, err
+
+
+def test_a_corrupt_tokenizer_file_is_named(dirs, weights_guard, capsys, monkeypatch):
+    path = dirs / "badtok" / "tokenizer.json"
+    got, err = _run(["generate", "--model", str(dirs / "badtok"), "--prompt", "hi"], capsys,
+                    monkeypatch)
+    assert got == 1 and f"{path}: not a readable JSON file (JSONDecodeError" in err, err
 
 
 BENCH = [
@@ -271,3 +302,19 @@ def test_generate_check_weights_refuses_nan_weights(capsys, monkeypatch):
     got, err = _run(["generate", "--model", "toy", "--prompt-ids", "1,2", "--check-weights"],
                     capsys, monkeypatch)
     assert got == 1 and "weight 'final_norm' holds 1 NaN values" in err, err
+
+
+def test_the_python_api_checks_fixed_widths_against_the_spec():
+    """``methods.check`` refuses widths the build would refuse, before any model exists."""
+    from specjax.methods.registry import WidthsError
+
+    with pytest.raises(WidthsError, match=r"sd-ngram:3: verification widths 2,8 must lie in "
+                                          r"\[1, 4\] and include 4"):
+        methods.check("sd-ngram:3", methods.Options(widths=(8, 2)))
+    with pytest.raises(WidthsError, match="must be positive integers"):
+        methods.check("sd-ngram:3", methods.Options(widths="0,4"))
+    with pytest.raises(WidthsError, match="not fixed widths 1,5"):
+        methods.check("hsd:ngram:4,2:3,target", methods.Options(widths="1,5", layers=(2,)))
+    methods.check("sd-ngram:3", methods.Options(widths=(4, 1)))
+    methods.check("ar", methods.Options(widths=(1, 8)))  # ar verifies nothing
+    methods.check("hsd:ngram:4,2:3,target", methods.Options(widths="padded", layers=(2,)))

@@ -330,6 +330,23 @@ def test_a_corrupt_run_json_is_named_before_the_target_loads(own_inputs, no_mode
         assert "use another --run directory" in err, err
 
 
+def test_a_run_whose_every_step_is_damaged_is_refused_before_the_target_loads(
+        own_inputs, no_model, capsys, monkeypatch):
+    """Before: refused only once the target had loaded (``train eagle``) or its features
+    had been computed (``train dflash``)."""
+    ckpt = own_inputs / "run" / "ckpt"
+    for s in (3, 4):
+        (ckpt / str(s)).mkdir(parents=True)
+        (ckpt / str(s) / checkpoint.MANIFEST).write_text("{")
+    dflash = ["train", "dflash", "--shards", "{d}/store", "--run", "{d}/run"]
+    for argv in (EAGLE, ONPOLICY, REDRAFTER, EXITS, dflash):
+        code, err = _cli(argv, own_inputs, capsys, monkeypatch)
+        assert code == 1 and len(err.splitlines()) == 1, (argv[1], err)
+        assert f"every checkpoint in {ckpt} is corrupt (step 4: its manifest" in err, err
+    (ckpt / "3" / checkpoint.MANIFEST).unlink()  # a step without one is taken as whole
+    checkpoint.check_steps(own_inputs / "run")
+
+
 def test_a_damaged_distill_shard_is_named_before_the_target_loads(own_inputs, no_model, capsys,
                                                                   monkeypatch):
     """Before: "BadZipFile: Bad CRC-32 for file 'feats.npy'", naming no shard."""

@@ -170,5 +170,8 @@ def test_policies_resolve(toy):
         assert widths.resolve(ng, "auto") == (1, 8)
     with pytest.raises(ValueError, match="unknown verification widths 'wide'"):
         widths.as_policy("wide")
+    for bad in ("0", "-1,8", (), (0, 8)):
+        with pytest.raises(ValueError, match="must be positive integers"):
+            widths.as_policy(bad)
     with pytest.raises(ValueError, match="must lie in"):
         specjax.Speculative(model, rd, (5, 9))

@@ -191,23 +191,39 @@ def manager(run_dir: Path, keep: int = 2) -> ocp.CheckpointManager:
     return Manager((run_dir / "ckpt").absolute(), options=opts)
 
 
+def _damaged_steps(root: Path, steps) -> list[tuple[int, str]]:
+    """``(step, why)`` for the steps in ``root`` that their manifests show damaged, newest
+    first, up to the first whole one; ``CheckpointError`` when none is whole."""
+    damaged = []
+    for step in sorted(steps, reverse=True):
+        why = check_manifest(root / str(step))
+        if why is None:
+            return damaged
+        damaged.append((step, why))
+    if damaged:
+        steps = "; ".join(f"step {s}: {why}" for s, why in damaged)
+        dirs = " and ".join(str(root / str(s)) for s, _ in damaged)
+        raise CheckpointError(f"every checkpoint in {root} is corrupt ({steps}); remove "
+                              f"{dirs} to train from the start")
+    return damaged
+
+
+def check_steps(run_dir: str | Path) -> None:
+    """Before any model loads: ``CheckpointError`` when ``run_dir/ckpt`` holds steps and
+    every one is damaged by its manifest (the refusal :func:`restore_latest` would give
+    after the loading). Reads the files only; a run with a whole step, or none, passes."""
+    root = (Path(run_dir) / "ckpt").absolute()
+    if root.is_dir():
+        _damaged_steps(root, [int(d.name) for d in root.iterdir()
+                              if d.is_dir() and d.name.isdigit()])
+
+
 def _set_aside_damaged(mngr: ocp.CheckpointManager) -> None:
     """Checks the latest steps against their manifests, newest first, until one is whole
     (or has none); each damaged one is moved to ``ckpt-damaged/`` by process 0, saying so,
     and ``mngr`` reloaded. ``CheckpointError`` when no whole step is left."""
     root = Path(mngr.directory)
-    damaged = []
-    for step in sorted(mngr.all_steps(), reverse=True):
-        why = check_manifest(root / str(step))
-        if why is None:
-            break
-        damaged.append((step, why))
-    else:
-        if damaged:
-            steps = "; ".join(f"step {s}: {why}" for s, why in damaged)
-            dirs = " and ".join(str(root / str(s)) for s, _ in damaged)
-            raise CheckpointError(f"every checkpoint in {root} is corrupt ({steps}); remove "
-                                  f"{dirs} to train from the start")
+    damaged = _damaged_steps(root, mngr.all_steps())
     if not damaged:
         return
     barrier("checkpoint: checked")  # every process has read the damaged steps

@@ -161,9 +161,12 @@ def check_method(spec, args) -> None:
     """``specjax.methods.check``, before the model loads: the head directories and the
     calibration ``spec`` reads; a spec error reported as a usage error."""
     from specjax import methods
+    from specjax.methods.registry import WidthsError
 
     try:
         methods.check(spec, options(args))
+    except WidthsError as e:
+        raise UsageError(f"--verify-widths {args.verify_widths}: {e}") from None
     except methods.SpecError as e:
         raise UsageError(str(e)) from None
 
@@ -261,8 +264,20 @@ def add_check_weights(s) -> None:
                         "load); unchecked, such weights decode token 0 with no error")
 
 
+def width_policy(text: str) -> str:
+    """``text`` when it reads as a verification-width policy (argparse type; which widths
+    fit the method is checked with the method)."""
+    from specjax.core import widths
+
+    try:
+        widths.as_policy(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def add_verify_widths(s) -> None:
-    s.add_argument("--verify-widths", default="auto",
+    s.add_argument("--verify-widths", default="auto", type=width_policy,
                    help="verification widths compiled for speculative methods: auto (padded "
                         "off CPU, merged on CPU), padded (one forward at the full draft), "
                         "per-width (the drafter's own), merged (per-width, widths with equal "

@@ -55,11 +55,13 @@ def _check_outputs(args) -> None:
 
 
 def _check_run_record(run: str | None) -> None:
-    """``run/run.json``, where there is one, is a readable record (``CheckpointError``)."""
+    """``run/run.json``, where there is one, is a readable record, and the run has a
+    whole checkpoint step or none (``CheckpointError``)."""
     if run:
         from specjax.train import checkpoint
 
         checkpoint.read_run(run)
+        checkpoint.check_steps(run)
 
 
 def _input_dir(path: str, flag: str) -> Path:

@@ -78,6 +78,9 @@ def _check(args):
             raise UsageError(str(e)) from None
     if args.export and Path(args.export).exists() and not Path(args.export).is_dir():
         raise UsageError(f"--export {args.export} exists and is not a directory")
+    from specjax.commands.train import _check_outputs
+
+    _check_outputs(args)  # --run writable, its record readable, a whole step or none
     return cfg
 
 

@@ -93,7 +93,7 @@ NAMES = {"auto": Auto(), "padded": Padded(), "per-width": PerWidth(),
 def as_policy(spec: "WidthPolicy | Sequence[int] | str | None") -> WidthPolicy:
     """A policy from ``None`` (``Auto()``), a policy, a sequence of widths (``Fixed``), a
     name in ``NAMES`` or comma-separated widths (the CLI's ``--verify-widths``).
-    ``ValueError`` for anything else."""
+    ``ValueError`` for anything else, and for widths below 1."""
     if spec is None:
         return Auto()
     if isinstance(spec, (Padded, PerWidth, Auto, Fixed)):
@@ -102,12 +102,17 @@ def as_policy(spec: "WidthPolicy | Sequence[int] | str | None") -> WidthPolicy:
         if spec in NAMES:
             return NAMES[spec]
         try:
-            return Fixed(tuple(int(w) for w in spec.split(",")))
+            values = tuple(int(w) for w in spec.split(","))
         except ValueError:
             raise ValueError(f"unknown verification widths {spec!r}: use one of "
                              f"{', '.join(NAMES)} or comma-separated widths such as 1,8"
                              ) from None
-    return Fixed(tuple(int(w) for w in spec))
+    else:
+        values = tuple(int(w) for w in spec)
+    if not values or min(values) < 1:
+        raise ValueError(f"verification widths {spec!r} must be positive integers "
+                         "(a width counts the root and the draft nodes a forward holds)")
+    return Fixed(values)
 
 
 def narrowest(widths: Sequence[int], need) -> jax.Array:

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import ClassVar, Sequence
 
 from specjax.hsd.spec import HierarchySpec
-from specjax.methods.registry import (Built, CliOption, Method, Options, SpecError, _check_lm,
-                                       _check_options, _type_error, register)
+from specjax.methods.registry import (Built, CliOption, Method, Options, SpecError,
+                                       WidthsError, _check_lm, _check_options, _type_error,
+                                       register)
 
 
 @register
@@ -95,6 +96,13 @@ class HSD(Method):
         bad = [l for l in used if not (isinstance(l, int) and 1 <= l < n)]
         if bad:
             raise SpecError(f"{what} {bad} lie outside [1, {n - 1}]; the model has {n} layers")
+
+    def check_widths(self, widths: tuple[int, ...], options: Options) -> None:
+        """HSD's levels verify at different widths: fixed widths are refused (as
+        ``specjax.hsd.loop.HSD`` refuses them), a policy name is taken."""
+        raise WidthsError(f"{self.format()}: the levels verify at different widths, so "
+                        "verification widths take a policy (auto, padded, per-width, merged), "
+                        f"not fixed widths {','.join(map(str, widths))}")
 
     def scratch(self, options: Options) -> int | None:
         """Every level's buffer and bonus tokens (``specjax.hsd.loop.HSD.scratch``); None

@@ -15,6 +15,10 @@ class SpecError(ValueError):
     """A method spec, or an option it needs, is wrong: a one-line usage error."""
 
 
+class WidthsError(SpecError):
+    """The verification widths (``Options.widths``) are wrong for the spec."""
+
+
 def _type_error(where: str, name: str, want: str, got) -> TypeError:
     """``where: name must be want, got T``: a Python caller passed the wrong kind of thing."""
     return TypeError(f"{where}: {name} must be {want}, got {type(got).__name__}")
@@ -124,6 +128,17 @@ class Method:
         """Raises ``SpecError`` for what the model's ``config`` alone shows the build would
         refuse (an exit layer past its layers, heads at other layers), before any weight is
         read; nothing by default. ``check`` has passed."""
+
+    def check_widths(self, widths: tuple[int, ...], options: Options) -> None:
+        """Raises ``WidthsError`` for fixed verification widths (ascending, each >= 1) that
+        the build would refuse. By default ``Speculative``'s rule: they lie in
+        ``[1, scratch]`` and include ``scratch`` (the root and every draft node); nothing
+        where ``scratch`` is unknown or 0 (a method that verifies nothing)."""
+        n = self.scratch(options)
+        if n and widths[-1] != n:
+            raise WidthsError(f"{self.format()}: verification widths {','.join(map(str, widths))} "
+                            f"must lie in [1, {n}] and include {n} (the root and all "
+                            f"{n - 1} draft nodes)")
 
     def scratch(self, options: Options) -> int | None:
         """The cache slots one round of the built decoder may write past a row's prompt and
@@ -291,6 +306,19 @@ def _check_lm(lm, where: str) -> None:
                                        "Gemma, T5... with .model and .params)", lm)
 
 
+def _check_widths(spec: Method, options: Options) -> None:
+    """``options.widths`` readable as a width policy, and fixed widths that ``spec``'s
+    build accepts (``Method.check_widths``); ``WidthsError`` otherwise."""
+    from specjax.core import widths as width_policy
+
+    try:
+        policy = width_policy.as_policy(options.widths)
+    except (ValueError, TypeError) as e:
+        raise WidthsError(str(e)) from None
+    if isinstance(policy, width_policy.Fixed):
+        spec.check_widths(policy.widths(None), options)
+
+
 def _check_options(options, where: str) -> None:
     if not isinstance(options, Options):
         raise _type_error(where, "options", "a methods.Options", options)
@@ -316,7 +344,8 @@ def check(spec: MethodSpec | str, options: Options = Options(), config=None) -> 
     this first): the head directory the spec reads exists and holds a head of its kind
     (a published EAGLE head's kind read from its tensor names), an ``eagle2`` or
     ``redrafter`` without one has a head shipped for ``options.model_name``, and bare
-    ``hsd``'s calibration is readable and measured for ``options.model_name``. With the
+    ``hsd``'s calibration is readable and measured for ``options.model_name``, and fixed
+    verification widths fit the spec's draft (``Method.check_widths``). With the
     model's ``config`` (``specjax.models.registry.config``: no weight is read), also what
     it shows (``Method.check_config``): ``sd-early-exit:L`` and HSD's exit layers within
     the model's layers and present among its exit heads. Raises ``SpecError`` saying what
@@ -325,6 +354,7 @@ def check(spec: MethodSpec | str, options: Options = Options(), config=None) -> 
     spec = as_spec(spec, "methods.check")
     _check_options(options, "methods.check")
     spec.check(options)
+    _check_widths(spec, options)
     if config is not None:
         if not hasattr(config, "num_layers"):
             raise _type_error("methods.check", "config", "a model config (num_layers, ...)",
