@@ -31,6 +31,10 @@ from specjax.drafters import eagle, redrafter
 from specjax.hsd import calibrate, hsd_generate
 from specjax.models import llama, load
 
+from specjax.jax_setup import setup_jax  # noqa: E402
+
+setup_jax()  # as the specjax commands run: XLA:CPU's in-place flag, the compilation cache
+
 METHODS = ("ar,sd-ngram:7,eagle2:2,2,3,eagle2:3,4,7,redrafter:1,3,redrafter:4,4,"
            "hsd:ngram:7,target,hsd:ngram:4,12:3,target")
 

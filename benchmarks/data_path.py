@@ -34,6 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.jax_setup import setup_jax  # noqa: E402
+
+setup_jax()  # as the specjax commands run: XLA:CPU's in-place flag, the compilation cache
+
 
 def _time(fn, repeats: int) -> float:
     jax.block_until_ready(fn())  # compile and warm

@@ -27,6 +27,10 @@ from specjax import bench
 from specjax import methods as registry
 from specjax.models import load
 
+from specjax.jax_setup import setup_jax  # noqa: E402
+
+setup_jax()  # as the specjax commands run: XLA:CPU's in-place flag, the compilation cache
+
 # name -> (weights and cache, product inputs)
 CONFIGS = {"float32": (jnp.float32, jnp.float32),
            "bfloat16": (jnp.bfloat16, jnp.float32),

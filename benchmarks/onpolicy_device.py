@@ -36,6 +36,10 @@ from specjax.train import onpolicy, ttt
 import specjax
 from specjax import bench
 
+from specjax.jax_setup import setup_jax  # noqa: E402
+
+setup_jax()  # as the specjax commands run: XLA:CPU's in-place flag, the compilation cache
+
 
 def failed(rep, what: str, e: Exception) -> None:
     """Records a measurement that raised (out of device memory) in ``rep`` (the device

@@ -19,8 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import specjax  # noqa: F401  (sets the project's XLA flags before the backend starts)
+import specjax  # noqa: F401
 from specjax._timing import median_ms
+
+from specjax.jax_setup import setup_jax  # noqa: E402
+
+setup_jax()  # as the specjax commands run: XLA:CPU's in-place flag, the compilation cache
 
 
 def _timed(fn, *args):

@@ -24,6 +24,10 @@ from specjax.models import load
 from specjax.core.verify import Draft, verify
 from specjax._timing import median_ms
 
+from specjax.jax_setup import setup_jax  # noqa: E402
+
+setup_jax()  # as the specjax commands run: XLA:CPU's in-place flag, the compilation cache
+
 
 def _timed(fn, *args):
     return median_ms(fn, *args, repeats=15)

@@ -25,6 +25,10 @@ from specjax.models import load
 from specjax.train import redrafter as train_rd
 from specjax.train.text_corpus import _prefill_fn
 
+from specjax.jax_setup import setup_jax  # noqa: E402
+
+setup_jax()  # as the specjax commands run: XLA:CPU's in-place flag, the compilation cache
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

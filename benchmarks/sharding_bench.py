@@ -30,6 +30,10 @@ from specjax import bench, sharding  # noqa: E402
 from specjax import methods as registry  # noqa: E402
 from specjax.models import load  # noqa: E402
 
+from specjax.jax_setup import setup_jax  # noqa: E402
+
+setup_jax()  # as the specjax commands run: XLA:CPU's in-place flag, the compilation cache
+
 MESHES = {"1 device": None, "data=8": (8, 1), "model=3": (1, 3), "data=2,model=3": (2, 3)}
 # (each mesh compiles its own executables: about 1-2 minutes per method and mesh here)
 

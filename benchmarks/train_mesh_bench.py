@@ -23,6 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from specjax.jax_setup import setup_jax  # noqa: E402
+
+setup_jax()  # as the specjax commands run: XLA:CPU's in-place flag, the compilation cache
+
 SETTINGS = {"1 device": None, "data=8": (8, 1), "data=2,model=4": (2, 4)}
 MACHINE = "2-core x86_64 CPU, 8 simulated devices share the same 2 cores"
 

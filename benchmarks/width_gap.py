@@ -19,6 +19,10 @@ import jax.numpy as jnp
 
 from specjax.models import load
 
+from specjax.jax_setup import setup_jax  # noqa: E402
+
+setup_jax()  # as the specjax commands run: XLA:CPU's in-place flag, the compilation cache
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

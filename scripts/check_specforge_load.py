@@ -43,6 +43,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from specjax.jax_setup import setup_jax  # noqa: E402
+
+setup_jax()  # as the specjax commands run: XLA:CPU's in-place flag, the compilation cache
+
 B, T, TOL = 2, 9, 1e-3
 
 

@@ -28,6 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from specjax.jax_setup import setup_jax  # noqa: E402
+
+setup_jax()  # as the specjax commands run: XLA:CPU's in-place flag, the compilation cache
+
 ROOT = Path(__file__).resolve().parents[1]
 
 _EVENTS = {"/jax/compilation_cache/cache_hits": "cache_hits",

@@ -54,9 +54,11 @@ from pathlib import Path
 
 import numpy as np
 
-from specjax import _xla_flags  # noqa: F401  (before JAX picks a backend)
 from specjax import _atomic
 from specjax.hlo import hlo_stats
+from specjax.jax_setup import setup_jax
+
+setup_jax()  # before JAX picks a backend: as the specjax commands run
 
 
 # --------------------------------------------------------------------------- shapes

@@ -31,6 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
+from specjax.jax_setup import setup_jax  # noqa: E402
+
+setup_jax()  # as the specjax commands run: XLA:CPU's in-place flag, the compilation cache
+
 ROOT = Path(__file__).resolve().parents[1]
 #: specjax loads: (processes, simulated CPU devices per process, mesh (data, model) or None,
 #: scan_layers); each process of a multi-process load joins one run over every device

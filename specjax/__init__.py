@@ -5,10 +5,11 @@ Layout: ``specjax.core`` (trees, sampling, verification, the decoder protocol an
 hierarchy recursion, latency model, optimisers and calibration), ``specjax.methods`` (every
 method as a typed spec, built into a decoder), ``specjax.models`` (the
 model contract and the ports) and ``specjax.train`` (Optax training of the draft heads).
-"""
 
-from specjax import _xla_flags  # noqa: F401  (must run before JAX picks a backend)
-from specjax import _cache  # noqa: F401  (JAX's persistent compilation cache; see there)
+Importing specjax changes neither ``os.environ`` nor ``jax.config``; ``setup_jax()`` sets
+what the ``specjax`` commands run with (XLA:CPU's in-place cache flag, the persistent
+compilation cache), explicitly.
+"""
 
 from specjax import core, drafters, hsd, methods, models, sharding
 from specjax.core import sampling, tree
@@ -20,6 +21,7 @@ from specjax.core.speculative import SpecOutput, Speculative, SpecState, specula
 from specjax.core.verify import Draft, Rejection, Typical, VerifyResult, verify
 from specjax.drafters import EarlyExitDrafter, ModelDrafter, NGramDrafter
 from specjax.hsd import HSD, Hierarchy, hsd_generate
+from specjax.jax_setup import JaxSetup, setup_jax
 
 __version__ = "0.1.0"
 __all__ = ["core", "methods", "models", "sampling", "sharding", "tree", "drafters", "hsd", "generate",
@@ -30,4 +32,6 @@ __all__ = ["core", "methods", "models", "sampling", "sharding", "tree", "drafter
            # one decoder protocol: any Decoder runs through decode(), or inside your own jit
            # as init / step / done / output over a prepare()d Batch
            "Decoder", "decode", "Batch", "prepare", "DecodeOutput", "Request", "Stats",
-           "AR", "DecodeState", "Speculative", "SpecState", "HSD"]
+           "AR", "DecodeState", "Speculative", "SpecState", "HSD",
+           # what the specjax commands run with, set explicitly (importing sets nothing)
+           "setup_jax", "JaxSetup"]

@@ -1,12 +1,13 @@
-"""JAX's persistent compilation cache, on by default: a program compiles once per machine.
+"""JAX's persistent compilation cache, on in the CLI: a program compiles once per machine.
 
-Importing ``specjax`` points JAX's persistent compilation cache at ``$SPECJAX_CACHE/jax``
+``specjax.setup_jax()`` (which every ``specjax`` command calls first; importing specjax
+changes nothing) points JAX's persistent compilation cache at ``$SPECJAX_CACHE/jax``
 (``SPECJAX_CACHE`` defaults to ``~/.cache/specjax``, as ``specjax.models.registry.cache_dir``),
 so a later process that builds the same decoding program (same model shapes, method,
 widths, jax/jaxlib version, XLA flags and device) reads the compiled executable from disk
 instead of compiling it again. XLA:CPU, GPU and TPU executables are all cached.
 
-``SPECJAX_COMPILATION_CACHE`` controls it, read once when specjax is imported:
+``SPECJAX_COMPILATION_CACHE`` controls it, read by the first :func:`configure` call:
 
 - unset, empty, ``1``, ``true``, ``yes`` or ``on``: the cache is on, in ``$SPECJAX_CACHE/jax``;
 - ``0``, ``false``, ``no``, ``off``, ``disable``, ``disabled`` or ``none`` (any case):
@@ -19,7 +20,7 @@ writable) turns the cache off with one line on stderr saying which path and why,
 of JAX's warning at the first compile.
 
 A cache directory the user chose wins: when ``jax_compilation_cache_dir`` is already set
-(``jax.config.update`` before importing specjax, or the ``JAX_COMPILATION_CACHE_DIR``
+(``jax.config.update`` before ``setup_jax``, or the ``JAX_COMPILATION_CACHE_DIR``
 environment variable), specjax changes none of JAX's cache settings.
 
 Otherwise specjax also sets what is written, each setting unless its own JAX environment
@@ -53,6 +54,7 @@ _OFF = ("0", "false", "no", "off", "disable", "disabled", "none")
 _ON = ("", "1", "true", "yes", "on")
 _enabled = False
 _directory: Path | None = None
+_configured = False
 
 
 def default_directory() -> Path:
@@ -62,7 +64,7 @@ def default_directory() -> Path:
 
 
 def enabled() -> bool:
-    """True when importing specjax turned JAX's persistent compilation cache on."""
+    """True when :func:`configure` turned JAX's persistent compilation cache on."""
     return _enabled
 
 
@@ -86,6 +88,16 @@ def unusable(path: Path) -> str | None:
     if not os.access(probe, os.W_OK | os.X_OK):
         return f"{probe} is not writable"
     return None
+
+
+def configure() -> Path | None:
+    """Turns the cache on as the module's docstring says, once per process (later calls
+    change nothing); the directory it uses, or None where it is off or the user's own."""
+    global _configured
+    if not _configured:
+        _configured = True
+        _configure()
+    return _directory
 
 
 def _configure() -> None:
@@ -121,6 +133,3 @@ def _configure() -> None:
         else:
             jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     _enabled, _directory = True, path
-
-
-_configure()

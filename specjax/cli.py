@@ -45,6 +45,9 @@ def _one_line(e: BaseException) -> str:
 def main(argv=None) -> int:
     """Runs one command. Errors print one line, ``specjax: error: ...``, and exit with 2 for
     a usage mistake and 1 otherwise; ``--debug`` or ``SPECJAX_DEBUG=1`` shows the traceback."""
+    from specjax.jax_setup import setup_jax
+
+    setup_jax()  # before any backend starts: the CLI's XLA flag and compilation cache
     parser = build_parser()
     args = parser.parse_args(argv)
     debug = args.debug or os.environ.get("SPECJAX_DEBUG", "") not in ("", "0")

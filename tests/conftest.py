@@ -50,7 +50,9 @@ if not os.environ.get("SPECJAX_TESTS_XLA_DEFAULTS") and \
         "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_OPT_FLAG}".strip()
 
-import specjax  # noqa: E402, F401  (sets XLA flags before JAX picks a backend)
+import specjax  # noqa: E402
+
+specjax.setup_jax()  # as the CLI runs: XLA:CPU's in-place flag before a backend starts, the cache
 import specjax.models  # noqa: E402
 import specjax.train  # noqa: E402
 

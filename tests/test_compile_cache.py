@@ -2,7 +2,7 @@
 process is read from disk by the next one, not compiled again; ``SPECJAX_COMPILATION_CACHE=0``
 writes nothing; a cache directory the user set is left alone.
 
-Each case runs in a fresh interpreter (the cache is configured when specjax is imported),
+Each case runs in a fresh interpreter (``specjax.setup_jax()`` configures the cache once),
 with its own temporary ``SPECJAX_CACHE`` and the test session's cache variables removed.
 Cache reads and writes are counted with ``jax.monitoring`` events."""
 
@@ -23,13 +23,16 @@ ROOT = Path(__file__).resolve().parents[1]
 _CHILD = """
 import json, sys
 import jax
+_BEFORE = jax.config.jax_compilation_cache_dir
 counts = {}
 EVENTS = {"/jax/compilation_cache/cache_hits": "hits",
           "/jax/compilation_cache/cache_misses": "writes"}
 jax.monitoring.register_event_listener(
     lambda e, **kw: e in EVENTS and counts.__setitem__(EVENTS[e], counts.get(EVENTS[e], 0) + 1))
 import specjax
-jax_dir = jax.config.jax_compilation_cache_dir  # what importing specjax alone set
+assert jax.config.jax_compilation_cache_dir == _BEFORE  # importing specjax sets nothing
+specjax.setup_jax()
+jax_dir = jax.config.jax_compilation_cache_dir  # what setup_jax set
 from specjax import _cache
 from specjax.drafters import NGramDrafter
 from specjax.models.llama import Llama, LlamaConfig, init_params
