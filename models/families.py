@@ -62,12 +62,17 @@ def model_class(module: str, name: str) -> Callable[[], type]:
 
 
 def family_of(cfg) -> Family:
-    """The registered family whose config class ``cfg`` is an instance of."""
+    """The registered family whose config class is exactly ``type(cfg)``. A subclass of a
+    family's config is not that family (it may compute something the port does not):
+    ``TypeError`` naming it, as for any config no family registers."""
     for fam in FAMILIES.values():
-        if isinstance(cfg, fam.config):
+        if type(cfg) is fam.config:
             return fam
+    near = [f.name for f in FAMILIES.values() if isinstance(cfg, f.config)]
+    why = (f"; it subclasses {near[0]}'s {FAMILIES[near[0]].config.__name__}: register its "
+           "own family (specjax.models.families.register_family)") if near else ""
     raise TypeError(f"no model family is registered for {type(cfg).__name__} "
-                    f"(registered: {', '.join(FAMILIES)})")
+                    f"(registered: {', '.join(FAMILIES)}){why}")
 
 
 def family(cfg) -> str:

@@ -528,3 +528,40 @@ def test_loaded_model_is_a_flax_module(smollm, prompt12, ref12):
     logits = fn(state, jnp.asarray(prompt12), smollm.model.init_cache(1, CAP))
     d = rel_diff(logits, ref12[0])
     assert d < 1e-5, d
+
+
+def test_a_config_class_is_matched_to_its_family_exactly():
+    """Before: the first ``isinstance`` match, so a subclass of ``LlamaConfig`` (a family
+    computing something else) was built silently as a Llama."""
+    from specjax.models import families, gemma, llama
+
+    cfg = llama.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                            num_heads=4, num_kv_heads=2, head_dim=8)
+    assert families.family(cfg) == "Llama"
+    assert families.family_of(gemma.GemmaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=8, layer_types=("full", "full"))).name == "Gemma"
+
+    @dataclasses.dataclass(frozen=True)
+    class GraniteConfig(llama.LlamaConfig):
+        logits_scaling: float = 8.0
+
+    with pytest.raises(TypeError) as e:
+        families.model_for(GraniteConfig(**dataclasses.asdict(cfg)))
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1 and "no model family is registered for GraniteConfig" in msg
+    assert "it subclasses Llama's LlamaConfig: register its own family" in msg, msg
+
+
+def test_an_unknown_or_missing_model_type_is_refused_in_one_line(tmp_path):
+    cfg = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2)
+    for kind, msg in (("granite", "model_type 'granite' is not supported (llama, qwen2"),
+                      (None, "'model_type' is missing: it names the architecture")):
+        d = tmp_path / str(kind)
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(dict(cfg, model_type=kind)))
+        with pytest.raises(WeightLoadError) as e:
+            load_hf_dir(d)
+        assert str(e.value).startswith(f"{d / 'config.json'}: ")
+        assert msg in str(e.value) and len(str(e.value).splitlines()) == 1, e.value
