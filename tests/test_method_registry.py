@@ -135,3 +135,20 @@ def test_the_readme_method_table_is_the_registry():
     classes = {registry._class_of(n) for n in names}
     assert None not in classes, [n for n in names if registry._class_of(n) is None]
     assert classes == set(methods.registered()), set(methods.registered()) - classes
+
+
+def test_the_method_lists_in_the_docs_name_every_registered_method():
+    """The two hand-written method lists (``specjax.methods``' docstring, ``docs/cli.md``'s
+    bench section) name every registered form (cli.md once lacked ``redrafter``)."""
+    import re
+    from pathlib import Path
+
+    import specjax.methods as pkg
+
+    cli_md = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    lists = {"specjax.methods": pkg.__doc__.split("Text forms")[1].split("Where dispatch")[0],
+             "docs/cli.md": cli_md[cli_md.index("Methods: "):].split("Every greedy")[0]}
+    names = [re.split(r"[\[:]", f)[0] for f in methods.FORMS]
+    for where, text in lists.items():
+        missing = [n for n in names if not re.search(rf"`{re.escape(n)}[`\[:]", text)]
+        assert not missing, (where, missing)
