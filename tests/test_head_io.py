@@ -108,8 +108,10 @@ def test_a_record_writes_only_what_it_knows(tmp_path):
     out = kinds.save_eagle(_heads()["eagle"], tmp_path / "h",
                            kinds.Record(model="m", train={}, steps_done=0))
     meta = exported.read_meta(out, "eagle")
-    assert [k for k in meta if k not in ("shapes", "dtypes", "params_sha256")] == [
+    assert [k for k in meta if k not in ("shapes", "dtypes", "params_sha256",
+                                         "head_sha256")] == [
         "kind", "model", "draft_vocab", "train", "steps_done", "data", "vocab_ids"]
+    assert list(meta)[-2:] == ["params_sha256", "head_sha256"]  # the digests come last
     bare = kinds.save_eagle(_heads()["eagle"], tmp_path / "b")
     assert exported.read_meta(bare, "eagle")["vocab_ids"] is None
 
@@ -146,7 +148,7 @@ def test_a_head_for_other_sizes_is_refused(tmp_path):
         kinds.load_redrafter(rd, 48, target="toy")
     meta = json.loads((rd / exported.HEAD_JSON).read_text())
     del meta["blocks"]
-    (rd / exported.HEAD_JSON).write_text(json.dumps(meta))
+    exported.write_meta(rd, meta)  # an edit on purpose: head.json's own SHA-256 rewritten
     with pytest.raises(exported.CheckpointError, match="does not describe a 'redrafter' head"):
         kinds.load_redrafter(rd)
 
@@ -312,7 +314,7 @@ def test_an_eagle_head_without_attn_norm_round_trips_as_its_head_json_says(tmp_p
     assert glue.eagle_attn_norm(kinds.save_eagle(_heads()["eagle"], tmp_path / "n")) is True
     assert glue.eagle_attn_norm(tmp_path / "missing") is None
     for value, msg in ((True, "shapes differ"), ("no", "does not describe")):
-        (out / exported.HEAD_JSON).write_text(json.dumps({**meta, "attn_norm": value}))
+        exported.write_meta(out, {**meta, "attn_norm": value})
         with pytest.raises(exported.CheckpointError, match=msg) as e:
             kinds.load_eagle(out, LLAMA)
         assert len(str(e.value).splitlines()) == 1
@@ -333,7 +335,7 @@ def test_a_two_layer_eagle_head_round_trips_as_its_head_json_says(tmp_path):
     assert _bits(back) == _bits(hp)
     for value, msg in ((1, "shapes differ|tensors"), ("two", "does not describe"),
                        (0, "does not describe")):
-        (out / exported.HEAD_JSON).write_text(json.dumps({**meta, "layers": value}))
+        exported.write_meta(out, {**meta, "layers": value})
         with pytest.raises(exported.CheckpointError, match=msg) as e:
             kinds.load_eagle(out, LLAMA)
         assert len(str(e.value).splitlines()) == 1

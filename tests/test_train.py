@@ -165,7 +165,9 @@ def test_cli_train_eagle_logs_resumes_and_exports(lm, corpus, tmp_path, monkeypa
     # a head warm-started from another keeps that head's vocabulary order, whatever the
     # corpus's frequencies (here the reverse of its own export's)
     meta["vocab_ids"] = meta["vocab_ids"][::-1]
-    (out / "head.json").write_text(json.dumps(meta))
+    from specjax.heads import exported
+
+    exported.write_meta(out, meta)  # head.json edited on purpose: its head_sha256 rewritten
     warm = ["train", "eagle", "--data", str(tmp_path), "--run", str(tmp_path / "run2"),
             "--batch-tokens", "256", "--max-len", "64", "--steps", "1", "--init", str(out),
             "--export", str(tmp_path / "warm")]

@@ -12,6 +12,14 @@ no device, so a head exported on a CPU loads on a GPU or TPU, on one device or o
 Heads exported before this format (an Orbax checkpoint in ``params/``) still load, onto
 this host's devices whatever device they were saved from.
 
+Integrity: ``head.json`` records ``params_sha256`` (the SHA-256 of ``params.safetensors``)
+and ``head_sha256``, the SHA-256 of ``head.json``'s own content (its object without that
+field, keys sorted, compact JSON: ``meta_sha256``), which holds ``params_sha256``: together
+they cover every file of the head, so an edited ``head.json`` (``draft_vocab`` 16 -> 17) is
+refused as a flipped byte in the parameters is. Heads exported before a field existed load
+without that check (the shipped heads record ``params_sha256`` only). A deliberate edit is
+written with ``write_meta``, which records the new ``head_sha256``.
+
 Parameter names: a head's parameters are a pytree of dicts (string or int keys), lists and
 tuples with array leaves; each leaf is stored under its path joined with ``/``, where a
 string key stands for itself, an int key ``k`` is written ``#k``, a list index ``i`` is
@@ -143,14 +151,16 @@ def replaceable(out_dir: str | Path) -> bool:
     if not out.exists():
         return True
     ours = {HEAD_JSON, PARAMS, LEGACY_PARAMS, PARAMS + ".tmp"}
-    return out.is_dir() and all(p.name in ours for p in out.iterdir())
+    return out.is_dir() and all(p.name in ours or p.name.startswith(f".{HEAD_JSON}.tmp-")
+                                for p in out.iterdir())
 
 
 def export_head(params: Any, out_dir: str | Path, meta: dict, dtype=jnp.bfloat16) -> Path:
     """Writes a head for inference into ``out_dir`` (replacing a head there): floating
     parameters cast to ``dtype`` (others as they are) in ``params.safetensors``, and
-    ``meta`` with ``shapes``, ``dtypes`` and ``params_sha256`` (the SHA-256 of
-    ``params.safetensors``, checked when the head loads) added in ``head.json``. Returns
+    ``meta`` with ``shapes``, ``dtypes``, ``params_sha256`` (the SHA-256 of
+    ``params.safetensors``) and ``head_sha256`` (that of ``head.json``'s content:
+    ``meta_sha256``) added in ``head.json``, both checked when the head is read. Returns
     the absolute directory. ``CheckpointError`` when ``out_dir`` holds something else.
 
     The head is written into a sibling temporary directory and then swapped in whole
@@ -174,9 +184,9 @@ def export_head(params: Any, out_dir: str | Path, meta: dict, dtype=jnp.bfloat16
             save_file(flat, tmp / PARAMS, metadata=FORMAT)
             _atomic.plain_mode(tmp / PARAMS)
             _sort_metadata(tmp / PARAMS)
-            (tmp / HEAD_JSON).write_text(json.dumps(
-                {**meta, "shapes": shapes, "dtypes": {"float": jnp.dtype(dtype).name},
-                 SHA_KEY: file_sha256(tmp / PARAMS)}, indent=1))
+            _write_meta_file(tmp / HEAD_JSON, {
+                **meta, "shapes": shapes, "dtypes": {"float": jnp.dtype(dtype).name},
+                SHA_KEY: file_sha256(tmp / PARAMS)})
     except _atomic.OutputError as e:
         raise CheckpointError(str(e)) from None
     return out
@@ -201,6 +211,8 @@ def _sort_metadata(f: Path) -> None:
 
 
 SHA_KEY = "params_sha256"  # head.json: the SHA-256 of params.safetensors (hex)
+HEAD_SHA_KEY = "head_sha256"  # head.json: the SHA-256 of its own content (``meta_sha256``)
+_HEX = re.compile(r"^[0-9a-fA-F]{64}$")
 
 
 def file_sha256(f: str | Path) -> str:
@@ -214,6 +226,103 @@ def file_sha256(f: str | Path) -> str:
     return h.hexdigest()
 
 
+# (path, device, inode, size, mtime, ctime) -> hex: a file checked before the target loads
+# is not read again when it loads. Kept only for a file whose ctime (which every write and
+# every utime sets to now) is older than _SETTLED_NS when hashed, so a later change of any
+# kind gives another key.
+_SHA_CACHE: dict[tuple, str] = {}
+_SETTLED_NS = 2_000_000_000
+
+
+def _identity(f: Path) -> tuple:
+    st = os.stat(f)
+    return (str(f.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def checked_sha256(f: str | Path) -> str:
+    """``file_sha256(f)``, remembered for the file as it is now (a check before the target
+    loads, then the load, read it once)."""
+    import time
+
+    f = Path(f)
+    key = _identity(f)
+    if key in _SHA_CACHE:
+        return _SHA_CACHE[key]
+    digest = file_sha256(f)
+    if _identity(f) == key and time.time_ns() - key[5] > _SETTLED_NS:
+        _SHA_CACHE[key] = digest
+    return digest
+
+
+def meta_sha256(meta: dict) -> str:
+    """The SHA-256 ``head.json`` records of itself (``head_sha256``): that of ``meta``
+    without the field, as compact JSON with sorted keys (so a change of any value, key or
+    list order changes it; spacing and key order do not)."""
+    import hashlib
+
+    body = {k: v for k, v in meta.items() if k != HEAD_SHA_KEY}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _write_meta_file(f: Path, meta: dict) -> None:
+    """``meta`` as ``head.json`` at ``f`` with its ``head_sha256`` (computed from the JSON
+    as it reads back, so int keys and tuples count as they will be read)."""
+    body = json.loads(json.dumps({k: v for k, v in meta.items() if k != HEAD_SHA_KEY}))
+    f.write_text(json.dumps({**body, HEAD_SHA_KEY: meta_sha256(body)}, indent=1))
+
+
+def write_meta(path: str | Path, meta: dict) -> Path:
+    """Replaces the ``head.json`` of the exported head in ``path`` with ``meta`` and the
+    ``head_sha256`` of its new content: how a deliberate edit of ``head.json`` is made (an
+    edit by hand is refused when the head is read). ``params_sha256`` is kept as ``meta``
+    gives it. Returns the file."""
+    from specjax import _atomic
+
+    f = Path(path).absolute() / HEAD_JSON
+    if not f.is_file():
+        raise CheckpointError(f"{f.parent} is not an exported head (no {HEAD_JSON})")
+    tmp = _atomic.temp_path(f)
+    try:
+        _write_meta_file(tmp, meta)
+        os.replace(tmp, f)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return f
+
+
+def check_meta(meta_f: str | Path, meta: dict) -> None:
+    """``CheckpointError`` (one line naming ``meta_f``) when ``head.json``'s ``meta``
+    records a ``head_sha256`` its content no longer has (edited or damaged: heads exported
+    before the field pass unchecked), or a ``vocab_ids`` that is not a list of distinct
+    token ids (null passes: no vocabulary ranked)."""
+    want = meta.get(HEAD_SHA_KEY)
+    if want is not None:
+        if not isinstance(want, str) or not _HEX.match(want):
+            raise CheckpointError(f"{meta_f}: {HEAD_SHA_KEY} is {str(want)[:70]!r}, not a hex "
+                                  f"SHA-256")
+        if meta_sha256(meta) != want.lower():
+            raise CheckpointError(
+                f"{meta_f} was edited or is damaged: its content differs from the SHA-256 it "
+                f"records ({HEAD_SHA_KEY}); export the head again (an edit on purpose is "
+                f"written with specjax.heads.exported.write_meta)")
+    ids = meta.get("vocab_ids")
+    if ids is None:
+        return
+    if not isinstance(ids, list):
+        raise CheckpointError(f"{meta_f}: vocab_ids is {str(ids)[:40]!r}, not a list of "
+                              f"token ids")
+    seen: dict[int, int] = {}
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise CheckpointError(f"{meta_f}: vocab_ids[{i}] is {t!r}, not a token id "
+                                  f"(an integer >= 0)")
+        if t in seen:
+            raise CheckpointError(f"{meta_f}: vocab_ids holds token id {t} twice (at "
+                                  f"{seen[t]} and {i}); a head drafts each id once")
+        seen[t] = i
+
+
 def check_sha256(head_dir: str | Path, meta: dict) -> None:
     """``CheckpointError`` (one line naming the file) when ``head.json``'s ``meta`` records
     a SHA-256 of ``params.safetensors`` that the file in ``head_dir`` no longer has; heads
@@ -225,9 +334,18 @@ def check_sha256(head_dir: str | Path, meta: dict) -> None:
     if not isinstance(want, str):
         raise CheckpointError(f"{f.parent / HEAD_JSON}: {SHA_KEY} is {want!r}, not a hex "
                               f"SHA-256")
-    if f.is_file() and file_sha256(f) != want.lower():
+    if f.is_file() and checked_sha256(f) != want.lower():
         raise CheckpointError(f"{f} is corrupt or truncated: its SHA-256 differs from the "
                               f"one {HEAD_JSON} records (export the head again)")
+
+
+def check_files(path: str | Path, kind: str) -> dict:
+    """``read_meta(path, kind)`` with ``params.safetensors`` checked against its SHA-256
+    too: every file of the head, without reading the parameters (``head_dir_error`` runs
+    it before the target loads). Returns the meta; ``CheckpointError`` (one line)."""
+    meta = read_meta(path, kind)
+    check_sha256(path, meta)
+    return meta
 
 
 # ----------------------------------------------------------------------------- reading
@@ -242,7 +360,8 @@ def read_kind(path: str | Path) -> str | None:
 
 
 def read_meta(path: str | Path, kind: str) -> dict:
-    """``head.json`` of an exported head of ``kind``; a clear error otherwise."""
+    """``head.json`` of an exported head of ``kind``, checked (``check_meta``: its
+    ``head_sha256``, its ``vocab_ids``); a one-line ``CheckpointError`` otherwise."""
     p = Path(path).absolute()
     meta_f = p / HEAD_JSON
     if not os.path.lexists(p):  # an export killed between its renames: its old head back
@@ -255,6 +374,8 @@ def read_meta(path: str | Path, kind: str) -> dict:
         meta = json.loads(meta_f.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{meta_f} is corrupt: {e}") from e
+    if isinstance(meta, dict):
+        check_meta(meta_f, meta)  # edited or damaged, or an unusable vocabulary
     if not isinstance(meta, dict) or meta.get("kind") != kind:
         got = meta.get("kind") if isinstance(meta, dict) else None
         raise CheckpointError(f"{p} holds a {got!r} head, not {kind!r}")
@@ -273,9 +394,9 @@ def load_head(path: str | Path, kind: str, like: Any | None = None, *,
     (replicated on every device of the mesh) when ``specs`` is None.
 
     ``CheckpointError`` when ``path`` is not a head of ``kind``, its files are corrupt or
-    truncated (``params.safetensors`` is checked against the SHA-256 ``head.json`` records,
-    where it records one: ``check_sha256``), or (given ``like``) its parameter names and
-    shapes differ from ``like``'s."""
+    truncated (``head.json`` and ``params.safetensors`` are checked against the SHA-256s
+    ``head.json`` records, where it records them: ``check_meta``, ``check_sha256``), or
+    (given ``like``) its parameter names and shapes differ from ``like``'s."""
     p = Path(path).absolute()
     meta = read_meta(p, kind)
     if (p / PARAMS).is_file():
@@ -357,5 +478,6 @@ def _read_orbax(d: Path) -> Any:
 
 
 __all__ = ["CheckpointError", "export_head", "replaceable", "file_sha256", "check_sha256",
+           "checked_sha256", "meta_sha256", "check_meta", "check_files", "write_meta",
            "read_meta", "read_kind", "load_head", "place", "flatten", "unflatten",
-           "HEAD_JSON", "PARAMS", "SHA_KEY"]
+           "HEAD_JSON", "PARAMS", "SHA_KEY", "HEAD_SHA_KEY"]

@@ -32,10 +32,17 @@ values of the types transformers reads, its RoPE read as transformers reads it
 
 ``save`` writes the other way: a specjax head (``eagle.apply_head``'s or
 ``eagle3.apply_head``'s pytree) as a directory of that layout (``config.json`` and
-``model.safetensors``), which ``load`` reads back to the same parameters; a head the
+``model.safetensors``, with the sidecar ``model.safetensors.sha256``), which ``load`` reads
+back to the same parameters; a head the
 layout cannot express is refused in one line (``NoPublishedLayout``), as is, unless the
 caller says the files are for SpecForge/SGLang (``for_sglang``), a head that SafeAILab/EAGLE's
 own code would run differently (linear RoPE scaling with a base other than 10000).
+
+The layout carries no checksum of its own, so ``save`` writes one beside the weights:
+``model.safetensors.sha256``, one ``sha256sum`` line (``HEX  model.safetensors``; other
+tools ignore the file, ``sha256sum -c`` reads it). ``load`` refuses weights that no longer
+match it (``check_digest``); a head without the file (published elsewhere, or converted
+before it was written) is read unchecked.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ from specjax.models.loading import (
 )
 
 WEIGHT_FILES = ("pytorch_model.bin", "model.safetensors")  # EAGLE's loader's order
+DIGEST_FILE = "model.safetensors.sha256"  # save's sidecar: the SHA-256 of model.safetensors
 _ROTARY = ".rotary_emb.inv_freq"  # buffers older transformers saved; derived from the config
 
 
@@ -126,6 +134,52 @@ def _read_safetensors(f: Path) -> dict[str, np.ndarray]:
             else v for k, v in out.items()}
 
 
+def _digest_line(hex_digest: str) -> str:
+    return f"{hex_digest}  model.safetensors\n"
+
+
+def write_digest(path: str | Path) -> Path:
+    """Writes ``DIGEST_FILE`` beside ``path``'s ``model.safetensors``: its SHA-256 as a
+    ``sha256sum`` line. Returns the file."""
+    from specjax.heads.exported import file_sha256
+
+    p = Path(path)
+    out = p / DIGEST_FILE
+    out.write_text(_digest_line(file_sha256(p / "model.safetensors")))
+    return out
+
+
+def check_digest(path: str | Path) -> None:
+    """``CheckpointError`` (one line naming the file) when ``path`` holds ``DIGEST_FILE``
+    (written by ``save``) and the ``model.safetensors`` it would read no longer has that
+    SHA-256, or the file is not a ``sha256sum`` line; nothing without the file (a head
+    published elsewhere carries none) or where ``pytorch_model.bin`` is read instead."""
+    import re
+
+    from specjax.heads.exported import checked_sha256
+
+    p = Path(path).absolute()
+    side = p / DIGEST_FILE
+    if not side.is_file():
+        return
+    f = next((p / n for n in WEIGHT_FILES if (p / n).is_file()), None)
+    if f is None or f.name != "model.safetensors":
+        return
+    try:
+        text = side.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{side} cannot be read ({e})") from None
+    m = re.fullmatch(r"([0-9a-fA-F]{64}) [ *]model\.safetensors\n?", text)
+    if m is None:
+        raise CheckpointError(f"{side} is damaged: not a SHA-256 line of model.safetensors "
+                              f"('HEX  model.safetensors'); convert the head again")
+    if checked_sha256(f) != m.group(1).lower():
+        raise CheckpointError(
+            f"{f} is corrupt or truncated: its SHA-256 differs from the one {DIGEST_FILE} "
+            f"records (convert the head again; if you changed the weights on purpose, delete "
+            f"{DIGEST_FILE})")
+
+
 def _fields(cfg: dict | ConfigFields) -> ConfigFields:
     return cfg if isinstance(cfg, ConfigFields) else ConfigFields(cfg, error=CheckpointError)
 
@@ -162,7 +216,9 @@ def _check_dtypes(tensors: dict[str, np.ndarray], f: Path) -> None:
 
 def load(path: str | Path, target_cfg) -> PublishedHead:
     """The published head in ``path`` for a target of configuration ``target_cfg``,
-    checked against it; ``CheckpointError`` with one line naming what does not fit."""
+    checked against it, and its ``model.safetensors`` against the SHA-256 ``save`` wrote
+    beside it where there is one (``check_digest``, after the checks that name a tensor or
+    field); ``CheckpointError`` with one line naming what does not fit."""
     p = Path(path)
     if not is_published(p):
         raise CheckpointError(f"{p} is not a published EAGLE head (config.json and "
@@ -182,7 +238,9 @@ def load(path: str | Path, target_cfg) -> PublishedHead:
                               f"tokens, but the target has {v}")
     fused = any(k.startswith("midlayer.") for k in tensors) or "d2t" in tensors
     loader = _eagle3 if fused else _eagle1
-    return loader(p, f, cfg, tensors, target_cfg)
+    head = loader(p, f, cfg, tensors, target_cfg)
+    check_digest(p)
+    return head
 
 
 def _take(tensors: dict, want: dict[str, tuple], where: Path, optional=()) -> dict:
@@ -358,7 +416,8 @@ def drafter_and_params(head: PublishedHead, target, dtype, **sizes) -> tuple[Any
 
 # ----------------------------------------------------------------------------- writing
 
-SAVED_FILES = ("config.json", "model.safetensors")  # what ``save`` writes, and nothing else
+SAVED_FILES = ("config.json", "model.safetensors", DIGEST_FILE)  # what ``save`` writes, only
+_SAVED_BEFORE = ("config.json", "model.safetensors")  # a conversion from before the sidecar
 SAVE_DTYPES = ("bfloat16", "float16", "float32")
 _LAYER_KEYS = {"qkv", "o", "mlp_norm", "gate_up", "down"}
 EAGLE_LINEAR_ROPE_BASE = 10000.0  # the base EAGLE's linear-scaling RoPE always uses
@@ -630,13 +689,14 @@ def to_published(kind: str, params: dict, target_cfg, *, spec: blocks.LayerSpec 
 
 def check_out_dir(out: Path) -> None:
     """``FileExistsError`` unless ``out`` is absent, an empty directory, or a previous
-    ``save`` (exactly ``SAVED_FILES``), which is then overwritten."""
+    ``save`` (exactly ``SAVED_FILES``, or the two files before its sidecar), which is then
+    overwritten."""
     if not out.exists():
         return
     if not out.is_dir():
         raise FileExistsError(f"{out} exists and is not a directory")
     names = sorted(f.name for f in out.iterdir())
-    if names and names != sorted(SAVED_FILES):
+    if names and names not in (sorted(SAVED_FILES), sorted(_SAVED_BEFORE)):
         raise FileExistsError(f"{out} is not empty and not a previous conversion "
                               f"(it holds {', '.join(names[:4])}{', ...' if len(names) > 4 else ''})")
 
@@ -646,10 +706,10 @@ def save(kind: str, params: dict, out_dir: str | Path, target_cfg, *, spec=None,
          for_sglang: bool = False, post_norm: bool = False) -> Path:
     """Writes the head ``params`` of ``kind`` in its published layout (``to_published``) to
     ``out_dir`` (absent, empty, or a previous ``save``: ``FileExistsError`` otherwise):
-    ``config.json`` (2-space JSON) and ``model.safetensors`` (metadata ``format: pt``);
-    returns the absolute directory. Deterministic: the same head writes the same bytes.
-    The files are checked with ``load`` against ``target_cfg`` before they replace
-    ``out_dir``'s, so a directory ``save`` returns is one ``load`` reads back to ``params``
+    ``config.json`` (2-space JSON), ``model.safetensors`` (metadata ``format: pt``) and
+    its SHA-256 in ``DIGEST_FILE`` (``write_digest``); returns the absolute directory.
+    Deterministic: the same head writes the same bytes. The files are checked with
+    ``load`` against ``target_cfg`` before they replace ``out_dir``'s, so a directory ``save`` returns is one ``load`` reads back to ``params``
     (cast to ``dtype``; a full-size draft vocabulary with its ``lm_head`` rows in identity
     order, the same draft logits over the target's vocabulary). The head drafts with the
     embedding ``embedding_note`` names: its own if ``params`` has ``embed``, else the
@@ -671,6 +731,7 @@ def save(kind: str, params: dict, out_dir: str | Path, target_cfg, *, spec=None,
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         _atomic.plain_mode(tmp / "model.safetensors")
+        write_digest(tmp)
         load(tmp, target_cfg)  # what was written reads back, for this target
     return out
 
@@ -678,4 +739,4 @@ def save(kind: str, params: dict, out_dir: str | Path, target_cfg, *, spec=None,
 __all__ = ["PublishedHead", "WEIGHT_FILES", "NoPublishedLayout", "drafter_and_params",
            "is_published", "load", "read_config", "read_tensors", "layer_spec", "save",
            "to_published", "check_out_dir", "SAVED_FILES", "SAVE_DTYPES", "embedding_note",
-           "EAGLE_LINEAR_ROPE_BASE"]
+           "EAGLE_LINEAR_ROPE_BASE", "DIGEST_FILE", "write_digest", "check_digest"]
