@@ -35,8 +35,7 @@ Methods are built as ``specjax bench`` builds them (``specjax.methods``; EAGLE a
 ReDrafter with random heads, since no trained head fits a random target), from plain
 settings (``Settings``, ``MethodSettings``), not from a command line.
 
-A tool, not part of the package: it was the module ``specjax.device_check``, which now
-only forwards here from a source checkout (for one release).
+A tool, not part of the package (it was the module ``specjax.device_check``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """The prepared accelerator check (``scripts/device_check.sh``, ``scripts/device_check.py``)
 runs its whole code path on this CPU in a small setting, and its HLO kernel counts see
-loops, branches and host transfers; the old module name ``specjax.device_check`` forwards
-to the script from a source checkout."""
+loops, branches and host transfers."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
-import specjax.device_check as shim
 import toys
 from specjax import hlo
 
@@ -170,36 +168,6 @@ def test_settings_fill_the_small_and_full_defaults():
     assert small.batch == full.batch == 8 and 2 <= small.workers <= 12
     assert device_check.settings(small=True, max_new_tokens=4).max_new_tokens == 4
     assert set(device_check._shapes(True)) == {"tiny-llama", "tiny-gemma"}  # both families
-
-
-def test_old_module_name_runs_the_script():
-    """``python -m specjax.device_check ARGS`` from a source checkout: the script with the
-    same arguments (its help, its usage error), after one line saying it moved."""
-    run = [sys.executable, "-m", "specjax.device_check"]
-    help_ = subprocess.run([*run, "--help"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=300)
-    assert help_.returncode == 0, help_.stderr[-2000:]
-    assert "usage: python scripts/device_check.py" in help_.stdout
-    (line,) = help_.stderr.splitlines()
-    assert "specjax.device_check moved to" in line and "scripts/device_check.py" in line
-    bad = subprocess.run([*run, "--small", "--shapes", "nope"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "unknown shapes ['nope']" in bad.stderr
-
-
-def test_old_module_name_without_the_script(tmp_path, monkeypatch, capsys):
-    """An installed wheel (no ``scripts/`` beside the package nor under the current
-    directory): exit 2 with one line naming ``scripts/device_check.sh``; a script under the
-    current directory is found."""
-    monkeypatch.setattr(shim, "__file__", str(tmp_path / "site" / "specjax" / "device_check.py"))
-    monkeypatch.chdir(tmp_path)
-    assert shim.find_script() is None
-    assert shim.main(["--small"]) == 2
-    (line,) = capsys.readouterr().err.splitlines()
-    assert "scripts/device_check.sh" in line
-    (tmp_path / "scripts").mkdir()
-    (tmp_path / "scripts" / "device_check.py").write_text("")
-    assert shim.find_script().resolve() == (tmp_path / "scripts" / "device_check.py").resolve()
 
 
 def test_phase_seconds_split_what_remains_by_share():

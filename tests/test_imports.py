@@ -3,8 +3,7 @@ module level and inside functions alike (read from the source, nothing imported)
 
     base (sharding, distributed, private helpers) -> models -> core -> drafters -> hsd
     -> heads -> methods, divergence -> the package's API (specjax/__init__) -> bench, demo, train
-    -> commands -> cli -> shims (device_check for scripts/device_check.py; export and
-    drafters/published, the old names of heads.exported and heads.published)
+    -> commands -> cli
 """
 
 from __future__ import annotations
@@ -17,18 +16,13 @@ LAYERS = [("_atomic", "_cache", "_compile", "_optional", "_timing", "_xla_flags"
            "sharding", "distributed", "hlo"),
           ("models",), ("core",), ("drafters",), ("hsd",), ("heads",),
           ("methods", "divergence"), ("__init__",), ("bench", "demo", "train"), ("commands",),
-          ("cli",), ("device_check", "shims")]
+          ("cli",)]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
-# modules kept under an old name that only re-export the new one: the top layer, which no
-# module of the package imports
-SHIMS = {("export",), ("drafters", "published")}
 
 
 def _part(module: str) -> str:
     """The layer a ``specjax...`` module belongs to (``__init__``: the package's API)."""
     parts = module.split(".")
-    if tuple(parts[1:]) in SHIMS:
-        return "shims"
     return parts[1] if len(parts) > 1 and parts[1] in RANK else "__init__"
 
 
@@ -37,7 +31,7 @@ def _sources():
     install as ``specjax.models`` and ``specjax.train``)."""
     for f in sorted((ROOT / "specjax").rglob("*.py")):
         rel = f.relative_to(ROOT / "specjax").with_suffix("").parts
-        yield f, "__init__" if rel == ("__init__",) else "shims" if rel in SHIMS else rel[0]
+        yield f, "__init__" if rel == ("__init__",) else rel[0]
     for pkg in ("models", "train"):
         for f in sorted((ROOT / pkg).rglob("*.py")):
             yield f, pkg
@@ -74,8 +68,17 @@ def test_the_check_sees_a_wrong_import(tmp_path):
     f = tmp_path / "bad.py"
     f.write_text("def f():\n    from specjax.drafters.base import Context\n")
     assert [RANK[_part(n)] > RANK["core"] for _, n in _imports(f)] == [True]
-    f.write_text("from specjax.drafters.published import load\n")  # a shim: the top layer
-    assert [_part(n) for _, n in _imports(f)] == ["shims"]
+    f.write_text("from specjax.heads.published import load\n")
+    assert [RANK[_part(n)] > RANK["drafters"] for _, n in _imports(f)] == [True]
+
+
+def test_the_old_module_names_are_gone():
+    """The re-export shims of earlier releases are removed (CHANGELOG): ``specjax.export``,
+    ``specjax.drafters.published`` and ``specjax.device_check``."""
+    import importlib.util
+
+    for name in ("specjax.export", "specjax.drafters.published", "specjax.device_check"):
+        assert importlib.util.find_spec(name) is None, name
 
 
 def test_no_test_file_imports_another():
