@@ -258,7 +258,7 @@ def test_a_store_refuses_another_target_and_damage(lm, tmp_path):
         with pytest.raises(shards.ShardError, match="other settings"):
             shards.ShardStore(tmp_path / "s", {**onpolicy.store_header(
                 lm, dataclasses.replace(CFG, **change), "none", th)}, 128)
-    with pytest.raises(ValueError, match="max_prompt_tokens=0"):
+    with pytest.raises(ValueError, match="--max-prompt-tokens must be >= 1, got 0"):
         dataclasses.replace(CFG, max_prompt_tokens=0)
     assert [list(t) for t, _ in _store(lm, tmp_path / "s").read(0)] == [list(range(5)),
                                                                         list(range(7))]

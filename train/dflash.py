@@ -31,7 +31,7 @@ import numpy as np
 import optax
 
 from specjax.drafters import dflash
-from specjax.train import loop, onpolicy
+from specjax.train import glue, loop, onpolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,33 +41,31 @@ class DFlashConfig:
     the data in minibatches of about ``batch_tokens`` tokens, ``anchors`` blocks per
     sequence per step, slot weights ``exp(-(k - 1) / gamma)``."""
 
-    layers: int = 1
-    block_size: int = 8
-    target_layers: tuple[int, ...] | None = None
-    anchors: int = 16
-    gamma: float = 4.0
-    epochs: int = 2
-    batch_tokens: int = 2048
-    lr: float = 6e-4
-    warmup: int = 40
-    weight_decay: float = 0.01
-    clip: float = 1.0
-    init_scale: float = 0.02
-    seed: int = 0
-    save_every: int = 100
+    layers: int = glue.option(1, "decoder layers of the drafter", low=1)
+    block_size: int = glue.option(8, "tokens of a block: its root and the masked slots "
+                                     "drafted with it", low=2)
+    target_layers: tuple[int, ...] | None = glue.option(
+        None, "target layer ids to fuse, comma-separated (default: z-lab's rule for the "
+              "drafter's layer count)", parse=glue.int_list("--target-layers", low=0),
+        argparse={"type": str})
+    anchors: int = glue.option(16, "blocks per sequence per step", low=1)
+    gamma: float = glue.option(4.0, "slot k of a block weighs exp(-(k - 1) / gamma)",
+                               above=0)
+    epochs: int = glue.option(2, "passes over the data", low=1)
+    batch_tokens: int = glue.batch_tokens(2048)
+    lr: float = glue.lr(6e-4)
+    warmup: int = glue.warmup(40)
+    weight_decay: float = glue.weight_decay(0.01)
+    clip: float = glue.clip(1.0)
+    init_scale: float = glue.option(0.02, "standard deviation of the drafter's initial "
+                                          "weights")
+    seed: int = glue.seed(0)
+    save_every: int = glue.save_every(100)
 
     def __post_init__(self):
-        bad = [(n, v) for n, v in (("layers", self.layers), ("anchors", self.anchors),
-                                   ("epochs", self.epochs), ("batch_tokens", self.batch_tokens),
-                                   ("save_every", self.save_every)) if v < 1]
-        if self.block_size < 2:
-            bad.append(("block_size", self.block_size))
-        if not self.gamma > 0 or not self.lr > 0 or self.warmup < 0:
-            bad.append(("gamma/lr/warmup", (self.gamma, self.lr, self.warmup)))
-        if bad:
-            raise ValueError(f"DFlash training: {bad[0][0]}={bad[0][1]} is out of range "
-                             "(block_size >= 2; layers, anchors, epochs, batch_tokens, "
-                             "save_every >= 1; gamma, lr > 0)")
+        glue.check_fields(self)
+        if self.target_layers is not None:
+            glue.int_list("--target-layers", low=0)(",".join(map(str, self.target_layers)))
 
     def spec(self, target_cfg) -> dflash.DFlashSpec:
         return dflash.DFlashSpec.of(target_cfg, num_layers=self.layers,

@@ -26,32 +26,40 @@ import numpy as np
 import optax
 
 from specjax.drafters import eagle
-from specjax.train import distill, loop
+from specjax.train import distill, glue, loop
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Optimisation of one head. ``steps`` batches of about ``batch_tokens`` tokens each."""
+    """Optimisation of one head. ``steps`` batches of about ``batch_tokens`` tokens each.
+    Each field is a flag of ``train eagle`` (``glue.option``), checked here."""
 
-    steps: int = 2000
-    batch_tokens: int = 4096
-    max_len: int = 512
-    lr: float = 5e-4
-    warmup: int = 100
-    weight_decay: float = 0.01
-    clip: float = 1.0
-    w_reg: float = 1.0
-    w_ce: float = 0.1
-    noise: float = 0.1  # uniform noise on input features, relative to their RMS
-    ce_vocab: int = 8192  # CE over the corpus's most frequent tokens (0: the whole vocabulary)
-    seed: int = 0
-    save_every: int = 200
-    val_examples: int = 0  # held out (a seeded choice), scored at every checkpoint
-    all_positions: bool = False  # loss on prompt positions too (a fixed text corpus)
+    steps: int = glue.steps(2000)
+    batch_tokens: int = glue.batch_tokens(4096)
+    max_len: int = glue.max_len(512)
+    lr: float = glue.lr(5e-4)
+    warmup: int = glue.warmup(100)
+    weight_decay: float = glue.weight_decay(0.01)
+    clip: float = glue.clip(1.0)
+    w_reg: float = glue.w_reg(1.0)
+    w_ce: float = glue.w_ce(0.1)
+    noise: float = glue.noise(0.1)
+    ce_vocab: int = glue.option(8192, "cross-entropy over the corpus's most frequent tokens "
+                                      "(0: all)", low=0)
+    seed: int = glue.seed(0)
+    save_every: int = glue.save_every(200)  # `train eagle`'s default: 100
+    val_examples: int = glue.val_examples(0)  # a seeded choice
+    all_positions: bool = glue.option(False, "train on every position, prompts included "
+                                             "(for a text corpus from `specjax features`); "
+                                             "default: answer positions only")
     # False: no attention-input norm in the layer (layer 0 of a published EAGLE-1/2 head),
     # so the head has SafeAILab/EAGLE's layout (``--export-format eagle``)
-    attn_norm: bool = True
-    head_layers: int = 1  # the head's decoder layers (``eagle.init_head(layers=...)``)
+    attn_norm: bool = glue.attn_norm(" (default: as the --init head has it, with the norm "
+                                     "without --init)")
+    head_layers: int = glue.head_layers(1)  # ``eagle.init_head(layers=...)``
+
+    def __post_init__(self):
+        glue.check_fields(self)
 
 
 def run_fields(cfg) -> dict:

@@ -25,25 +25,31 @@ import optax
 
 from specjax.drafters import eagle, exit_heads
 from specjax.train import eagle as train_eagle
-from specjax.train import checkpoint, loop
+from specjax.train import checkpoint, glue, loop
 
 
 @dataclasses.dataclass(frozen=True)
 class ExitConfig:
-    """Which exits, how big the adapters, and how to optimise them."""
+    """Which exits, how big the adapters, and how to optimise them. Each field is a flag of
+    ``train exit-heads`` (``glue.option``), checked here."""
 
-    layers: tuple[int, ...] = (4, 8, 12, 16, 20, 24)
-    rank: int = 64
-    steps: int = 400
-    batch_tokens: int = 1024
-    max_len: int = 512
-    lr: float = 2e-3
-    warmup: int = 40
-    weight_decay: float = 0.0
-    clip: float = 1.0
-    kl_vocab: int = 4096  # KL over the corpus's most frequent tokens (0: the whole vocabulary)
-    seed: int = 0
-    save_every: int = 50
+    layers: tuple[int, ...] = glue.option((4, 8, 12, 16, 20, 24), "exit layers, "
+                                          "comma-separated", parse=glue.int_list("--layers"))
+    rank: int = glue.option(64, "adapter rank", low=1)
+    steps: int = glue.steps(400)
+    batch_tokens: int = glue.batch_tokens(1024)
+    max_len: int = glue.max_len(512)
+    lr: float = glue.lr(2e-3)
+    warmup: int = glue.warmup(40)
+    weight_decay: float = glue.weight_decay(0.0)
+    clip: float = glue.clip(1.0)
+    kl_vocab: int = glue.option(4096, "KL over the corpus's most frequent tokens (0: all)",
+                                low=0)
+    seed: int = glue.seed(0)
+    save_every: int = glue.save_every(50)
+
+    def __post_init__(self):
+        glue.check_fields(self)
 
 
 def layer_features(target, tparams, corpus: Sequence, cfg: ExitConfig, progress=None

@@ -21,19 +21,168 @@ import numpy as np
 from specjax.heads import exported, kinds
 
 # ----------------------------------------------------------------------------- configs
+#
+# Every training setting is a field of a frozen config dataclass, declared once by
+# ``option``: its default, its help, the values it accepts and its CLI flag. The CLI makes
+# its flags from the fields (``specjax.commands.common.config_flags``), ``from_args`` makes
+# the config from them, and the config's ``__post_init__`` (``check_fields``) refuses a
+# value out of range in the flag's words, from the CLI and the Python API alike. The
+# settings several trainers share (``lr``, ``warmup``, ...) are declared once below.
+
+
+def option(default, help: str, *, low=None, above=None, finite: bool = False,
+           flag: str | None = None, parse=None, cli: bool = True,
+           argparse: dict | None = None):
+    """A config field: ``default``, the ``help`` of its flag, the smallest value it takes
+    (``low``: ``>= low``; ``above``: ``> above``; ``finite``: no nan or inf), its flag
+    (default ``--kebab-case`` of the field's name), ``parse`` (the flag's value to the
+    field's, as ``from_args`` applies it; ``ValueError`` for a bad one), ``cli`` False for
+    a field no flag sets, and ``argparse``: ``add_argument``'s keywords where the default
+    ones (the default's type and value, ``store_true`` for a bool) do not fit."""
+    return dataclasses.field(default=default, metadata={
+        "help": help, "low": low, "above": above, "finite": finite, "flag": flag,
+        "parse": parse, "cli": cli, "argparse": dict(argparse or {})})
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    """The CLI flag of the config field ``f``."""
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def dest_of(f: dataclasses.Field) -> str:
+    """The ``argparse`` attribute the flag of ``f`` sets."""
+    return f.metadata.get("argparse", {}).get("dest") or flag_of(f)[2:].replace("-", "_")
+
+
+def check_fields(cfg) -> None:
+    """``ValueError`` naming the first field of the config ``cfg`` out of its ``option``'s
+    range, in its flag's words (``--lr must be > 0, got 0.0``)."""
+    import math
+
+    for f in dataclasses.fields(cfg):
+        m, v = f.metadata, getattr(cfg, f.name)
+        if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        if m.get("finite") and not math.isfinite(v):
+            raise ValueError(f"{flag_of(f)} must be a finite number, got {v}")
+        if m.get("low") is not None and not v >= m["low"]:
+            raise ValueError(f"{flag_of(f)} must be >= {m['low']}, got {v}")
+        if m.get("above") is not None and not v > m["above"]:
+            raise ValueError(f"{flag_of(f)} must be > {m['above']}, got {v}")
 
 
 def from_args(cls, args, **given):
     """An instance of the config dataclass ``cls``: each field named in ``given`` takes
-    that value, every other field takes the attribute of ``args`` (an ``argparse``
-    namespace) of its name where ``args`` has one, and the rest keep ``cls``'s defaults.
-    ``TypeError`` for a ``given`` name that is not a field."""
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(given) - set(names))
+    that value, every other field the attribute of ``args`` (an ``argparse`` namespace)
+    its flag sets (``dest_of``; through its ``option``'s ``parse``) where ``args`` has
+    one, and the rest keep ``cls``'s defaults. ``TypeError`` for a ``given`` name that is
+    not a field; ``ValueError`` for a value the config refuses."""
+    fields = dataclasses.fields(cls)
+    unknown = sorted(set(given) - {f.name for f in fields})
     if unknown:
         raise TypeError(f"{cls.__name__} has no field {', '.join(unknown)}")
-    kw = {n: getattr(args, n) for n in names if n not in given and hasattr(args, n)}
+    kw = {}
+    for f in fields:
+        if f.name in given or not f.metadata.get("cli", True):
+            continue
+        if hasattr(args, dest_of(f)):
+            v, parse = getattr(args, dest_of(f)), f.metadata.get("parse")
+            kw[f.name] = v if parse is None or v is None else parse(v)
     return cls(**kw, **given)
+
+
+def int_list(flag: str, low: int | None = None):
+    """``parse`` of a comma-separated list of ints (a tuple; each ``>= low``)."""
+    def parse(text):
+        if not isinstance(text, str):
+            return tuple(text)
+        try:
+            out = tuple(int(x) for x in text.split(","))
+        except ValueError:
+            out = None
+        if out is None or (low is not None and (not out or min(out) < low)):
+            want = "ints" if low is None else f"layer ids >= {low}"
+            raise ValueError(f"{flag} must be comma-separated {want}, got {text!r}")
+        return out
+    return parse
+
+
+# the settings several trainers share, each declared here once (its default the trainer's)
+
+def steps(default: int):
+    return option(default, "optimizer steps", low=1)
+
+
+def batch_tokens(default: int):
+    return option(default, "tokens per minibatch (about: sequences of like length, padded)",
+                  low=1)
+
+
+def max_len(default: int = 512):
+    return option(default, "tokens per training sequence (a longer one keeps its last ones)",
+                  low=1)
+
+
+def lr(default: float):
+    return option(default, "peak learning rate (AdamW, reached after a linear warmup)",
+                  finite=True, above=0)
+
+
+def warmup(default: int):
+    return option(default, "steps of linear learning-rate warmup", low=0)
+
+
+def weight_decay(default: float):
+    return option(default, "AdamW's weight decay", low=0)
+
+
+def clip(default: float = 1.0):
+    return option(default, "gradients clipped to this global norm", above=0)
+
+
+def seed(default: int = 0):
+    return option(default, "seed of the initialization, the data order and the noise")
+
+
+def save_every(default: int):
+    return option(default, "checkpoint every this many steps", low=1)
+
+
+def val_examples(default: int = 0):
+    return option(default, "examples held out and scored at every checkpoint (val_acc in "
+                           "the log)", low=0)
+
+
+def w_reg(default: float = 1.0, help: str = "weight of the feature regression"):
+    return option(default, help, low=0)
+
+
+def w_ce(default: float = 0.1, help: str = "weight of the cross-entropy against the "
+                                           "target's distribution"):
+    return option(default, help, low=0)
+
+
+def noise(default: float = 0.1, help: str = "uniform noise on the input features, relative "
+                                            "to their RMS"):
+    return option(default, help, low=0)
+
+
+def head_layers(default: int = 1, suffix: str = ""):
+    return option(default, "decoder layers of the EAGLE-2 head; layers a warm start lacks "
+                           "are added as the identity, so it starts from that head's "
+                           "drafts" + suffix, low=1)
+
+
+NO_ATTN_NORM = ("train the EAGLE-2 head without its layer's attention-input norm, as "
+                "published EAGLE-1/2 heads' layer 0: the head SafeAILab/EAGLE's layout "
+                "holds, exportable with --export-format eagle")
+
+
+def attn_norm(suffix: str):
+    """``--no-attn-norm`` (default None on the CLI: the command resolves it from --init)."""
+    return option(True, NO_ATTN_NORM + suffix, flag="--no-attn-norm",
+                  argparse={"dest": "attn_norm", "action": "store_const", "const": False,
+                            "default": None})
 
 
 # ----------------------------------------------------------------------------- provenance
@@ -248,7 +397,7 @@ def eagle_attn_norm(path: str | Path) -> bool | None:
         return None
 
 
-__all__ = ["from_args", "data_summary", "store_summary", "record", "eagle_init", "eagle_order",
+__all__ = ["option", "flag_of", "dest_of", "check_fields", "from_args", "int_list", "data_summary", "store_summary", "record", "eagle_init", "eagle_order",
            "redrafter_init", "Start", "onpolicy_start", "onpolicy_head", "export_eagle",
            "export_redrafter", "export_exit_heads", "export_onpolicy", "published_dir",
            "export_published", "eagle_attn_norm"]

@@ -46,7 +46,7 @@ from specjax import sharding
 from specjax._compile import AotCache
 from specjax.core.decoder import prepare
 from specjax.core.decoding import hidden_features, prefill
-from specjax.train import checkpoint, distill, loop, shards, ttt
+from specjax.train import checkpoint, distill, glue, loop, shards, ttt
 from specjax.train.eagle import _bucket  # padded lengths: multiples of 64
 from specjax.train.eagle import check_run_layout, run_fields
 from specjax.train.feature_cache import FeatureCache
@@ -278,50 +278,59 @@ class OnPolicyConfig:
     ``epochs`` epochs over every round's sequences together (:func:`epoch_batches`),
     scored after each."""
 
-    rounds: int = 8
-    batch: int = 32
-    max_new_tokens: int = 128
-    max_prompt_tokens: int = 384
-    passes: int = 1
-    batch_tokens: int = 4096
-    lr: float = 3e-4
-    warmup: int = 20
-    weight_decay: float = 0.01
-    clip: float = 1.0
-    draft_vocab: int = 8192
-    val_prompts: int = 48
-    val_every: int = 4
-    seed: int = 0
+    rounds: int = glue.option(8, "decode batches in all (replayed ones included)", low=1)
+    batch: int = glue.option(32, "prompts decoded together", low=1)
+    max_new_tokens: int = glue.option(128, "tokens decoded per answer at most", low=1)
+    max_prompt_tokens: int = glue.option(384, "longer prompts are skipped (the store records "
+                                              "it: a store decoded with another limit is "
+                                              "refused)", low=1)
+    passes: int = glue.option(1, "optimizer passes over each round", low=1)
+    batch_tokens: int = glue.batch_tokens(4096)
+    lr: float = glue.lr(3e-4)
+    warmup: int = glue.warmup(20)
+    weight_decay: float = glue.weight_decay(0.01)
+    clip: float = glue.clip(1.0)
+    draft_vocab: int = glue.option(8192, "EAGLE-3: the head's vocabulary; EAGLE-2: the "
+                                         "cross-entropy's rows", low=1)
+    val_prompts: int = glue.option(48, "held-out prompts (the pool's first), scored every "
+                                       "--val-every rounds", low=1)
+    val_every: int = glue.option(4, "score the held-out prompts every this many rounds", low=1)
+    seed: int = glue.seed(0)
     # the prompt sources (``prompt_pool``); None: all of them
-    sources: tuple[str, ...] | None = None
+    sources: tuple[str, ...] | None = glue.option(
+        None, "comma-separated prompt sources to draw from, in turn (gsm8k, self_instruct, "
+              "t0, self_written, sharegpt; default all but sharegpt; the store records it). "
+              "sharegpt: ShareGPT's chat prompts, multi-turn ones as messages (pip install "
+              "'specjax[data]')", parse=lambda text: tuple(text.split(",")),
+        argparse={"type": str})
     # the name of the user's conversations the prompts come from instead (``--data``)
-    data_file: str | None = None
-    loss: ttt.LossConfig = ttt.LossConfig()
+    data_file: str | None = glue.option(None, "the name of --data's conversations", cli=False)
+    loss: ttt.LossConfig = glue.option(ttt.LossConfig(), "the loss: ttt.LossConfig's flags",
+                                       cli=False)
     # EAGLE-2 only. False: no attention-input norm in the head's layer (layer 0 of a
     # published EAGLE-1/2 head), so it has SafeAILab/EAGLE's layout
-    attn_norm: bool = True
-    epochs: int = 0
+    attn_norm: bool = glue.attn_norm(" (--kind eagle; default: as the --init head has it, "
+                                     "with the norm for --init none)")
+    epochs: int = glue.option(0, "after the rounds, epochs over every round's answers "
+                                 "together, shuffled across rounds; a finished run given more "
+                                 "trains them (one whose epochs began takes no more --rounds)",
+                              low=0)
     # EAGLE-2 only: the head's decoder layers (``eagle.init_head(layers=...)``)
-    head_layers: int = 1
+    head_layers: int = glue.head_layers(1, " (--kind eagle)")
     # train on answer positions only (the predictions of the target's own tokens), not on
     # the prompts' too; held-out scoring is on answer positions either way
-    answers_only: bool = False
+    answers_only: bool = glue.option(False, "train on the answers' positions only, not the "
+                                            "prompts' too (the run records it)")
     # EAGLE-2 only, with attn_norm False: a warm start from a head with the norm, its norm
     # folded into ``qkv`` (``specjax.train.eagle.fold_attn_norm``) at the ``fc`` output's
     # mean RMS over the store's first round
-    fold_attn_norm: bool = False
+    fold_attn_norm: bool = glue.option(
+        False, "with --no-attn-norm, start from --init's head (which has the norm) with its "
+               "norm folded into the attention's input weights at the mean scale of the "
+               "store's first round, an approximation the run trains away")
 
     def __post_init__(self):
-        low = [f"{k}={getattr(self, k)}" for k in ("rounds", "batch", "max_new_tokens",
-                                                    "max_prompt_tokens", "passes",
-                                                    "batch_tokens", "draft_vocab",
-                                                    "val_prompts", "val_every",
-                                                    "head_layers")
-               if getattr(self, k) < 1]
-        if low:
-            raise ValueError(f"OnPolicyConfig: {', '.join(low)}; each must be >= 1")
-        if self.epochs < 0:
-            raise ValueError(f"OnPolicyConfig: epochs={self.epochs}; it must be >= 0")
+        glue.check_fields(self)
 
     def rounds_from(self, start: int, stop_after: int | None = None) -> range:
         """The rounds a run whose latest checkpoint is round ``start`` trains: up to

@@ -16,6 +16,7 @@ and the step alone, so a killed run resumes to the same parameters.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from pathlib import Path
 from typing import Sequence
 
@@ -26,34 +27,39 @@ import optax
 
 from specjax.drafters import redrafter
 from specjax.train import eagle as train_eagle
-from specjax.train import loop
+from specjax.train import glue, loop
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Optimisation of one ReDrafter head."""
+    """Optimisation of one ReDrafter head. Each field is a flag of ``train redrafter``
+    (``glue.option``), checked here."""
 
-    steps: int = 600
-    batch_tokens: int = 1024
-    max_len: int = 512
-    unroll: int = 3  # recurrent steps trained per position
-    blocks: int = 2  # residual blocks of the head
-    draft_vocab: int = 8192  # the corpus's most frequent tokens (0: the whole vocabulary)
-    loss: str = "kd"  # "kd": target distribution; "ce": dataset tokens
-    lr: float = 1e-3
-    warmup: int = 50
-    weight_decay: float = 0.0
-    clip: float = 1.0
-    seed: int = 0
-    save_every: int = 100
-    val_examples: int = 0
-    all_positions: bool = True
+    steps: int = glue.steps(600)
+    batch_tokens: int = glue.batch_tokens(1024)
+    max_len: int = glue.max_len(512)
+    unroll: int = glue.option(3, "recurrent steps trained per position", low=1)
+    blocks: int = glue.option(2, "residual blocks of the head", low=0)
+    draft_vocab: int = glue.option(8192, "the corpus's most frequent tokens (0: the whole "
+                                         "vocabulary)", low=0)
+    loss: str = glue.option("kd", "kd: the target's distribution (the paper); ce: dataset "
+                                  "tokens", argparse={"choices": ["kd", "ce"]})
+    lr: float = glue.lr(1e-3)
+    warmup: int = glue.warmup(50)
+    weight_decay: float = glue.weight_decay(0.0)
+    clip: float = glue.clip(1.0)
+    seed: int = glue.seed(0)
+    save_every: int = glue.save_every(100)
+    val_examples: int = glue.val_examples(0)
+    all_positions: bool = glue.option(
+        True, "train on answer positions only (a corpus from `specjax distill`); default: "
+              "every position", flag="--answers-only", parse=operator.not_,
+        argparse={"action": "store_true", "default": False})
 
     def __post_init__(self):
+        glue.check_fields(self)
         if self.loss not in ("kd", "ce"):
             raise ValueError(f"loss must be 'kd' or 'ce', got {self.loss!r}")
-        if self.unroll < 1 or self.blocks < 0:
-            raise ValueError("unroll must be >= 1 and blocks >= 0")
 
 
 def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:

@@ -25,23 +25,28 @@ import optax
 from jaxtyping import Array, Float, Int
 
 from specjax.drafters import blocks, eagle, eagle3
+from specjax.train import glue
 
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
     """``k`` unrolled steps, step ``s`` weighted ``decay ** s``; ``noise``: uniform noise on
-    step 0's input features relative to their RMS."""
+    step 0's input features relative to their RMS. Each field is a flag of ``train
+    onpolicy`` (``glue.option``), checked here."""
 
-    k: int = 1
-    decay: float = 0.8
-    w_reg: float = 1.0
-    w_ce: float = 0.1
-    noise: float = 0.1
+    k: int = glue.option(1, "training-time test: steps the head is unrolled on its own "
+                            "outputs", low=1, flag="--ttt")
+    decay: float = glue.option(0.8, "training-time test: unrolled step s weighs decay ** s",
+                               flag="--ttt-decay")
+    w_reg: float = glue.w_reg(1.0, "EAGLE-2: weight of the feature regression")
+    w_ce: float = glue.w_ce(0.1, "EAGLE-2: weight of the cross-entropy against the target's "
+                                 "distribution (EAGLE-3 trains on the cross-entropy alone)")
+    noise: float = glue.noise(0.1, "uniform noise on step 0's input features, relative to "
+                                   "their RMS")
 
     def __post_init__(self):
-        if self.k < 1:
-            raise ValueError(f"k={self.k}: the head runs at least one step")
-        if min(self.w_reg, self.w_ce) < 0 or self.w_reg + self.w_ce <= 0:
+        glue.check_fields(self)
+        if self.w_reg + self.w_ce <= 0:
             raise ValueError(f"w_reg={self.w_reg}, w_ce={self.w_ce}: the loss weights are "
                              ">= 0, not both 0")
 

@@ -323,6 +323,39 @@ def distributed_settings(args):
         raise UsageError(str(e)) from None
 
 
+def config_flags(s, cls, *, skip=(), defaults: dict | None = None) -> list:
+    """One flag of the parser ``s`` per field of the config dataclass ``cls`` (declared
+    by ``specjax.train.glue.option``), in field order: ``--kebab-case`` of its name (or its
+    ``flag``), the default's type, ``store_true`` for a bool, the field's help with the
+    default shown; ``skip``: fields the command gives itself, ``defaults``: the command's
+    own default of a field. ``glue.from_args`` reads them back. Returns the flags."""
+    import dataclasses
+
+    from specjax.train import glue
+
+    out = []
+    for f in dataclasses.fields(cls):
+        m = f.metadata
+        if f.name in skip or not m.get("cli", True):
+            continue
+        kw: dict = {"default": f.default}
+        if isinstance(f.default, bool):
+            kw["action"] = "store_true"
+        elif isinstance(f.default, tuple):
+            kw.update(type=str, default=",".join(map(str, f.default)))
+        elif f.default is not None:
+            kw["type"] = type(f.default)
+        kw.update(m.get("argparse", {}))
+        if defaults and f.name in defaults:
+            kw["default"] = defaults[f.name]
+        text = m.get("help", f"{cls.__name__}.{f.name}").replace("%", "%%")
+        if "action" not in kw and kw["default"] is not None:
+            text += " (default: %(default)s)"
+        s.add_argument(glue.flag_of(f), help=text, **kw)
+        out.append(glue.flag_of(f))
+    return out
+
+
 def add_heads(s) -> None:
     s.add_argument("--draft-checkpoint", help="an EAGLE head directory: one specjax exported, "
                    "or a published EAGLE-1/2 or EAGLE-3 head (config.json and "

@@ -1,5 +1,10 @@
 """``specjax distill`` and ``specjax features`` (training corpora) and ``specjax train``
-(EAGLE, ReDrafter and exit heads, with Optax; checkpointed with Orbax and resumed)."""
+(EAGLE, ReDrafter and exit heads, with Optax; checkpointed with Orbax and resumed).
+
+A trainer's settings are the fields of its config dataclass (``specjax.train.glue.option``):
+its flags are made from them (``common.config_flags``) and its config, which checks itself,
+from the flags (``_config``); the flags here are those of the command alone (paths, ``--init``,
+``--export``)."""
 
 from __future__ import annotations
 
@@ -9,21 +14,21 @@ from pathlib import Path
 from specjax.commands import common
 from specjax.commands.common import UsageError
 
-# the smallest value of each flag beyond those ``common.check_args`` keeps >= 1, by command
-_AT_LEAST = {
-    "eagle": {"warmup": 0, "ce_vocab": 0, "val_examples": 0, "draft_vocab": 0,
-              "head_layers": 1},
-    "redrafter": {"unroll": 1, "blocks": 0, "draft_vocab": 0, "warmup": 0, "val_examples": 0},
-    "exit-heads": {"kl_vocab": 0},
-    "onpolicy": {"rounds": 1, "passes": 1, "ttt": 1, "draft_vocab": 1, "val_prompts": 1,
-                 "val_every": 1, "warmup": 0, "stop_after": 1, "epochs": 0, "head_layers": 1,
-                 "w_reg": 0, "w_ce": 0, "max_prompt_tokens": 1},
-}
+def _config(cls, args, **given):
+    """The config ``cls`` of the command's flags (``glue.from_args``); a value it refuses
+    (its ``__post_init__``, in the flag's words) is a ``UsageError``, before any work."""
+    from specjax.train import glue
+
+    try:
+        return glue.from_args(cls, args, **given)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
-def _check_ranges(args, command: str) -> None:
-    """``UsageError`` naming the first flag of ``command`` below its smallest value."""
-    for name, low in _AT_LEAST[command].items():
+def _at_least(args, **lows) -> None:
+    """``UsageError`` naming the first of the command's own flags (not a config's) below
+    its smallest value."""
+    for name, low in lows.items():
         v = getattr(args, name, None)
         if v is not None and v < low:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {low}, got {v}")
@@ -300,20 +305,15 @@ def cmd_features(args) -> int:
 
 
 def cmd_train_exits(args) -> int:
-    _check_ranges(args, "exit-heads")
-    _check_outputs(args)
     from tqdm import tqdm
 
     from specjax.train import distill, glue
     from specjax.train import exit_heads as train_exits
 
-    try:
-        layers = tuple(int(x) for x in args.layers.split(","))
-    except ValueError:
-        raise UsageError(f"--layers must be comma-separated ints, got {args.layers!r}") from None
+    cfg = _config(train_exits.ExitConfig, args)
+    _check_outputs(args)
     corpus = distill.load_shards(_input_dir(args.data, "--data"))
     lm = _load(args)
-    cfg = glue.from_args(train_exits.ExitConfig, args, layers=layers)
     log = RunLog(args.run)
     print(f"{len(corpus)} examples, {sum(len(t) for t, _, _ in corpus)} tokens; {cfg}", flush=True)
     def feats():
@@ -333,22 +333,22 @@ def cmd_train_exits(args) -> int:
 
 
 def cmd_train(args) -> int:
-    _resolve_attn_norm(args)
-    _check_ranges(args, "eagle")
-    _check_outputs(args)
-    _check_export_format(args)
-    _check_init_layout(args.init, args.attn_norm, "leave out --init")
     from tqdm import tqdm
 
     from specjax.train import distill, glue
     from specjax.train import eagle as train_eagle
 
+    _resolve_attn_norm(args)
+    cfg = _config(train_eagle.TrainConfig, args)
+    _at_least(args, draft_vocab=0)
+    _check_outputs(args)
+    _check_export_format(args)
+    _check_init_layout(args.init, args.attn_norm, "leave out --init")
     if is_conversations(args.data):
-        return _train_eagle_online(args)
+        return _train_eagle_online(args, cfg)
     corpus = distill.load_shards(_input_dir(args.data, "--data"))
     mesh = common.mesh(args, rows=None)
     lm = _load(args, vocab=True, mesh=mesh)
-    cfg = glue.from_args(train_eagle.TrainConfig, args)
     log = RunLog(args.run)
     n_tok = sum(len(e[0]) if cfg.all_positions else int(distill.loss_mask(e).sum())
                 for e in corpus)
@@ -371,13 +371,12 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _train_eagle_online(args) -> int:
+def _train_eagle_online(args, cfg) -> int:
     """``train eagle --data CONVERSATIONS``: the head trained on the conversations
     (``specjax.train.online``), the stream's position checkpointed with it."""
     from tqdm import tqdm
 
     from specjax.train import glue, online
-    from specjax.train import eagle as train_eagle
 
     if args.val_examples:
         raise UsageError("--val-examples needs a corpus: training on conversations holds "
@@ -385,7 +384,6 @@ def _train_eagle_online(args) -> int:
     index = _scan_conversations(args)
     mesh = common.mesh(args, rows=None)
     lm = _load(args, vocab=True, mesh=mesh)
-    cfg = glue.from_args(train_eagle.TrainConfig, args)
     eos = lm.eos_ids[0] if lm.eos_ids else None
     init = glue.eagle_init(args.init, lm.model.config) if args.init else None
     counts: dict = {}
@@ -409,14 +407,13 @@ def _train_eagle_online(args) -> int:
 
 
 def cmd_train_redrafter(args) -> int:
-    _check_ranges(args, "redrafter")
-    _check_outputs(args)
     from tqdm import tqdm
 
     from specjax.train import distill, glue, shards
     from specjax.train import redrafter as train_rd
 
-    cfg = glue.from_args(train_rd.TrainConfig, args, all_positions=not args.answers_only)
+    cfg = _config(train_rd.TrainConfig, args)
+    _check_outputs(args)
     if args.shards:  # every shard present and unaltered before the target loads
         shards.check_store(_input_dir(args.shards, "--shards"), required=True)
     corpus = None if args.shards else distill.load_shards(_input_dir(args.data, "--data"))
@@ -497,11 +494,13 @@ def _onpolicy_inputs(args, kind):
 
 def _onpolicy_settings(args):
     """``(config, prompt pool, mesh)`` of ``train onpolicy`` (``--decode-only`` too): the
-    flags' ranges, the mesh, the directories to write and the prompts checked, and the pool
-    long enough for every round (``UsageError``), before the target loads."""
-    from specjax.train import glue, onpolicy, ttt
+    config, the mesh, the directories to write and the prompts checked, and the pool long
+    enough for every round (``UsageError``), before the target loads."""
+    from specjax.train import onpolicy, ttt
 
-    _check_ranges(args, "onpolicy")
+    cfg = _config(onpolicy.OnPolicyConfig, args, loss=_config(ttt.LossConfig, args),
+                  data_file=Path(args.data).name if args.data else None)
+    _at_least(args, stop_after=1)
     mesh = common.mesh(args, rows=None)  # any batch: decode rounds and minibatches are padded
     common.writable(args.run, "--run", directory=True)
     _check_run_record(args.run)
@@ -512,9 +511,6 @@ def _onpolicy_settings(args):
     else:
         sources = _sources(args, onpolicy.check_sources)
         _check_prompts(args.prompts)
-    cfg = glue.from_args(onpolicy.OnPolicyConfig, args, sources=sources,
-                         data_file=Path(args.data).name if args.data else None,
-                         loss=glue.from_args(ttt.LossConfig, args, k=args.ttt))
     if args.data:
         pool = onpolicy.conversation_pool(index, _spec_bench_texts(args.exclude), args.seed,
                                           cfg.max_prompt_tokens)
@@ -788,16 +784,9 @@ def _check_fold(args) -> None:
                          "(--decode-only --rounds 1)")
 
 
-_NO_ATTN_NORM = ("train the EAGLE-2 head without its layer's attention-input norm, as "
-                 "published EAGLE-1/2 heads' layer 0: the head SafeAILab/EAGLE's layout "
-                 "holds, exportable with --export-format eagle")
-
-
-_HEAD_LAYERS = ("decoder layers of the EAGLE-2 head; layers a warm start lacks are added as "
-                "the identity, so it starts from that head's drafts")
-
-
 def _add_onpolicy(tsub):
+    from specjax.train import onpolicy, ttt
+
     to = tsub.add_parser("onpolicy", help="an EAGLE-2 or EAGLE-3 head trained online on the "
                                           "target's own batched answers (self-distillation)")
     to.add_argument("--model", default="smollm2-135m")
@@ -812,26 +801,9 @@ def _add_onpolicy(tsub):
                     help="token shard store (manifest.json): replayed, then extended")
     to.add_argument("--run", help="run directory: checkpoints; resumes (required unless "
                                   "--decode-only)")
-    to.add_argument("--rounds", type=int, default=8, help="decode batches in all (replayed "
-                                                          "ones included)")
     to.add_argument("--decode-only", action="store_true",
                     help="decode the rounds the store lacks up to --rounds and train nothing "
                          "(no --run): a later run with the same settings replays them")
-    to.add_argument("--batch", type=int, default=32, help="prompts decoded together")
-    to.add_argument("--max-new-tokens", type=int, default=128)
-    to.add_argument("--max-prompt-tokens", type=int, default=384,
-                    help="longer prompts are skipped (the store records it: a store "
-                         "decoded with another limit is refused)")
-    to.add_argument("--sources", help="comma-separated prompt sources to draw from, in turn "
-                                      "(gsm8k, self_instruct, t0, self_written, sharegpt; "
-                                      "default all but sharegpt; the store records it). "
-                                      "sharegpt: ShareGPT's chat prompts, multi-turn ones "
-                                      "as messages (pip install 'specjax[data]')")
-    to.add_argument("--passes", type=int, default=1, help="optimizer passes over each round")
-    to.add_argument("--epochs", type=int, default=0,
-                    help="after the rounds, epochs over every round's answers together, "
-                         "shuffled across rounds; a finished run given more trains them "
-                         "(one whose epochs began takes no more --rounds)")
     to.add_argument("--feature-cache", metavar="DIR",
                     help="keep replayed rounds' features here (float32, 4 x F bytes a "
                          "token) and read them back in later runs and epochs instead of "
@@ -841,45 +813,18 @@ def _add_onpolicy(tsub):
                          "sources or settings) whose rounds (all, or the first ROUNDS) join "
                          "the epochs, shuffled with this run's; repeatable; the run records "
                          "them")
-    to.add_argument("--answers-only", action="store_true",
-                    help="train on the answers' positions only, not the prompts' too (the "
-                         "run records it)")
-    to.add_argument("--batch-tokens", type=int, default=4096)
-    to.add_argument("--lr", type=float, default=3e-4)
-    to.add_argument("--warmup", type=int, default=20)
-    to.add_argument("--ttt", type=int, default=1,
-                    help="training-time test: steps the head is unrolled on its own outputs")
-    to.add_argument("--noise", type=float, default=0.1,
-                    help="uniform noise on step 0's input features, relative to their RMS")
-    to.add_argument("--w-reg", type=float, default=1.0,
-                    help="EAGLE-2: weight of the feature regression")
-    to.add_argument("--w-ce", type=float, default=0.1,
-                    help="EAGLE-2: weight of the cross-entropy against the target's "
-                         "distribution (EAGLE-3 trains on the cross-entropy alone)")
-    to.add_argument("--draft-vocab", type=int, default=8192,
-                    help="EAGLE-3: the head's vocabulary; EAGLE-2: the cross-entropy's rows")
-    to.add_argument("--val-prompts", type=int, default=48)
-    to.add_argument("--val-every", type=int, default=4)
-    to.add_argument("--seed", type=int, default=0)
     to.add_argument("--init", default="shipped",
                     help="shipped (the model's shipped head), none, or an exported head; "
                          "EAGLE-3 takes only its vocabulary order")
     to.add_argument("--stop-after", type=int,
                     help="stop after this many rounds (then epochs) of this call")
     to.add_argument("--export", help="write the trained head (bfloat16) here")
-    to.add_argument("--no-attn-norm", dest="attn_norm", action="store_const", const=False,
-                    default=None, help=_NO_ATTN_NORM + " (--kind eagle; default: as the "
-                    "--init head has it, with the norm for --init none)")
-    to.add_argument("--head-layers", type=int, default=1, help=_HEAD_LAYERS + " (--kind eagle)")
-    to.add_argument("--fold-attn-norm", action="store_true",
-                    help="with --no-attn-norm, start from --init's head (which has the norm) "
-                         "with its norm folded into the attention's input weights at the "
-                         "mean scale of the store's first round, an approximation the run "
-                         "trains away")
     to.add_argument("--export-format", choices=["eagle", "eagle3"],
                     help="also write the exported head in SafeAILab/EAGLE's published "
                          "layout, to EXPORT-eagle or EXPORT-eagle3 (the --kind of the same "
                          "name; eagle needs --no-attn-norm; `specjax convert-head`)")
+    common.config_flags(to, onpolicy.OnPolicyConfig)
+    common.config_flags(to, ttt.LossConfig)
     to.set_defaults(fn=cmd_train_onpolicy)
     return to
 
@@ -891,6 +836,10 @@ def _add_data(p, what: str) -> None:
                    "datasets folder (pip install 'specjax[data]'); " + what)
     p.add_argument("--loss", choices=["assistant", "all"], default="assistant",
                    help="with --data: the loss on the assistant's tokens (default) or on all")
+
+
+# the CLI's own defaults of config fields, where they differ from the Python API's
+EAGLE_DEFAULTS = {"save_every": 100}
 
 
 def register(sub) -> list:
@@ -951,6 +900,10 @@ def register(sub) -> list:
     fe.add_argument("--out", required=True, help="corpus directory (resumes if it exists)")
     fe.set_defaults(fn=cmd_features)
 
+    from specjax.train import eagle as train_eagle
+    from specjax.train import exit_heads as train_exits
+    from specjax.train import redrafter as train_rd
+
     t = sub.add_parser("train", help="train a draft head")
     tsub = t.add_subparsers(dest="head", required=True)
     te = tsub.add_parser("eagle", help="the EAGLE head, on a corpus from `specjax distill`")
@@ -963,34 +916,12 @@ def register(sub) -> list:
     te.add_argument("--loss", choices=["assistant", "all"], default="assistant",
                     help="with conversations: the loss on the assistant's tokens or on all")
     te.add_argument("--run", required=True, help="run directory: checkpoints; resumes")
-    te.add_argument("--steps", type=int, default=2000)
-    te.add_argument("--batch-tokens", type=int, default=4096)
-    te.add_argument("--max-len", type=int, default=512)
-    te.add_argument("--lr", type=float, default=5e-4)
-    te.add_argument("--warmup", type=int, default=100)
-    te.add_argument("--w-reg", type=float, default=1.0, help="weight of the feature regression")
-    te.add_argument("--w-ce", type=float, default=0.1,
-                    help="weight of the cross-entropy against the target's distribution")
-    te.add_argument("--noise", type=float, default=0.1,
-                    help="uniform noise on the input features, relative to their RMS")
-    te.add_argument("--seed", type=int, default=0)
-    te.add_argument("--save-every", type=int, default=100)
-    te.add_argument("--ce-vocab", type=int, default=8192,
-                    help="cross-entropy over the corpus's most frequent tokens (0: all)")
-    te.add_argument("--val-examples", type=int, default=0,
-                    help="examples held out and scored at every checkpoint (val_acc in the log)")
+    common.config_flags(te, train_eagle.TrainConfig, defaults=EAGLE_DEFAULTS)
     te.add_argument("--init", help="start from this exported EAGLE head (fine-tuning); "
                                    "default: a random head")
-    te.add_argument("--all-positions", action="store_true",
-                    help="train on every position, prompts included (for a text corpus "
-                         "from `specjax features`); default: answer positions only")
     te.add_argument("--draft-vocab", type=int, default=0,
                     help="default draft vocabulary size of the exported head (0: full)")
     te.add_argument("--export", help="write the trained head (bfloat16) here")
-    te.add_argument("--no-attn-norm", dest="attn_norm", action="store_const", const=False,
-                    default=None, help=_NO_ATTN_NORM + " (default: as the --init head has "
-                    "it, with the norm without --init)")
-    te.add_argument("--head-layers", type=int, default=1, help=_HEAD_LAYERS)
     te.add_argument("--export-format", choices=["eagle"],
                     help="also write the exported head in SafeAILab/EAGLE's published "
                          "EAGLE-1/2 layout, to EXPORT-eagle (needs --no-attn-norm and "
@@ -1004,43 +935,17 @@ def register(sub) -> list:
     src.add_argument("--shards", help="a token shard store from `specjax train onpolicy` "
                                       "(the target's own answers; features by prefill)")
     tr.add_argument("--run", required=True, help="run directory: checkpoints; resumes")
-    tr.add_argument("--steps", type=int, default=600)
-    tr.add_argument("--batch-tokens", type=int, default=1024)
-    tr.add_argument("--max-len", type=int, default=512)
-    tr.add_argument("--unroll", type=int, default=3, help="recurrent steps trained per position")
-    tr.add_argument("--blocks", type=int, default=2, help="residual blocks of the head")
-    tr.add_argument("--draft-vocab", type=int, default=8192,
-                    help="the corpus's most frequent tokens (0: the whole vocabulary)")
-    tr.add_argument("--loss", choices=["kd", "ce"], default="kd",
-                    help="kd: the target's distribution (the paper); ce: dataset tokens")
-    tr.add_argument("--lr", type=float, default=1e-3)
-    tr.add_argument("--warmup", type=int, default=50)
-    tr.add_argument("--seed", type=int, default=0)
-    tr.add_argument("--save-every", type=int, default=100)
-    tr.add_argument("--val-examples", type=int, default=0,
-                    help="examples held out and scored at every checkpoint")
+    common.config_flags(tr, train_rd.TrainConfig)
     tr.add_argument("--export", help="write the trained head (bfloat16) here")
     tr.add_argument("--init", help="an exported ReDrafter head to fine-tune (keeps its draft "
                                    "vocabulary and blocks)")
-    tr.add_argument("--answers-only", action="store_true",
-                    help="train on answer positions only (a corpus from `specjax distill`); "
-                         "default: every position")
     tr.set_defaults(fn=cmd_train_redrafter)
     tx = tsub.add_parser("exit-heads", help="early-exit adapters distilled from the final "
                                             "layer, on a corpus from `specjax distill`")
     tx.add_argument("--model", default="smollm2-135m")
     tx.add_argument("--data", required=True)
     tx.add_argument("--run", required=True, help="run directory: checkpoints; resumes")
-    tx.add_argument("--layers", default="4,8,12,16,20,24", help="exit layers, comma-separated")
-    tx.add_argument("--rank", type=int, default=64, help="adapter rank")
-    tx.add_argument("--steps", type=int, default=400)
-    tx.add_argument("--batch-tokens", type=int, default=1024)
-    tx.add_argument("--max-len", type=int, default=512)
-    tx.add_argument("--lr", type=float, default=2e-3)
-    tx.add_argument("--seed", type=int, default=0)
-    tx.add_argument("--save-every", type=int, default=50)
-    tx.add_argument("--kl-vocab", type=int, default=4096,
-                    help="KL over the corpus's most frequent tokens (0: all)")
+    common.config_flags(tx, train_exits.ExitConfig)
     tx.add_argument("--export", help="write the trained heads (bfloat16) here")
     tx.set_defaults(fn=cmd_train_exits)
     to = _add_onpolicy(tsub)

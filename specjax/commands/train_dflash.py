@@ -2,31 +2,16 @@
 stores of ``specjax train onpolicy``), checkpointed by Orbax, exported in z-lab's hub layout.
 
 Every training setting is a field of ``specjax.train.dflash.DFlashConfig``; the flags are
-made from its fields (``--block-size`` for ``block_size``), so the CLI and the Python API
-take the same options, checked by the same ``__post_init__``, before the model loads."""
+made from its fields (``common.config_flags``: ``--block-size`` for ``block_size``), so
+the CLI and the Python API take the same options, checked by the same ``__post_init__``,
+before the model loads."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
+from specjax.commands import common
 from specjax.commands.common import UsageError
-
-
-def _config_fields():
-    from specjax.train.dflash import DFlashConfig
-
-    return DFlashConfig, dataclasses.fields(DFlashConfig)
-
-
-def _layers(text: str) -> tuple[int, ...]:
-    try:
-        out = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        out = ()
-    if not out or min(out) < 0:
-        raise UsageError(f"--target-layers {text!r}: want comma-separated layer ids >= 0")
-    return out
 
 
 def add_parser(tsub):
@@ -42,33 +27,21 @@ def add_parser(tsub):
     p.add_argument("--stop-after", type=int, help="stop after this many steps of this call")
     p.add_argument("--tokens", type=int, help="read whole shards until this many tokens "
                                               "(default: every shard)")
-    cls, fields = _config_fields()
-    for f in fields:
-        flag = "--" + f.name.replace("_", "-")
-        if f.name == "target_layers":
-            p.add_argument(flag, type=_layers, default=None,
-                           help="target layer ids to fuse, comma-separated (default: "
-                                "z-lab's rule for the drafter's layer count)")
-        else:
-            p.add_argument(flag, type=type(f.default), default=f.default,
-                           help=f"DFlashConfig.{f.name} (default {f.default})")
+    from specjax.train.dflash import DFlashConfig
+
+    common.config_flags(p, DFlashConfig)
     p.set_defaults(fn=cmd_train_dflash)
     return p
 
 
 def _check(args):
     """The config and the stores, checked before the target loads (``UsageError``)."""
-    from specjax.train import glue, shards
+    from specjax.commands.train import _at_least, _check_outputs, _config
+    from specjax.train import shards
     from specjax.train.dflash import DFlashConfig
 
-    try:
-        cfg = glue.from_args(DFlashConfig, args)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    for flag in ("stop_after", "tokens"):
-        v = getattr(args, flag)
-        if v is not None and v < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    cfg = _config(DFlashConfig, args)
+    _at_least(args, stop_after=1, tokens=1)
     for root in args.shards:
         if not Path(root).is_dir():
             raise UsageError(f"--shards {root}: no such directory")
@@ -78,8 +51,6 @@ def _check(args):
             raise UsageError(str(e)) from None
     if args.export and Path(args.export).exists() and not Path(args.export).is_dir():
         raise UsageError(f"--export {args.export} exists and is not a directory")
-    from specjax.commands.train import _check_outputs
-
     _check_outputs(args)  # --run writable, its record readable, a whole step or none
     return cfg
 
