@@ -63,7 +63,9 @@ def main(argv=None) -> int:
             from specjax import distributed
 
             if distributed.initialize(settings, detect=bool(getattr(args, "mesh", None))):
-                distributed.agree(settings, _same_everywhere(args))
+                from specjax.models.registry import resolve
+
+                distributed.agree(settings, _same_everywhere(args), resolve)
         return args.fn(args)
     except KeyboardInterrupt:
         if debug:

@@ -379,21 +379,20 @@ def _digest(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def fingerprint(name_or_path) -> dict[str, str] | None:
-    """``{file name: digest}`` of the checkpoint a path (or a registered model name) names
-    on this host: the file itself, or a directory's configs, tokenizer and weight files
-    (top level; ``_READ``), each digested by ``_digest`` (sizes, headers and 256 KiB sampled
-    through each large file; weights are not read whole). None for a path that does not
-    exist here (the command itself then says so)."""
+def fingerprint(name_or_path, resolve=None) -> dict[str, str] | None:
+    """``{file name: digest}`` of the checkpoint a path names on this host (or a name
+    ``resolve`` turns into a path: the CLI passes the model registry's): the file itself,
+    or a directory's configs, tokenizer and weight files (top level; ``_READ``), each
+    digested by ``_digest`` (sizes, headers and 256 KiB sampled through each large file;
+    weights are not read whole). None for a path that does not exist here (the command
+    itself then says so)."""
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path):
         return None
     p = Path(name_or_path)
     if not p.exists():
         try:
-            from specjax.models import registry
-
-            p = Path(registry.resolve(str(name_or_path)))
-        except Exception:  # noqa: BLE001 -- not a registered name either: nothing to compare
+            p = Path(resolve(str(name_or_path)))
+        except Exception:  # noqa: BLE001 -- not a name it knows either: nothing to compare
             return None
     try:
         if p.is_file():
@@ -418,12 +417,13 @@ def _differs(name: str, mine: dict | None, theirs: dict | None) -> str:
     return "its files differ"
 
 
-def agree(settings: Settings, values: dict) -> None:
+def agree(settings: Settings, values: dict, resolve=None) -> None:
     """``ValueError`` (one line) unless every process of the run was started with the same
     ``values`` (a command's arguments, its own process id and log paths left out), the
     process count that ``settings`` names, and, for each argument of ``CHECKPOINT_ARGS``,
     the same files on its own host (``fingerprint``: the same ``--model`` path may hold
-    other weights on another host). Exchanged through the coordination service's
+    other weights on another host; ``resolve`` turns a registered name into its path).
+    Exchanged through the coordination service's
     key-value store before any weight is read; waits ``settings.timeout`` at most."""
     if jax.process_count() == 1:
         return
@@ -434,7 +434,7 @@ def agree(settings: Settings, values: dict) -> None:
 
     global _AGREED
     _AGREED += 1  # one key per call: a process may run several commands
-    inputs = {k: fingerprint(values[k]) for k in CHECKPOINT_ARGS if values.get(k)}
+    inputs = {k: fingerprint(values[k], resolve) for k in CHECKPOINT_ARGS if values.get(k)}
     args = json.dumps(values, sort_keys=True, default=str)
     client, me = global_state.client, jax.process_index()
     host = socket.gethostname()
@@ -536,7 +536,7 @@ def open_log(path: Path, flag: str):
     """``path`` opened for writing (line-buffered), its directory made first; a
     ``UsageError`` (exit 2) in one line naming ``flag`` when it cannot be: a file where the
     directory should be, a directory below a file, no permission."""
-    from specjax.commands.common import UsageError
+    from specjax._errors import UsageError
 
     where = path.parent
     try:
@@ -740,7 +740,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--timeout must be > 0 s, got {a.timeout}")
     if shutil.which(cmd[0]) is None:
         p.error(f"{cmd[0]}: no such command (give a path, or a program on PATH)")
-    from specjax.commands.common import UsageError
+    from specjax._errors import UsageError
 
     try:
         open_log(Path(a.log_dir) / "process-0.log", "--log-dir").close()

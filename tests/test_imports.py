@@ -12,7 +12,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = [("_atomic", "_cache", "_compile", "_optional", "_timing", "_xla_flags", "jax_setup",
+LAYERS = [("_atomic", "_cache", "_compile", "_errors", "_optional", "_timing", "_xla_flags",
+           "jax_setup",
            "sharding", "distributed", "hlo"),
           ("models",), ("core",), ("drafters",), ("hsd",), ("heads",),
           ("methods", "divergence"), ("__init__",), ("bench", "demo", "train"), ("commands",),

@@ -9,10 +9,7 @@ import math
 import os
 from pathlib import Path
 
-
-class UsageError(Exception):
-    """A mistake in the command's arguments: reported in one line, exit code 2."""
-
+from specjax._errors import UsageError  # noqa: F401  (the base layer raises it too)
 
 _POSITIVE = ("max_new_tokens", "limit", "draft_len", "steps", "batch_tokens", "max_len",
              "tokens", "num_prompts", "batch", "save_every", "threads", "t_max", "max_levels",
