@@ -95,7 +95,8 @@ class Model(Protocol):
                 exit_layer: int | None = None, return_layers: tuple[int, ...] = (),
                 compute_logits: bool = True
                 ) -> tuple[Float[Array, "B T V"] | None, dict[int, Array], KVCache]:
-        """New tokens against the cache; see ``specjax.models.llama.Llama.forward``."""
+        """New tokens against the cache; see ``specjax.models.decoder.DecoderParts.forward``
+        (every port's forward)."""
 
     def logits(self, params, hidden: Float[Array, "... D"],
                head: Array | None = None) -> Float[Array, "... V"]:

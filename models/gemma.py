@@ -1,7 +1,7 @@
 """Gemma-family decoder (Gemma 3 text models; Gemma 2's soft-capping) as pure JAX functions.
 
-Same contract, cache and weights-left layout as ``specjax.models.llama`` (see
-``Llama.forward``); what differs is Gemma's:
+The forward every port shares (``DecoderParts.forward``, ``specjax.models.decoder``) over
+Gemma's layer, with Llama's cache and weights-left layout; what differs is Gemma's:
 
 * RMSNorm multiplies by its gain in float32 before casting back; gains are stored as the
   multiplier itself (HF's ``1 + w``; GGUF files already store ``1 + w``);
@@ -27,11 +27,11 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
-from specjax.models import kv_cache
 from specjax.models.base import DECODER_PARTITIONING
+from specjax.models.decoder import Block, DecoderParts
 from specjax.models.kv_cache import KVCache
-from specjax.models.llama import DecoderParts, RopeScaling, rope_inv_freq, stacked_layers
-from specjax.models.ops import apply_rope, attention, dense, gate_up, head_logits, qkv_heads
+from specjax.models.llama import RopeScaling, rope_inv_freq, stacked_layers
+from specjax.models.ops import dense, gate_up, head_logits, rope_attention
 
 Params = Mapping[str, Any]
 SLIDING, FULL = "sliding", "full"
@@ -113,37 +113,31 @@ def _window_masks(cfg: GemmaConfig, length, mask, positions, capacity: int):
     return visible, mask & (positions[:, None, :] > lo[:, :, None])
 
 
-def _layer(cfg: GemmaConfig, lp: Params, x: Float[Array, "D B T"], k_cache, v_cache,
+def _block(cfg: GemmaConfig, lp: Params, x: Float[Array, "D B T"], k_cache, v_cache,
            length, mask, positions, inv_freq, visible=None):
-    """One decoder layer over a feature-major residual stream ``x`` ([D, B, T]); returns the
-    new stream and this layer's K/V cache (new entries written at slot ``length``)."""
-    _, b, t = x.shape
-    nq, nk, hd, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    """One decoder layer over a feature-major residual stream ``x`` ([D, B, T]), which reads
+    the cache only: the new stream and the new tokens' keys ``[B, K, H, T]`` and values
+    ``[B, K, T, H]`` (a ``decoder.Block``'s, for ``run_layers`` to write)."""
     eps = cfg.rms_norm_eps
     h = rms_norm(x, lp["attn_norm"], eps, axis=0)
-    q, k, v = qkv_heads(lp, h, nq, nk, hd)  # [N,H,B,T]
-    if cfg.qk_norm:
-        q, k = rms_norm(q, lp["q_norm"], eps, axis=1), rms_norm(k, lp["k_norm"], eps, axis=1)
-    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-    q = q.reshape(nk, nq // nk, hd, b, t).transpose(3, 0, 1, 4, 2)  # [B,K,G,T,H]
-    v = v.transpose(2, 0, 3, 1)  # [B,K,T,H]
-    att = attention(q, k.transpose(2, 0, 3, 1), v, k_cache, v_cache, length, mask, visible,
-                     scale=cfg.query_pre_attn_scalar ** -0.5,
-                     softcap=cfg.attn_logit_softcapping)
-    o = dense(lp["o"], att.transpose(1, 2, 4, 0, 3).reshape(nq * hd, b, t))
+    qk_norm = (lambda y, gain: rms_norm(y, gain, eps, axis=1)) if cfg.qk_norm else None
+    o, k, v = rope_attention(lp, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, positions,
+                             inv_freq, k_cache, v_cache, length, mask, visible, qk_norm=qk_norm,
+                             scale=cfg.query_pre_attn_scalar ** -0.5,
+                             softcap=cfg.attn_logit_softcapping)
     x = x + rms_norm(o, lp["post_attn_norm"], eps, axis=0)
     h = rms_norm(x, lp["mlp_norm"], eps, axis=0)
-    gate, up = gate_up(lp, h, f)
+    gate, up = gate_up(lp, h, cfg.intermediate_size)
     y = dense(lp["down"], jax.nn.gelu(gate, approximate=True) * up)
     x = x + rms_norm(y, lp["post_mlp_norm"], eps, axis=0)
-    return (x, kv_cache.write(k_cache, length, k.transpose(2, 0, 1, 3), axis=3),
-            kv_cache.write(v_cache, length, v, axis=2))
+    return x, k, v
 
 
 @dataclasses.dataclass(frozen=True)
 class Gemma(DecoderParts):
     """A Gemma-family model bound to its configuration. Hashable, so it can be static.
-    Follows the contract ``specjax.models.Model``, like ``Llama``."""
+    Follows the contract ``specjax.models.Model``, like ``Llama``; its forward is
+    ``DecoderParts.forward``, with sliding windows in the local layers (``layer_block``)."""
 
     config: GemmaConfig
     compute_dtype: Any = jnp.float32
@@ -166,41 +160,27 @@ class Gemma(DecoderParts):
         cap = self.config.final_logit_softcapping
         return out if cap is None else cap * jnp.tanh(out / cap)
 
-    def forward(self, params: Params, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
-                cache: KVCache, mask: Bool[Array, "B T T"] | None = None, *,
-                exit_layer: int | None = None, return_layers: tuple[int, ...] = (),
-                compute_logits: bool = True
-                ) -> tuple[Float[Array, "B T V"] | None, dict[int, Array], KVCache]:
-        """Runs new tokens against the cache, with the guarantees of ``Llama.forward``; in
-        local layers a query at position ``p`` also sees only keys at positions
-        ``> p - sliding_window``. Returns ``(logits [B,T,V] float32 or None, hidden, cache)``."""
-        cfg = self.config
-        n = self.layers_to_run(exit_layer, return_layers)
+    def layer_block(self, params: Params, cache: KVCache, mask: Bool[Array, "B T T"],
+                    positions: Int[Array, "B T"], n: int) -> Block:
+        """``_block`` for ``DecoderParts.forward``, by layer type: a global layer sees the
+        committed slots and ``mask`` and rotates with ``rope_theta``; a local one, at query
+        position ``p``, also only keys at positions ``> p - sliding_window`` and rotates
+        with ``rope_local_theta``. ``ValueError`` for stacked weights (the layer types
+        differ, so the layers run unrolled)."""
         if stacked_layers(params["layers"]):
             raise ValueError("Gemma runs its layers unrolled (its local and global layers "
                              "differ): give per-layer weights, llama.unstack_layers(params)")
-        b, t = tokens.shape
-        if mask is None:
-            mask = kv_cache.causal_mask(b, t)
+        cfg, length = self.config, cache.length
         inv = _inv_freqs(cfg)
-        local = None
+        masks = {FULL: (None, mask)}  # layer type -> (visible slots, mask of the new keys)
         if SLIDING in cfg.layer_types[:n]:
-            local = _window_masks(cfg, cache.length, mask, positions, cache.capacity)
-        x = self.embed(params, tokens).astype(jnp.float32).transpose(2, 0, 1)  # [D,B,T] f32
-        hidden = {0: x} if 0 in return_layers else {}
-        ks, vs = list(cache.k), list(cache.v)
-        for i in range(n):
+            masks[SLIDING] = _window_masks(cfg, length, mask, positions, cache.capacity)
+
+        def block(i, lp, x, k, v):
             kind = cfg.layer_types[i]
-            vis, m = (None, mask) if kind == FULL else local
-            x, ks[i], vs[i] = _layer(cfg, self.compute(params["layers"][i]), x, ks[i], vs[i],
-                                     cache.length, m, positions, inv[kind], vis)
-            if i + 1 in return_layers:
-                hidden[i + 1] = x
-        hidden[n] = x
-        hidden = {l: h.transpose(1, 2, 0) for l, h in hidden.items()}
-        cache = cache.replace(k=tuple(ks), v=tuple(vs))
-        logits = self.logits(params, hidden[n]) if compute_logits else None
-        return logits, hidden, cache
+            vis, m = masks[kind]
+            return _block(cfg, lp, x, k, v, length, m, positions, inv[kind], vis)
+        return block
 
 
 def layer_shapes(cfg: GemmaConfig) -> dict[str, tuple[int, ...]]:

@@ -5,8 +5,9 @@ a per-head RMSNorm of queries and keys before RoPE (``LlamaConfig.qk_norm``).
 The parameters are a plain pytree with one dict of weights per layer, and the layers are
 unrolled: on CPU, XLA copies each layer's weights out of a stacked array inside ``lax.scan``
 before its matmuls, which measured twice as slow per token for SmolLM2-135M (see
-docs/design.md). An early exit after layer ``l`` runs the first ``l`` layer dicts. See
-``Llama.forward`` for the model contract shared by every specjax model.
+docs/design.md). An early exit after layer ``l`` runs the first ``l`` layer dicts. The
+forward is the one every port shares (``specjax.models.decoder``: ``DecoderParts.forward``
+states the model contract); this module gives it the layer, ``_block``.
 
 ``Llama(config, scan_layers=True)`` is MaxText's and the gemma library's layout:
 ``params["layers"]`` is one dict of arrays with a leading layer axis (``stack_layers``),
@@ -22,13 +23,14 @@ from typing import Any, ClassVar, Mapping
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
 from specjax.models import kv_cache
 from specjax.models.ops import (apply_rope, attention, dense, fast_width, gate_up,  # noqa: F401
-                                head_logits, head_norm, project, qkv_heads, rms_norm)
+                                head_logits, head_norm, project, qkv_heads, rms_norm,
+                                rope_attention)
 from specjax.models.base import DECODER_PARTITIONING, RopeScaling  # RopeScaling: re-exported
+from specjax.models.decoder import Block, DecoderParts  # DecoderParts: re-exported
 from specjax.models.kv_cache import KVCache
 
 Params = Mapping[str, Any]
@@ -105,24 +107,17 @@ def _block(cfg: LlamaConfig, lp: Params, x: Float[Array, "D B T"], k_cache, v_ca
     says whether they match a ``LlamaConfig``): q/k/v biases (``qkv_b`` or ``q_b``,
     ``k_b``, ``v_b``, inside ``qkv_heads``), ``o_b`` after the output projection, and
     ``q_norm``/``k_norm`` per-head norms of queries and keys before RoPE."""
-    _, b, t = x.shape
-    nq, nk, hd, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    eps = cfg.rms_norm_eps
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, axis=0)
-    q, k, v = qkv_heads(lp, h, nq, nk, hd)  # [N,H,B,T], biased where the layer has biases
-    if "q_norm" in lp:  # Qwen3: per-head RMSNorm before RoPE
-        q, k = (head_norm(q, lp["q_norm"], cfg.rms_norm_eps),
-                head_norm(k, lp["k_norm"], cfg.rms_norm_eps))
-    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-    q = q.reshape(nk, nq // nk, hd, b, t).transpose(3, 0, 1, 4, 2)  # [B,K,G,T,H]
-    v = v.transpose(2, 0, 3, 1)  # [B,K,T,H]
-    att = attention(q, k.transpose(2, 0, 3, 1), v, k_cache, v_cache, length, mask, visible)
-    o = dense(lp["o"], att.transpose(1, 2, 4, 0, 3).reshape(nq * hd, b, t))
+    h = rms_norm(x, lp["attn_norm"], eps, axis=0)
+    qk_norm = (lambda y, gain: head_norm(y, gain, eps)) if "q_norm" in lp else None  # Qwen3
+    o, k, v = rope_attention(lp, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, positions,
+                             inv_freq, k_cache, v_cache, length, mask, visible, qk_norm=qk_norm)
     x = x + (o if "o_b" not in lp else o + lp["o_b"].astype(jnp.float32)[:, None, None])
-    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, axis=0)
-    gate, up = gate_up(lp, h, f)
+    h = rms_norm(x, lp["mlp_norm"], eps, axis=0)
+    gate, up = gate_up(lp, h, cfg.intermediate_size)
     x = x + dense(lp["down"], jax.nn.silu(gate) * up)
-    return x, k.transpose(2, 0, 1, 3), v
+    return x, k, v
 
 
 def check_layer_keys(cfg: LlamaConfig, lp: Params) -> None:
@@ -148,72 +143,6 @@ def layer(cfg: LlamaConfig, lp: Params, x: Float[Array, "B T D"], k_cache, v_cac
     y, k_cache, v_cache = _layer(cfg, lp, x.transpose(2, 0, 1), k_cache, v_cache, length, mask,
                                  positions, visible)
     return y.transpose(1, 2, 0), k_cache, v_cache
-
-
-class DecoderParts:
-    """What every decoder port here shares: its cache, dtypes, LM head rows and the check of
-    which layers a forward runs. Needs the fields ``config`` and ``compute_dtype``.
-
-    ``compute_dtype`` is the dtype every weight product takes its inputs in and the KV
-    cache's default dtype; products accumulate in float32 and logits are float32 either
-    way. The default, float32, multiplies bfloat16-stored weights as float32 and caches in
-    float32, so a verification forward differs from one-token decoding by float32 rounding
-    only, as with float32 weights, and greedy speculative output stays ``ar``'s.
-    ``jnp.bfloat16`` rounds activations, keys and values to bfloat16 (faster where the
-    hardware multiplies bfloat16, half the cache); that rounding turns the float32
-    differences between a wide and a one-token forward into bfloat16-sized ones, and greedy
-    output can then leave ``ar``'s on near-ties (docs/guide.md, "bfloat16").
-    """
-
-    is_encoder_decoder = False  # T5 says True: its prompts are sources to encode
-
-    def __post_init__(self):
-        dt = jnp.dtype(self.compute_dtype)
-        if not jnp.issubdtype(dt, jnp.floating):
-            raise ValueError(f"compute_dtype must be a floating dtype, got {dt}")
-        object.__setattr__(self, "compute_dtype", dt)  # hashable and comparable as a static
-
-    def compute(self, weights):
-        """``weights``' floating-point arrays in ``compute_dtype``: what the products take.
-        Stored weights are unchanged (a cast inside a jitted forward)."""
-        dt = self.compute_dtype
-        return jax.tree.map(
-            lambda a: a.astype(dt) if jnp.issubdtype(a.dtype, jnp.floating) else a, weights)
-
-    def init_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:
-        """An empty KV cache of ``capacity`` slots per row, in ``dtype`` (default: the
-        model's ``compute_dtype``, so keys and values are kept as the products made them);
-        stacked (one array with a leading layer axis) for a model with ``scan_layers``."""
-        c = self.config
-        return KVCache.zeros(c.num_layers, batch, capacity, c.num_kv_heads, c.head_dim,
-                             self.compute_dtype if dtype is None else dtype,
-                             stacked=getattr(self, "scan_layers", False))
-
-    def param_dtype(self, params: Params):
-        """The dtype its weights are stored in (its embedding's). Products, KV caches and
-        draft heads use ``compute_dtype``."""
-        return params["embed"].dtype
-
-    def output_head(self, params: Params) -> Float[Array, "V D"]:
-        """The LM head as ``[V, D]`` rows (the embedding when tied)."""
-        return params["embed"] if self.config.tie_embeddings else params["lm_head"]
-
-    def source_tokens(self, params: Params) -> Int[Array, "B S"] | None:
-        """The source ids the decoder reads: None for a decoder-only model (``T5``
-        returns its bound source's)."""
-        return None
-
-    def layers_to_run(self, exit_layer: int | None, return_layers: tuple[int, ...]) -> int:
-        """How many layers a forward runs; ``ValueError`` for an exit or a returned layer
-        outside them."""
-        total = self.config.num_layers
-        n = total if exit_layer is None else exit_layer
-        if not 1 <= n <= total:
-            raise ValueError(f"exit_layer={exit_layer} outside [1, {total}]")
-        bad = [l for l in return_layers if not 0 <= l <= n]
-        if bad:
-            raise ValueError(f"return_layers {bad} outside [0, {n}] (layers that run)")
-        return n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,91 +174,17 @@ class Llama(DecoderParts):
         h = self.final_norm(params, hidden)
         return head_logits(self.compute(self.output_head(params) if head is None else head), h)
 
-    def forward(
-        self,
-        params: Params,
-        tokens: Int[Array, "B T"],
-        positions: Int[Array, "B T"],
-        cache: KVCache,
-        mask: Bool[Array, "B T T"] | None = None,
-        *,
-        exit_layer: int | None = None,
-        return_layers: tuple[int, ...] = (),
-        compute_logits: bool = True,
-    ) -> tuple[Float[Array, "B T V"] | None, dict[int, Array], KVCache]:
-        """Runs new tokens against the cache.
-
-        Guarantees:
-          * new token ``i`` of row ``b`` attends to cache slots ``[0, length[b])`` and to the
-            new tokens ``j`` with ``mask[b, i, j]`` (default: causal), and is rotated by
-            ``positions[b, i]``;
-          * its K/V are written at slot ``length[b] + i`` of each layer that runs;
-            ``cache.length`` is unchanged (advance or commit afterwards). The caller keeps
-            ``length + T <= capacity`` (``generate`` checks it before running);
-          * only the first ``exit_layer`` layers run (default: all); the logits then come
-            from the final norm and LM head applied after that layer (an early exit);
-          * ``hidden`` maps ``l`` to the residual stream after ``l`` layers (``0`` is the
-            embedding) for ``l`` in ``return_layers``, and always holds the last layer run.
-
-        Returns ``(logits [B,T,V] float32 or None, hidden, cache)``.
-        """
-        cfg = self.config
-        n = self.layers_to_run(exit_layer, return_layers)
-        b, t = tokens.shape
-        if mask is None:
-            mask = kv_cache.causal_mask(b, t)
-        x = self.embed(params, tokens).astype(jnp.float32).transpose(2, 0, 1)  # [D,B,T] f32
+    def layer_block(self, params: Params, cache: KVCache, mask: Bool[Array, "B T T"],
+                    positions: Int[Array, "B T"], n: int) -> Block:
+        """``_block`` against ``cache``'s committed slots, for ``DecoderParts.forward``.
+        ``ValueError`` first unless the weights and cache are laid out as ``scan_layers``
+        says (``check_layout``) and each layer that runs carries exactly the config's
+        extras (``check_layer_keys``)."""
+        cfg, layers, length = self.config, params["layers"], cache.length
         check_layout(params, cache, self.scan_layers)
-        layers = params["layers"]
         for lp in ([layers] if self.scan_layers else [layers[i] for i in range(n)]):
             check_layer_keys(cfg, lp)
-        run = self._scanned if self.scan_layers else self._unrolled
-        hidden, cache = run(params, x, cache, mask, positions, n, return_layers)
-        hidden = {l: h.transpose(1, 2, 0) for l, h in hidden.items()}
-        x = hidden[n]
-        logits = self.logits(params, x) if compute_logits else None
-        return logits, hidden, cache
-
-    def _unrolled(self, params, x, cache: KVCache, mask, positions, n: int,
-                  return_layers) -> tuple[dict[int, Array], KVCache]:
-        """The first ``n`` layers, one traced copy each; ``hidden`` as ``forward``'s, [D,B,T]."""
-        hidden = {0: x} if 0 in return_layers else {}
-        ks, vs = list(cache.k), list(cache.v)
-        for i in range(n):
-            x, ks[i], vs[i] = _layer(self.config, self.compute(params["layers"][i]), x, ks[i],
-                                     vs[i], cache.length, mask, positions)
-            if i + 1 in return_layers:
-                hidden[i + 1] = x
-        hidden[n] = x
-        return hidden, cache.replace(k=tuple(ks), v=tuple(vs))
-
-    def _scanned(self, params, x, cache: KVCache, mask, positions, n: int,
-                 return_layers) -> tuple[dict[int, Array], KVCache]:
-        """The first ``n`` layers as one ``lax.scan`` over layer indices: each step reads its
-        weights and cache at index ``i`` of the stacked arrays and writes only its new K/V
-        into the stacked cache (carried, so updated in place). The streams after the
-        ``return_layers`` inside ``(0, n)`` come from the scan's outputs."""
-        cfg, layers, length = self.config, params["layers"], cache.length
-        inner = sorted(l for l in set(return_layers) if 0 < l < n)
-
-        def body(carry, i):
-            x, ks, vs = carry
-            lp = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), layers)
-            x, k, v = _block(cfg, self.compute(lp), x,
-                             lax.dynamic_index_in_dim(ks, i, keepdims=False),
-                             lax.dynamic_index_in_dim(vs, i, keepdims=False), length, mask,
-                             positions)
-            ks = kv_cache.write_layer(ks, i, length, k, axis=3)
-            vs = kv_cache.write_layer(vs, i, length, v, axis=2)
-            return (x, ks, vs), (x if inner else None)
-
-        x0 = x
-        (x, ks, vs), xs = lax.scan(body, (x, cache.k, cache.v), jnp.arange(n))
-        hidden = {l: xs[l - 1] for l in inner}
-        if 0 in return_layers:
-            hidden[0] = x0
-        hidden[n] = x
-        return hidden, cache.replace(k=ks, v=vs)
+        return lambda i, lp, x, k, v: _block(cfg, lp, x, k, v, length, mask, positions)
 
 
 def stacked_layers(layers: Any) -> bool:

@@ -155,6 +155,28 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, mask, visible=None, *,
     return out.reshape(b, nk, g, t, hd)
 
 
+def rope_attention(lp: Params, h: Float[Array, "D B T"], nq: int, nk: int, hd: int,
+                   positions, inv_freq, k_cache, v_cache, length, mask, visible=None, *,
+                   qk_norm=None, scale: float | None = None, softcap: float | None = None):
+    """The self-attention of a RoPE layer (Llama's, Gemma's) over its normed input ``h``:
+    projections (``qkv_heads``), ``qk_norm(heads, gain)`` of queries and keys with the
+    gains ``q_norm``/``k_norm`` when given, RoPE at ``positions``, ``attention`` (with its
+    ``visible``, ``scale`` and ``softcap``) and the output projection ``o``, unbiased.
+    Returns ``(out [D, B, T], k [B, K, H, T], v [B, K, T, H])``: the new keys and values in
+    the cache's layouts, read here but not written."""
+    _, b, t = h.shape
+    q, k, v = qkv_heads(lp, h, nq, nk, hd)  # [N,H,B,T], biased where the layer has biases
+    if qk_norm is not None:
+        q, k = qk_norm(q, lp["q_norm"]), qk_norm(k, lp["k_norm"])
+    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    q = q.reshape(nk, nq // nk, hd, b, t).transpose(3, 0, 1, 4, 2)  # [B,K,G,T,H]
+    v = v.transpose(2, 0, 3, 1)  # [B,K,T,H]
+    att = attention(q, k.transpose(2, 0, 3, 1), v, k_cache, v_cache, length, mask, visible,
+                    scale=scale, softcap=softcap)
+    out = dense(lp["o"], att.transpose(1, 2, 4, 0, 3).reshape(nq * hd, b, t))
+    return out, k.transpose(2, 0, 1, 3), v
+
+
 def qkv_heads(lp: Params, h: Float[Array, "D B T"], nq: int, nk: int, hd: int):
     """Queries, keys and values ``[N, H, B, T]`` (float32) of a layer whose weights are fused
     (``qkv``, the single-device layout) or split (``q``, ``k``, ``v``: the layout
@@ -208,4 +230,4 @@ def head_logits(head: Float[Array, "V D"], h: Float[Array, "... D"]) -> Float[Ar
 
 
 __all__ = ["fast_width", "project", "dense", "apply_rope", "rms_norm", "attention",
-           "qkv_heads", "head_norm", "gate_up", "head_logits"]
+           "rope_attention", "qkv_heads", "head_norm", "gate_up", "head_logits"]

@@ -1,11 +1,12 @@
 """T5 encoder-decoder (original T5, T5 v1.1, Flan-T5) as pure JAX functions.
 
-The decoder follows the decoder-only model contract (``Llama.forward``): the loops, drafters
-and verifiers of specjax run on it unchanged. What the decoder reads from the source lives
-in its parameters: ``T5.encode`` runs the encoder once per batch of sources and computes
-every decoder layer's cross-attention keys and values, and ``bind`` adds them to the
-weights. The decoder's self-attention cache is an ordinary ``KVCache`` with the same
-commit contract as every other model.
+The decoder follows the decoder-only model contract, with the forward every port shares
+(``DecoderParts.forward``): the loops, drafters and verifiers of specjax run on it
+unchanged. What the decoder reads from the source lives in its parameters: ``T5.encode``
+runs the encoder once per batch of sources and computes every decoder layer's
+cross-attention keys and values, and ``bind`` adds them to the weights. The decoder's
+self-attention cache is an ordinary ``KVCache`` with the same commit contract as every
+other model.
 
 Architecture (HF ``T5ForConditionalGeneration``):
 
@@ -35,10 +36,10 @@ from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
 from specjax import sharding
-from specjax.models import kv_cache
 from specjax.models.base import DECODER_PARTITIONING
+from specjax.models.decoder import Block, DecoderParts
 from specjax.models.kv_cache import KVCache
-from specjax.models.llama import DecoderParts, RopeScaling
+from specjax.models.llama import RopeScaling
 from specjax.models.ops import attention, dense, head_logits, qkv_heads, rms_norm
 
 Params = Mapping[str, Any]
@@ -214,8 +215,9 @@ def _dense_attention(q: Float[Array, "B N T Dh"], k: Float[Array, "B N Dh S"],
 class T5(DecoderParts):
     """A T5 model bound to its configuration (hashable, so it can be static).
 
-    ``params`` for ``forward`` are the weights bound to a source (``bind``): the decoder
-    cannot run without the encoder's output. ``encode`` needs the weights only.
+    ``params`` for ``forward`` (``DecoderParts.forward`` over the decoder's ``layer_block``)
+    are the weights bound to a source (``bind``): the decoder cannot run without the
+    encoder's output. ``encode`` needs the weights only.
     """
 
     config: T5Config
@@ -287,53 +289,31 @@ class T5(DecoderParts):
         h = self.final_norm(params, hidden)
         return head_logits(self.compute(self.output_head(params) if head is None else head), h)
 
-    def forward(self, params: Params, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
-                cache: KVCache, mask: Bool[Array, "B T T"] | None = None, *,
-                exit_layer: int | None = None, return_layers: tuple[int, ...] = (),
-                compute_logits: bool = True):
-        """Decoder tokens against the self-attention cache and the bound source.
-
-        The guarantees of ``Llama.forward`` hold (mask, K/V written at ``length + i``,
-        ``cache.length`` unchanged, early exit, ``hidden``); position ``p`` of a new token
-        sets its relative bias to cache slot ``s`` (which holds position ``s``) and to new
-        token ``j`` (at ``positions[b, j]``).
-        """
-        cfg, src = self.config, params["source"]
-        n = self.layers_to_run(exit_layer, return_layers)
-        b, t = tokens.shape
-        if mask is None:
-            mask = kv_cache.causal_mask(b, t)
-        slots = jnp.arange(cache.capacity)
-        bias = (_bias(params["rel_bias"], slots[None, None, :] - positions[:, :, None], cfg,
-                      False),
-                _bias(params["rel_bias"], positions[:, None, :] - positions[:, :, None], cfg,
-                      False))
-        x = self.embed(params, tokens).astype(jnp.float32).transpose(2, 0, 1)  # [D,B,T] f32
-        hidden = {0: x} if 0 in return_layers else {}
+    def layer_block(self, params: Params, cache: KVCache, mask: Bool[Array, "B T T"],
+                    positions: Int[Array, "B T"], n: int) -> Block:
+        """The decoder layer for ``DecoderParts.forward``: self-attention against the cache
+        (unscaled, no RoPE) with the relative bias of each new token's position ``p`` to
+        cache slot ``s`` (which holds position ``s``) and to new token ``j`` (at
+        ``positions[b, j]``), then cross-attention to the bound source (``bind``: layer
+        ``i`` reads ``params["source"]``'s ``k[i]``, ``v[i]``), then the feed-forward."""
+        cfg, src, length = self.config, params["source"], cache.length
+        b, t = positions.shape
+        rel = lambda keys: _bias(params["rel_bias"], keys - positions[:, :, None], cfg, False)
+        bias = (rel(jnp.arange(cache.capacity)[None, None, :]), rel(positions[:, None, :]))
         see_src = jnp.broadcast_to(src.valid[:, None, :], (b, t, src.valid.shape[1]))
-        ks, vs = list(cache.k), list(cache.v)
-        nh = cfg.num_heads
-        for i in range(n):
-            lp = self.compute(params["layers"][i])
+
+        def block(i, lp, x, k_cache, v_cache):
             h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, axis=0)
             q, k, v = _self_qkv(cfg, lp, h)
-            att = attention(q[:, :, None], k, v, ks[i], vs[i], cache.length, mask, scale=1.0,
-                             bias=bias)[:, :, 0]
-            ks[i] = kv_cache.write(ks[i], cache.length, k.transpose(0, 1, 3, 2), axis=3)
-            vs[i] = kv_cache.write(vs[i], cache.length, v, axis=2)
+            att = attention(q[:, :, None], k, v, k_cache, v_cache, length, mask, scale=1.0,
+                            bias=bias)[:, :, 0]
             x = x + dense(lp["o"], _merge(att))
             h = rms_norm(x, lp["cross_norm"], cfg.rms_norm_eps, axis=0)
-            q = _heads(dense(lp["cross_q"], h), nh)
+            q = _heads(dense(lp["cross_q"], h), cfg.num_heads)
             x = x + dense(lp["cross_o"], _merge(_dense_attention(q, src.k[i], src.v[i],
                                                                  see_src)))
-            x = _ffn(cfg, lp, x)
-            if i + 1 in return_layers:
-                hidden[i + 1] = x
-        hidden[n] = x
-        hidden = {l: h.transpose(1, 2, 0) for l, h in hidden.items()}
-        cache = cache.replace(k=tuple(ks), v=tuple(vs))
-        logits = self.logits(params, hidden[n]) if compute_logits else None
-        return logits, hidden, cache
+            return _ffn(cfg, lp, x), k.transpose(0, 1, 3, 2), v
+        return block
 
 
 def layer_shapes(cfg: T5Config, decoder: bool) -> dict[str, tuple[int, ...]]:
