@@ -100,8 +100,13 @@ class Model(Protocol):
 
     def logits(self, params, hidden: Float[Array, "... D"],
                head: Array | None = None) -> Float[Array, "... V"]:
-        """Float32 logits of hidden states (final norm and LM head; ``head`` rows override
-        the LM head)."""
+        """Float32 logits of hidden states: ``unembed`` after ``final_norm``."""
+
+    def unembed(self, params, normed: Float[Array, "... D"],
+                head: Array | None = None) -> Float[Array, "... V"]:
+        """Float32 logits of features past the final norm: the LM head (``head`` rows
+        override it) and the family's own transform of its output (Gemma 2's soft-cap).
+        Draft heads that predict such features score them through this."""
 
     def embed(self, params, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
         """Input embeddings (scaled as the model scales them)."""

@@ -20,6 +20,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from specjax.models import kv_cache
 from specjax.models.kv_cache import KVCache
+from specjax.models.ops import head_logits
 
 Params = Mapping[str, Any]
 
@@ -87,8 +88,9 @@ def _scanned(block: Block, layers, cache: KVCache, x, n: int, return_layers):
 class DecoderParts:
     """What every decoder port here shares: its cache, dtypes, LM head rows, the check of
     which layers a forward runs, and ``forward`` itself. Needs the fields ``config`` and
-    ``compute_dtype``, and the methods ``embed``, ``logits`` and ``layer_block`` (the
-    family's hook: the block of each layer, ``run_layers``).
+    ``compute_dtype``, and the methods ``embed``, ``final_norm`` and ``layer_block`` (the
+    family's hook: the block of each layer, ``run_layers``); ``logit_transform`` where the
+    family changes the LM head's output.
 
     ``compute_dtype`` is the dtype every weight product takes its inputs in and the KV
     cache's default dtype; products accumulate in float32 and logits are float32 either
@@ -134,6 +136,25 @@ class DecoderParts:
     def output_head(self, params: Params) -> Float[Array, "V D"]:
         """The LM head as ``[V, D]`` rows (the embedding when tied)."""
         return params["embed"] if self.config.tie_embeddings else params["lm_head"]
+
+    def logit_transform(self, logits: Float[Array, "... V"]) -> Float[Array, "... V"]:
+        """What the family does to the LM head's float32 output (Gemma 2's soft-cap);
+        nothing by default."""
+        return logits
+
+    def unembed(self, params: Params, normed: Float[Array, "... D"],
+                head: Array | None = None) -> Float[Array, "... V"]:
+        """Float32 logits of features that already passed the final norm (what an EAGLE
+        head predicts): the LM head (``head`` rows ``[V', D]`` override it), then the
+        family's ``logit_transform``. ``logits`` is this after ``final_norm``, so a draft
+        head scored through it gets the family's scaling and soft-capping too."""
+        rows = self.output_head(params) if head is None else head
+        return self.logit_transform(head_logits(self.compute(rows), normed))
+
+    def logits(self, params: Params, hidden: Float[Array, "... D"],
+               head: Array | None = None) -> Float[Array, "... V"]:
+        """Float32 logits of hidden states: ``final_norm``, then ``unembed``."""
+        return self.unembed(params, self.final_norm(params, hidden), head)
 
     def source_tokens(self, params: Params) -> Int[Array, "B S"] | None:
         """The source ids the decoder reads: None for a decoder-only model (``T5``

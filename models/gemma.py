@@ -31,7 +31,7 @@ from specjax.models.base import DECODER_PARTITIONING
 from specjax.models.decoder import Block, DecoderParts
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import RopeScaling, rope_inv_freq, stacked_layers
-from specjax.models.ops import dense, gate_up, head_logits, rope_attention
+from specjax.models.ops import dense, gate_up, rope_attention
 
 Params = Mapping[str, Any]
 SLIDING, FULL = "sliding", "full"
@@ -152,13 +152,10 @@ class Gemma(DecoderParts):
         """The final norm: what the LM head reads."""
         return rms_norm(hidden, params["final_norm"], self.config.rms_norm_eps)
 
-    def logits(self, params: Params, hidden: Float[Array, "... D"],
-               head: Array | None = None) -> Float[Array, "... V"]:
-        """Final norm, LM head (``head`` rows override it) and optional soft-cap; float32."""
-        h = self.final_norm(params, hidden)
-        out = head_logits(self.compute(self.output_head(params) if head is None else head), h)
+    def logit_transform(self, logits: Float[Array, "... V"]) -> Float[Array, "... V"]:
+        """Gemma 2's final soft-cap, ``cap * tanh(logits / cap)``; none for Gemma 3."""
         cap = self.config.final_logit_softcapping
-        return out if cap is None else cap * jnp.tanh(out / cap)
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
 
     def layer_block(self, params: Params, cache: KVCache, mask: Bool[Array, "B T T"],
                     positions: Int[Array, "B T"], n: int) -> Block:

@@ -167,13 +167,6 @@ class Llama(DecoderParts):
         """The final norm: what the LM head reads (EAGLE's feature)."""
         return rms_norm(hidden, params["final_norm"], self.config.rms_norm_eps)
 
-    def logits(self, params: Params, hidden: Float[Array, "... D"],
-               head: Array | None = None) -> Float[Array, "... V"]:
-        """Final norm and LM head (float32 logits). ``head`` ([V', D] rows) overrides the
-        model's ``[V, D]`` head."""
-        h = self.final_norm(params, hidden)
-        return head_logits(self.compute(self.output_head(params) if head is None else head), h)
-
     def layer_block(self, params: Params, cache: KVCache, mask: Bool[Array, "B T T"],
                     positions: Int[Array, "B T"], n: int) -> Block:
         """``_block`` against ``cache``'s committed slots, for ``DecoderParts.forward``.

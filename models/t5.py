@@ -40,7 +40,7 @@ from specjax.models.base import DECODER_PARTITIONING
 from specjax.models.decoder import Block, DecoderParts
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import RopeScaling
-from specjax.models.ops import attention, dense, head_logits, qkv_heads, rms_norm
+from specjax.models.ops import attention, dense, qkv_heads, rms_norm
 
 Params = Mapping[str, Any]
 
@@ -282,12 +282,6 @@ class T5(DecoderParts):
         if self.config.scale_output:
             h = h * jnp.asarray(self.config.hidden_size ** -0.5, h.dtype)
         return h
-
-    def logits(self, params: Params, hidden: Float[Array, "... D"],
-               head: Array | None = None) -> Float[Array, "... V"]:
-        """Float32 logits of decoder hidden states; ``head`` rows override the LM head."""
-        h = self.final_norm(params, hidden)
-        return head_logits(self.compute(self.output_head(params) if head is None else head), h)
 
     def layer_block(self, params: Params, cache: KVCache, mask: Bool[Array, "B T T"],
                     positions: Int[Array, "B T"], n: int) -> Block:

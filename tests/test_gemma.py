@@ -306,3 +306,24 @@ def test_gemma3_270m_every_method_equals_ar(gemma3, gemma3_ar):
     # the trained head's drafts land: more than 1.5 tokens per target forward on the first
     # prompt
     assert len(ar[0]) / int(np.asarray(out.target_forwards)[0]) > 1.5
+
+
+def test_draft_heads_score_through_the_models_own_logits(tiny):
+    """A draft head that predicts the target's normed feature scores it as the target
+    does (``unembed``): Gemma 2's final soft-cap reaches EAGLE's and DFlash's draft logits
+    and EAGLE's training targets (before, they multiplied by the LM head alone)."""
+    from specjax.drafters import dflash
+
+    kind, _, model, params = tiny
+    h = jax.random.normal(jax.random.key(1), (2, 3, model.config.hidden_size))
+    want = model.logits(params, h)
+    f = model.final_norm(params, h)
+    drafter = eagle.EagleDrafter(model, depth=2, topk=2, total_tokens=3)
+    np.testing.assert_allclose(drafter._logq({}, params, f), jax.nn.log_softmax(want, -1),
+                               rtol=0, atol=1e-5)
+    np.testing.assert_allclose(dflash.draft_logits(model, params, f), want, rtol=0, atol=1e-5)
+    rows = eagle.output_embedding(model, params)[::2]
+    np.testing.assert_allclose(model.unembed(params, f, rows), want[..., ::2], rtol=0, atol=1e-5)
+    if kind == "gemma2":  # the cap bites: the bare product differs
+        bare = jnp.einsum("btd,vd->btv", f, eagle.output_embedding(model, params))
+        assert float(jnp.max(jnp.abs(want))) < 3.0 < float(jnp.max(jnp.abs(bare)))

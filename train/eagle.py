@@ -235,8 +235,8 @@ def loss_fn(hp, tparams, toks, hidden, prev_hidden, mask, key, vocab_ids, *, tar
     emb = eagle.output_embedding(target, tparams)
     emb = emb if vocab_ids is None else emb[vocab_ids]
     # b batch, t position, d model, v vocabulary
-    t_logits = jnp.einsum("btd,vd->btv", f, emb)
-    h_logits = jnp.einsum("btd,vd->btv", out, emb)
+    t_logits = target.unembed(tparams, f, emb)
+    h_logits = target.unembed(tparams, out, emb)
     p = jax.nn.softmax(t_logits, -1)
     ce = -jnp.sum(p * jax.nn.log_softmax(h_logits, -1), -1)
     reg = jnp.mean(optax.huber_loss(out, f, delta=1.0), -1)

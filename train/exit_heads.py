@@ -103,13 +103,13 @@ def loss_fn(heads: dict, tparams, hid, mask, vocab_ids, *, target, cfg: ExitConf
     emb = emb if vocab_ids is None else emb[vocab_ids]
     eps = target.config.rms_norm_eps
     # b batch, t position, d model width, v (restricted) vocabulary
-    t_logp = jax.nn.log_softmax(jnp.einsum("btd,vd->btv", hid[:, :, -1], emb), -1)
+    t_logp = jax.nn.log_softmax(target.unembed(tparams, hid[:, :, -1], emb), -1)
     n = jnp.maximum(jnp.sum(mask), 1.0)
     metrics, total = {}, 0.0
     for k, l in enumerate(cfg.layers):
         z = exit_heads.adapt(heads[str(l)], hid[:, :, k], eps)
         z = target.final_norm(tparams, z)
-        s_logp = jax.nn.log_softmax(jnp.einsum("btd,vd->btv", z, emb), -1)
+        s_logp = jax.nn.log_softmax(target.unembed(tparams, z, emb), -1)
         kl = jnp.sum(jnp.exp(t_logp) * (t_logp - s_logp), -1)
         total = total + jnp.sum(kl * mask) / n
         agree = jnp.argmax(s_logp, -1) == jnp.argmax(t_logp, -1)

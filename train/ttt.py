@@ -132,9 +132,9 @@ def step_terms(kind: Kind, target, hp, tparams, feats, nxt, out, vocab_ids, cfg:
     f = blocks.features(target, tparams, feats[..., -d:])  # the target's own feature
     emb = eagle.output_embedding(target, tparams)
     emb = emb if vocab_ids is None else emb[vocab_ids]
-    t_logits = jnp.einsum("btd,vd->btv", f, emb)
+    t_logits = target.unembed(tparams, f, emb)
     if kind.name == "eagle":
-        h_logits = jnp.einsum("btd,vd->btv", out, emb)
+        h_logits = target.unembed(tparams, out, emb)
         reg = jnp.mean(optax.huber_loss(out, f, delta=1.0), -1)
         loss = cfg.w_reg * reg + cfg.w_ce * _ce(t_logits, h_logits)
     else:

@@ -40,7 +40,7 @@ from specjax.core.verify import Draft
 from specjax.drafters import base, blocks, eagle
 from specjax.models import kv_cache
 from specjax.models.kv_cache import KVCache
-from specjax.models.ops import (apply_rope, attention, dense, gate_up, head_logits, head_norm,
+from specjax.models.ops import (apply_rope, attention, dense, gate_up, head_norm,
                                 rms_norm)
 
 
@@ -211,8 +211,9 @@ def block_inputs(spec: DFlashSpec, root: Int[Array, "B"]) -> Int[Array, "B T"]:
 
 
 def draft_logits(target, tparams, h: Float[Array, "... D"]) -> Float[Array, "... V"]:
-    """Float32 logits of the drafter's normed output through the target's LM head."""
-    return head_logits(target.output_head(tparams).astype(h.dtype), h)
+    """Float32 logits of the drafter's normed output through the target's LM head, with
+    the family's transform of it (``unembed``: Gemma 2's soft-cap)."""
+    return target.unembed(tparams, h)
 
 
 # ----------------------------------------------------------------------------- the drafter

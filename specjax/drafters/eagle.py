@@ -423,8 +423,10 @@ class EagleDrafter(base.OnTarget):
         return dparams.get("out_embed", output_embedding(self.target, tparams))
 
     def _logq(self, dparams, tparams, f):
-        logits = blocks.head_logits(self._embed(dparams, tparams).astype(f.dtype), f)
-        return jax.nn.log_softmax(logits, axis=-1)
+        """Log-probabilities of the head's feature through the target's ``unembed`` (its
+        LM head, or the head's ``out_embed`` rows, and the family's logit transform)."""
+        return jax.nn.log_softmax(self.target.unembed(tparams, f, self._embed(dparams, tparams)),
+                                  axis=-1)
 
     def _features(self, tparams, hidden):
         """The head's feature input from ``Context.hidden``: the final-normed last layer."""
