@@ -290,6 +290,18 @@ def _dir_tokenizer(path: Path):
 
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
         return None
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 -- transformers raises many kinds; name the place
+        _check_tokenizer_json(path)  # a file that does not parse: named
+        msg = (str(e).splitlines() or [""])[0]
+        raise loading.WeightLoadError(f"{path}: transformers cannot read its tokenizer "
+                                      f"({type(e).__name__}: {msg})") from e
+
+
+def _check_tokenizer_json(path: Path) -> None:
+    """``WeightLoadError`` naming the first tokenizer JSON file of ``path`` that does not
+    parse (read only once transformers has failed: a whole tokenizer.json is megabytes)."""
     for name in _TOKENIZER_JSON:
         f = path / name
         if f.is_file():
@@ -299,12 +311,6 @@ def _dir_tokenizer(path: Path):
                 raise loading.WeightLoadError(
                     f"{f}: not a readable JSON file ({type(e).__name__}: "
                     f"{str(e).splitlines()[0]})") from None
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception as e:  # noqa: BLE001 -- transformers raises many kinds; name the place
-        msg = (str(e).splitlines() or [""])[0]
-        raise loading.WeightLoadError(f"{path}: transformers cannot read its tokenizer "
-                                      f"({type(e).__name__}: {msg})") from e
 
 
 def generation_eos_ids(path: str | Path) -> tuple[int, ...]:

@@ -290,6 +290,19 @@ def ar_reference():
 
 
 @pytest.fixture
+def weights_guard(monkeypatch):
+    """Reading a target's weights raises ``toys.WEIGHTS_READ``: whatever a test sees
+    refused was refused before the weights load."""
+    import toys
+
+    def read(*a, **k):
+        raise AssertionError(toys.WEIGHTS_READ)
+    monkeypatch.setattr("specjax.models.loading.load_hf_dir", read)
+    monkeypatch.setattr("specjax.models.loading.load_gguf", read)
+    monkeypatch.delenv("SPECJAX_DEBUG", raising=False)
+
+
+@pytest.fixture
 def no_model(monkeypatch):
     """Fails the test if a command gets as far as loading weights."""
     def load(*a, **k):

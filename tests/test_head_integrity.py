@@ -43,7 +43,7 @@ V = 64
 TOY = dict(model_type="llama", vocab_size=V, hidden_size=32, intermediate_size=64,
            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
            max_position_embeddings=512, tie_word_embeddings=False)
-WEIGHTS_READ = "the weights were read"
+WEIGHTS_READ = toys.WEIGHTS_READ
 DEAD = 2 ** 22 + 1  # no such process: what a killed writer's pid is to the next one
 
 
@@ -54,16 +54,6 @@ def toy(tmp_path_factory):
     (root / "toy").mkdir()
     (root / "toy" / "config.json").write_text(json.dumps(TOY))
     return root / "toy", target_config(str(root / "toy"))
-
-
-@pytest.fixture
-def weights_guard(monkeypatch):
-    """Reading a target's weights raises: whatever is refused was refused before."""
-    def read(*a, **k):
-        raise AssertionError(WEIGHTS_READ)
-    monkeypatch.setattr("specjax.models.loading.load_hf_dir", read)
-    monkeypatch.setattr("specjax.models.loading.load_gguf", read)
-    monkeypatch.delenv("SPECJAX_DEBUG", raising=False)
 
 
 def _cli(argv, capsys) -> tuple[int, str, str]:

@@ -26,7 +26,7 @@ TOY = dict(model_type="llama", vocab_size=V, hidden_size=32, intermediate_size=6
            num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
            max_position_embeddings=CONTEXT, tie_word_embeddings=False)
 HEAD = dict(hidden=32, heads=4, kv_heads=2, intermediate=64, vocab=V)
-WEIGHTS_READ = "the weights were read"
+WEIGHTS_READ = toys.WEIGHTS_READ
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +42,6 @@ def dirs(tmp_path_factory):
     write_eagle1_head(root / "eagle1bin", weights="pytorch_model.bin", **HEAD)
     write_eagle3_head(root / "eagle3", draft_vocab=24, weights="model.safetensors", **HEAD)
     return root
-
-
-@pytest.fixture
-def weights_guard(monkeypatch):
-    """Reading a target's weights raises: whatever is refused was refused before."""
-    def read(*a, **k):
-        raise AssertionError(WEIGHTS_READ)
-    monkeypatch.setattr("specjax.models.loading.load_hf_dir", read)
-    monkeypatch.setattr("specjax.models.loading.load_gguf", read)
 
 
 def _run(argv, capsys, monkeypatch) -> tuple[int, str]:

@@ -18,6 +18,8 @@ from specjax.models import gemma, t5
 from specjax.models.llama import Llama, LlamaConfig, RopeScaling
 from specjax.models.llama import init_params as llama_init
 
+WEIGHTS_READ = "the weights were read"  # what the weights_guard fixture raises
+
 V = 12
 # 3 layers, so an early exit at layer 1 or 2 and a 3-level hierarchy fit below the target
 LLAMA = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=3,
