@@ -33,28 +33,44 @@ tokens' keys ``[B, K, H, T]`` and values ``[B, K, T, H]`` (the cache's layouts).
 
 
 def run_layers(block: Block, layers, cache: KVCache, x: Float[Array, "D B T"], n: int,
-               return_layers: tuple[int, ...], *, scan: bool = False
-               ) -> tuple[dict[int, Array], KVCache]:
+               return_layers: tuple[int, ...], *, scan: bool = False,
+               kv_from: tuple[int, ...] | None = None) -> tuple[dict[int, Array], KVCache]:
     """The first ``n`` layers of ``layers`` over ``x``, each ``block`` followed by the write
     of its new K/V at slots ``cache.length[b] + j`` of its layer (``cache.length`` unchanged).
+
+    ``kv_from`` (unrolled layers only): per layer, the layer whose keys and values it
+    attends to: itself, or an earlier layer for one that shares them (Gemma 4's KV
+    sharing). A sharing layer has no cache entry of its own and writes none: its block is
+    called as ``block(i, lp, x, k_cache, v_cache, shared)`` with the source layer's cache
+    arrays and, as ``shared``, the ``(k, v)`` that layer computed for the new tokens, and
+    returns ``(x, None, None)``. ``cache.k`` then holds the layers that keep a cache.
 
     ``scan``: ``layers`` is one dict of ``[L, ...]`` arrays and ``cache`` stacked, and the
     layers run as one ``lax.scan`` (one compiled body); otherwise ``layers[i]`` is layer
     ``i``'s dict and each layer is traced on its own. Returns ``(hidden, cache)``: ``hidden``
     maps ``l`` to the stream after ``l`` layers ([D,B,T]; ``0`` is ``x``) for ``l`` in
     ``return_layers``, and always holds ``n``."""
-    run = _scanned if scan else _unrolled
-    return run(block, layers, cache, x, n, return_layers)
+    if scan:
+        if kv_from is not None:
+            raise ValueError("layers that share keys and values run unrolled (scan=False)")
+        return _scanned(block, layers, cache, x, n, return_layers)
+    return _unrolled(block, layers, cache, x, n, return_layers, kv_from)
 
 
-def _unrolled(block: Block, layers, cache: KVCache, x, n: int, return_layers):
+def _unrolled(block: Block, layers, cache: KVCache, x, n: int, return_layers, kv_from=None):
     """``run_layers`` with one traced copy of each layer (per-layer weights and cache)."""
     hidden = {0: x} if 0 in return_layers else {}
     ks, vs = list(cache.k), list(cache.v)
+    fresh = {}  # layer -> its new (k, v), for the layers that share them
     for i in range(n):
-        x, k, v = block(i, layers[i], x, ks[i], vs[i])
-        ks[i] = kv_cache.write(ks[i], cache.length, k, axis=3)
-        vs[i] = kv_cache.write(vs[i], cache.length, v, axis=2)
+        src = i if kv_from is None else kv_from[i]
+        if src != i:
+            x, _, _ = block(i, layers[i], x, ks[src], vs[src], fresh[src])
+        else:
+            x, k, v = block(i, layers[i], x, ks[i], vs[i])
+            ks[i] = kv_cache.write(ks[i], cache.length, k, axis=3)
+            vs[i] = kv_cache.write(vs[i], cache.length, v, axis=2)
+            fresh[i] = (k, v)
         if i + 1 in return_layers:
             hidden[i + 1] = x
     hidden[n] = x

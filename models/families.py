@@ -26,7 +26,11 @@ class Family:
     ``streaming.stream_params``); ``layer_norms``, the per-layer norm gains of shape
     ``[hidden]`` it stores beyond ``attn_norm`` and ``mlp_norm``. A family whose HF tensors
     are mapped whole instead (T5) gives ``hf_params(cfg, tensors, path, dtype)``, returning
-    ``(cfg, params)`` from every tensor read in float32."""
+    ``(cfg, params)`` from every tensor read in float32. A family whose layers differ in
+    shape (Gemma 4) streams its HF tensors itself: ``hf_stream(cfg, src, path, dtype,
+    mesh)`` returns the params, read tensor by tensor from ``src`` (a ``TensorSource``).
+    A family imports its own model module only when a model is built, except its config
+    class (``config``), which its loading module holds."""
 
     name: str
     config: type
@@ -39,6 +43,7 @@ class Family:
     gguf_keys: tuple = ()
     layer_norms: tuple[str, ...] = ()
     hf_params: Callable | None = None
+    hf_stream: Callable | None = None
 
 
 FAMILIES: dict[str, Family] = {}  # by name, in registration order

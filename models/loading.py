@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # the built-in families, registered in this order (each module registers its own)
-from specjax.models import llama_load, gemma_load, t5_load  # noqa: F401, I001
+from specjax.models import llama_load, gemma_load, gemma4_load, t5_load  # noqa: F401, I001
 from specjax.models.families import (FAMILIES, Family, family, family_of, gguf_family,
                                      hf_family, model_for, register_family)
 from specjax.models.gemma import GemmaConfig
@@ -135,6 +135,14 @@ def load_hf_dir(path: str | Path, dtype=jnp.float32, mesh=None,
         check_floating(name, t.dtype, t.file)
     src = SafetensorsSource(table)
     fam = family_of(cfg)
+    if fam.hf_stream is not None:
+        if stacked:
+            raise ValueError("stacked layers (scan_layers) are for Llama-family models only")
+        if mesh is not None:
+            from specjax import sharding
+
+            sharding.check_model(cfg, mesh)
+        return cfg, fam.hf_stream(cfg, src, path, dtype, mesh)
     if fam.hf_params is not None:
         if stacked:
             raise ValueError("stacked layers (scan_layers) are for Llama-family models only")
