@@ -4,8 +4,8 @@ The forward is the shared layer loop (``specjax.models.decoder.run_layers``) ove
 layer; what Gemma 4 adds to Gemma 3 (``specjax.models.gemma``):
 
 * per-layer attention geometry: sliding layers have ``num_kv_heads`` heads of ``head_dim``,
-  full layers ``global_head_dim`` (and ``num_global_kv_heads`` where K is used as V); the
-  KV cache is per layer, of each layer's shape;
+  full layers ``num_global_kv_heads`` of ``global_head_dim`` (transformers sets the heads
+  where K is used as V); the KV cache is per layer, of each layer's shape;
 * full layers rotate with *proportional* RoPE: only the first ``partial_rotary_factor`` of
   each head's frequency pairs turn (base ``rope_theta``), the rest keep frequency 0;
 * ``attention_k_eq_v``: full layers have no V projection; values are the keys before
@@ -61,10 +61,9 @@ GEMMA4_PARTITIONING = DECODER_PARTITIONING.extend({
 class Gemma4Config:
     """Architecture of one Gemma 4 text decoder. ``layer_types[i]`` is ``"sliding"`` (window
     ``sliding_window``, ``num_kv_heads`` x ``head_dim``, RoPE base ``rope_local_theta``) or
-    ``"full"`` (``global_head_dim``; ``num_global_kv_heads`` K/V heads where
-    ``attention_k_eq_v``; proportional RoPE over ``partial_rotary_factor`` of each head,
-    base ``rope_theta``). ``num_experts`` 0: no MoE block; ``hidden_size_per_layer_input``
-    0: no per-layer embeddings."""
+    ``"full"`` (``global_head_dim``, ``num_global_kv_heads``; proportional RoPE over
+    ``partial_rotary_factor`` of each head, base ``rope_theta``). ``num_experts`` 0: no MoE
+    block; ``hidden_size_per_layer_input`` 0: no per-layer embeddings."""
 
     partitioning: ClassVar = GEMMA4_PARTITIONING
     vocab_size: int
@@ -76,7 +75,7 @@ class Gemma4Config:
     head_dim: int
     layer_types: tuple[str, ...]
     global_head_dim: int | None = None  # None: head_dim
-    num_global_kv_heads: int | None = None  # read only with attention_k_eq_v
+    num_global_kv_heads: int | None = None  # None: num_kv_heads
     attention_k_eq_v: bool = False
     sliding_window: int = 512
     rope_theta: float = 1_000_000.0
@@ -124,9 +123,8 @@ class Gemma4Config:
         """``(K/V heads, head dim)`` of the layers of ``kind``."""
         if kind == SLIDING:
             return self.num_kv_heads, self.head_dim
-        heads = self.num_global_kv_heads if self.attention_k_eq_v and \
-            self.num_global_kv_heads else self.num_kv_heads
-        return heads, self.global_head_dim or self.head_dim
+        return (self.num_global_kv_heads or self.num_kv_heads,
+                self.global_head_dim or self.head_dim)
 
     @property
     def first_shared(self) -> int:

@@ -125,6 +125,8 @@ SLOW_TESTS = {
         "test_t5.py::test_greedy_generate_equals_transformers",
         "test_gemma.py::test_tiny_logits_match_transformers_past_the_window",
         "test_gemma.py::test_tiny_greedy_decoding_equals_transformers",
+        "test_gemma4.py::test_tiny_logits_match_transformers_past_the_window",
+        "test_gemma4.py::test_tiny_greedy_decoding_equals_transformers",
     ),
     # greedy equality again, per model family, layout, width policy, dtype or entry point:
     # the fast tier has it once per method on the Llama toy (tests/test_conformance.py)

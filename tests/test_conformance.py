@@ -48,18 +48,35 @@ def lm():
 
 
 @pytest.fixture(scope="module")
-def ar(lm):
-    """``{batch: greedy ar output}`` for batch 1 (the first prompt) and 4."""
-    return {b: specjax.generate(lm.model, lm.params, PROMPTS[:b],
-                                max_new_tokens=BUDGETS[:b] if b > 1 else BUDGETS[0]).to_lists()
-            for b in (1, 4)}
+def target(lm):
+    """``target(spec)``: the toy ``spec`` runs on (the Llama toy, or the toy of the one
+    family a method drafts for: ``toys.lm_for``), made once per module."""
+    return functools.lru_cache(maxsize=None)(lambda spec: toys.lm_for(spec, lm))
 
 
 @pytest.fixture(scope="module")
-def built(lm):
+def ar(target):
+    """``ar(spec, batch)``: greedy ar output of ``spec``'s toy for batch 1 (the first
+    prompt) and 4, computed once per toy family."""
+    @functools.lru_cache(maxsize=None)
+    def run(spec, b):
+        t = target(spec)
+        return specjax.generate(t.model, t.params, PROMPTS[:b],
+                                max_new_tokens=BUDGETS[:b] if b > 1 else BUDGETS[0]).to_lists()
+    return lambda spec, b: run(_first_of_family(spec), b)
+
+
+def _first_of_family(spec: str) -> str:
+    """The first tiny spec of ``spec``'s family (the key ``ar`` runs its toy under)."""
+    fam = type(methods.parse(spec)).family
+    return next(s for s in SPECS if type(methods.parse(s)).family == fam)
+
+
+@pytest.fixture(scope="module")
+def built(target):
     """``built(spec)``: the registry's random-head build of ``spec``, made once per module."""
     return functools.lru_cache(maxsize=None)(
-        lambda spec: methods.parse(spec).random(lm, OPTIONS, jax.random.key(3)))
+        lambda spec: methods.parse(spec).random(target(spec), OPTIONS, jax.random.key(3)))
 
 
 def test_every_registered_method_has_a_tiny_spec():
@@ -73,11 +90,11 @@ def test_every_registered_method_has_a_tiny_spec():
 
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("spec", SPECS)
-def test_greedy_equals_ar(lm, ar, built, spec, batch):
+def test_greedy_equals_ar(ar, built, spec, batch):
     b = built(spec)
     assert b.name == spec and isinstance(b.decoder, specjax.Decoder)
     out = b(PROMPTS[:batch], max_new_tokens=BUDGETS[:batch] if batch > 1 else BUDGETS[0])
-    assert out.to_lists() == ar[batch], f"{spec} at batch {batch} differs from ar"
+    assert out.to_lists() == ar(spec, batch), f"{spec} at batch {batch} differs from ar"
     if spec != "ar" and batch == 4:
         assert np.all(np.asarray(out.accepted)[1:] > 0), f"{spec}: nothing accepted: vacuous"
         assert int(np.max(out.target_forwards)) < max(BUDGETS), f"{spec}: no speculation"
@@ -107,8 +124,8 @@ SAMPLED = [s for s in SPECS if methods.parse(s).kind not in ("ar", "hsd")
 
 
 @pytest.mark.parametrize("spec", SAMPLED)
-def test_sampled_output_follows_the_target(lm, built, spec):
-    b = built(spec)
+def test_sampled_output_follows_the_target(target, built, spec):
+    b, lm = built(spec), target(spec)
     p, accepted = _pair_pvalue(lm.model, lm.params, b.decoder, b.params)
     assert p > 1e-4, f"{spec} at temperature 1: (y0, y1) differs from the target (p={p:.2e})"
     assert np.all(accepted > 0), f"{spec}: no draft was ever accepted: vacuous"

@@ -14,7 +14,7 @@ import functools
 
 import jax
 
-from specjax.models import gemma, t5
+from specjax.models import gemma, gemma4, t5
 from specjax.models.llama import Llama, LlamaConfig, RopeScaling
 from specjax.models.llama import init_params as llama_init
 
@@ -60,6 +60,16 @@ LLAMA_CHAT = dataclasses.replace(LLAMA_TRAIN, vocab_size=100, max_position_embed
 GEMMA = gemma.GemmaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
                           num_heads=4, num_kv_heads=2, head_dim=8,
                           layer_types=("sliding", "full"), sliding_window=4)
+# Gemma 4 at the conformance vocabulary: sliding and full layers of their own geometry (K as
+# V on the full ones), the last two sharing the first two's keys and values (double-wide
+# MLPs), per-layer embeddings and a window of 4: the ``mtp`` method's target
+GEMMA4 = gemma4.Gemma4Config(
+    vocab_size=V, hidden_size=32, intermediate_size=48, num_layers=4, num_heads=4,
+    num_kv_heads=2, head_dim=8, layer_types=("sliding", "full", "sliding", "full"),
+    global_head_dim=16, num_global_kv_heads=1, attention_k_eq_v=True, sliding_window=4,
+    partial_rotary_factor=0.25, final_logit_softcapping=30.0, hidden_size_per_layer_input=4,
+    vocab_size_per_layer_input=V, num_kv_shared_layers=2, use_double_wide_mlp=True,
+    max_position_embeddings=256)
 # (text, chat?) prompts for the real SmolLM2-135M tests: copying, repetition, chat, code
 SMOLLM_PROMPTS = [
     ("Summarize: The cat sat on the mat. The cat was happy on the mat.", False),
@@ -86,6 +96,34 @@ def llama_params(seed: int = 1, scale: float = 3.0, config: LlamaConfig = LLAMA)
 def llama(seed: int = 1, scale: float = 3.0):
     """``(Llama(LLAMA), llama_params(seed, scale))``."""
     return Llama(LLAMA), llama_params(seed, scale)
+
+
+@functools.lru_cache(maxsize=None)
+def _gemma4_params(seed: int, scale: float):
+    p = gemma4.init_params(GEMMA4, jax.random.key(seed), scale=scale)
+    for lp in p["layers"]:  # blocks outweigh the embedding: outputs depend on the context
+        lp.update({n: lp[n] * 4.0 for n in ("post_attn_norm", "post_mlp_norm")})
+    return p
+
+
+def gemma4_toy(seed: int = 1, scale: float = 0.5):
+    """``(Gemma4(GEMMA4), params)``: random weights (normal with ``scale``, gains near 1,
+    the blocks' output norms near 4 so that the next token depends on the context, not
+    only on the last one), computed once per process; each call gets its own dicts."""
+    return gemma4.Gemma4(GEMMA4), jax.tree.map(lambda x: x, _gemma4_params(seed, scale))
+
+
+def lm_for(spec: str, llama_lm: "ToyLM") -> "ToyLM":
+    """The toy a method's tiny ``spec`` runs on: ``llama_lm``, or for a method that drafts
+    for one family only (``Method.family``: ``mtp``'s Gemma 4) that family's toy."""
+    from specjax import methods
+
+    family = type(methods.parse(spec)).family
+    if family is None:
+        return llama_lm
+    if family != "Gemma4":
+        raise ValueError(f"no toy of family {family!r} (tests/toys.py)")
+    return ToyLM(*gemma4_toy(), eos_ids=())
 
 
 def toy_lm(config: LlamaConfig, seed: int) -> "ToyLM":

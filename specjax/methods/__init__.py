@@ -16,6 +16,8 @@ Text forms (``parse`` / ``MethodSpec.format``; ``parse(m.format()) == m``):
   (``Options.redrafter_checkpoint``);
 * ``dflash[:depth[,topk,total]]``: a DFlash block drafter (``Options.draft_checkpoint``,
   z-lab's hub layout), verified as a chain or a tree of each slot's top-k;
+* ``mtp[:depth[,topk,total]]``: a Gemma 4 target's MTP assistant
+  (``Options.draft_checkpoint``, transformers' layout) as a chain or a dynamic tree;
 * ``hsd[:SPEC]``: a hierarchy (``specjax.hsd.HierarchySpec``; bare ``hsd`` is tuned from
   ``Options.calibration``);
 * ``hf``, ``hf-pld``: the transformers peers a benchmark compares against (not decoders).
@@ -30,7 +32,8 @@ registered classes (``registered()``). Adding a method is one ``Method`` subclas
 with ``register`` (see ``Method``), in a module of its own; ``unregister`` removes one.
 
 Layout: ``registry`` holds the machinery; each built-in method is one module here (``ar``,
-``sd``, ``eagle``, ``redrafter``, ``hsd``, ``dflash``, ``peer``), imported below in registration order:
+``sd``, ``eagle``, ``redrafter``, ``hsd``, ``dflash``, ``mtp``, ``peer``), imported below
+in registration order:
 a new built-in method is its module and one import line.
 
 ``build`` returns a ``Built``: the decoder, its parameters and the spec as run, callable
@@ -57,6 +60,7 @@ from specjax.methods.redrafter import Redrafter  # noqa: E402, F401
 from specjax.methods.hsd import HSD  # noqa: E402, F401
 from specjax.methods.hsd import draft_temperatures, exit_heads, read_calibration  # noqa: E402
 from specjax.methods.dflash import DFlash  # noqa: E402, F401
+from specjax.methods.mtp import MTP  # noqa: E402, F401
 from specjax.methods.peer import Peer  # noqa: E402, F401
 
 #: the classes registered by specjax itself (``registered()`` before any user registration)

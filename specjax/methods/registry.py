@@ -93,6 +93,9 @@ class Method:
     checkpoint: ClassVar[str | None] = None
     ships_heads: ClassVar[bool] = False  # True: ``shipped`` names heads shipped per model
     decodes: ClassVar[bool] = True
+    # the model family it drafts for (a ``families.Family`` name; None: any): the tests and
+    # sweeps run its tiny specs on a toy of that family, and ``check_config`` refuses others
+    family: ClassVar[str | None] = None
     # specs the project runs the method as, without options: ``tiny`` on the tests' 3-layer,
     # 12-token toy (conformance, and the per-family sweeps), ``device`` in the device check
     # (random heads), ``demo`` as the demo's candidates (where its head ships)
