@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import re
 import warnings
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from specjax.models.families import Family, model_class, register_family
 from specjax.models.gemma4 import FULL, SLIDING, Gemma4Config, layer_shapes, top_shapes
-from specjax.models.hf_config import ConfigFields, config_fields
+from specjax.models.hf_config import ConfigFields, config_fields, read_config_json
 from specjax.models.streaming import TensorSource, WeightLoadError, placer
 
 _ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
@@ -74,16 +75,11 @@ def _global_geometry(f: ConfigFields, types: list[str], k_eq_v: bool):
 
 def hf_gemma4_config(d: dict | ConfigFields) -> Gemma4Config:
     """A ``Gemma4Config`` from an HF ``config.json`` of ``gemma4_text``, or of ``gemma4``
-    (its ``text_config``; a warning line says the vision and audio towers are ignored).
-    Absent keys take transformers' ``Gemma4TextConfig`` defaults; what the port does not
+    (its ``text_config``; loading its weights says in one warning line that the vision
+    and audio towers are ignored: ``hf_gemma4_stream``). Absent keys take transformers' ``Gemma4TextConfig`` defaults; what the port does not
     compute is ``WeightLoadError`` naming the file and key."""
     f = config_fields(d)
     if f.text("model_type") == "gemma4":
-        towers = [k for k in ("vision_config", "audio_config") if f.d.get(k)]
-        if towers:
-            warnings.warn(f"{f.where}: a multimodal gemma4 checkpoint: its text decoder "
-                          f"loads, its {' and '.join(t[:-7] for t in towers)} tower(s) are "
-                          "ignored", stacklevel=2)
         f = f.obj("text_config")
     n = f.integer("num_hidden_layers", 30)
     names = f.texts("layer_types", None)
@@ -201,12 +197,22 @@ def tensor_table(cfg: Gemma4Config, shapes: dict[str, tuple], source: str,
                                       f"expected {_expected(want, paths)} for "
                                       f"{'.'.join(map(str, p))}")
             found[p] = (name, None if rows is None else slice(j * rows, (j + 1) * rows))
-    missing = [".".join(map(str, p)) for p in want if p not in found]
+    missing = [_source_name(p, pre) for p in want if p not in found]
     if missing:
         raise WeightLoadError(f"{source}: missing weights {missing[:8]}"
                               f"{' and %d more' % (len(missing) - 8) if len(missing) > 8 else ''}"
                               f" ({_features(cfg)})")
     return found
+
+
+def _source_name(path: tuple, pre: str) -> str:
+    """transformers' name of the tensor holding our leaf ``path``."""
+    if path[0] == "lm_head":
+        return "lm_head.weight"
+    if len(path) == 1:
+        return pre + next(k for k, v in TOP.items() if v == path[0])
+    src = next(k for k, v in LAYER.items() if path[2] in (v if isinstance(v, tuple) else (v,)))
+    return f"{pre}layers.{path[1]}.{src}"
 
 
 def _features(cfg: Gemma4Config) -> str:
@@ -255,7 +261,14 @@ def _multimodal_extra(names) -> Callable[[str], bool]:
 
 
 def hf_gemma4_stream(cfg: Gemma4Config, src: TensorSource, path, dtype, mesh=None) -> dict:
-    """``Family.hf_stream``: :func:`stream_gemma4` of an HF directory's tensors."""
+    """``Family.hf_stream``: :func:`stream_gemma4` of an HF directory's tensors; for a
+    multimodal ``gemma4`` directory, one warning line that its towers are ignored."""
+    towers = [k for k in ("vision_config", "audio_config")
+              if read_config_json(Path(path) / "config.json").d.get(k)]
+    if towers:
+        warnings.warn(f"{path}: a multimodal gemma4 checkpoint: its text decoder loads, its "
+                      f"{' and '.join(t[:-7] for t in towers)} tower(s) are ignored",
+                      stacklevel=2)
     return stream_gemma4(cfg, src, str(path), dtype, mesh, _multimodal_extra(src.shapes))
 
 

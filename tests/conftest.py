@@ -121,6 +121,9 @@ SLOW_TESTS = {
     ),
     # references built in transformers
     "transformers": (
+        "test_mtp.py::test_one_assistant_step_equals_transformers",
+        "test_mtp.py::test_mtp_chain_equals_ar_and_transformers_round_for_round",
+        "test_mtp.py::test_mtp_tree_equals_ar_with_no_more_target_forwards_than_the_chain",
         "test_t5.py::test_logits_equal_transformers_in_public_shapes",
         "test_t5.py::test_greedy_generate_equals_transformers",
         "test_gemma.py::test_tiny_logits_match_transformers_past_the_window",
