@@ -45,16 +45,16 @@ from specjax.models.gemma import _window_masks, rms_norm
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import stacked_layers
 from specjax.models.ops import apply_rope, attention, dense
-from specjax.sharding import MLP, VOCAB
+from specjax.sharding import MOE_MLP, VOCAB
 
 Params = Mapping[str, Any]
 SLIDING, FULL = "sliding", "full"
 
 # Gemma 4's own weights beside a decoder layer's: the experts' stacked [E, out, in] weights
-# split by their MLP width, the per-layer embedding table by its vocabulary
+# split by an expert's MLP width, the per-layer embedding table by its vocabulary
 GEMMA4_PARTITIONING = DECODER_PARTITIONING.extend({
-    "experts_gate": (None, MLP, None), "experts_up": (None, MLP, None),
-    "experts_down": (None, None, MLP), "ple_embed": (VOCAB, None)})
+    "experts_gate": (None, MOE_MLP, None), "experts_up": (None, MOE_MLP, None),
+    "experts_down": (None, None, MOE_MLP), "ple_embed": (VOCAB, None)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +154,37 @@ class Gemma4Config:
         ``use_double_wide_mlp``)."""
         wide = self.use_double_wide_mlp and i >= self.first_shared
         return self.intermediate_size * (2 if wide else 1)
+
+
+def layer_types(num_layers: int, period: int) -> tuple[str, ...]:
+    """Gemma 4's layout: every ``period``-th layer full, the others sliding, the last full
+    (as transformers forces it)."""
+    return tuple(FULL if (i + 1) % period == 0 or i == num_layers - 1 else SLIDING
+                 for i in range(num_layers))
+
+
+# The released sizes' text decoders (their config.json text_config; shapes for the device
+# check and random-weight timing; real weights load from an HF directory)
+_RELEASED = dict(vocab_size=262144, head_dim=256, global_head_dim=512, rope_theta=1e6,
+                 rope_local_theta=1e4, partial_rotary_factor=0.25, final_logit_softcapping=30.0)
+GEMMA4_E2B = Gemma4Config(
+    hidden_size=1536, intermediate_size=6144, num_layers=35, num_heads=8, num_kv_heads=1,
+    layer_types=layer_types(35, 5), sliding_window=512, hidden_size_per_layer_input=256,
+    vocab_size_per_layer_input=262144, num_kv_shared_layers=20, use_double_wide_mlp=True,
+    **_RELEASED)
+GEMMA4_E4B = Gemma4Config(
+    hidden_size=2560, intermediate_size=10240, num_layers=42, num_heads=8, num_kv_heads=2,
+    layer_types=layer_types(42, 6), sliding_window=512, hidden_size_per_layer_input=256,
+    vocab_size_per_layer_input=262144, num_kv_shared_layers=18, **_RELEASED)
+GEMMA4_26B_A4B = Gemma4Config(
+    hidden_size=2816, intermediate_size=2112, num_layers=30, num_heads=16, num_kv_heads=8,
+    layer_types=layer_types(30, 6), num_global_kv_heads=2, attention_k_eq_v=True,
+    sliding_window=1024, num_experts=128, top_k_experts=8, moe_intermediate_size=704,
+    max_position_embeddings=262144, **_RELEASED)
+GEMMA4_31B = Gemma4Config(
+    hidden_size=5376, intermediate_size=21504, num_layers=60, num_heads=32, num_kv_heads=16,
+    layer_types=layer_types(60, 6), num_global_kv_heads=4, attention_k_eq_v=True,
+    sliding_window=1024, max_position_embeddings=262144, **_RELEASED)
 
 
 def rope_freqs(head_dim: int, theta: float, partial: float = 1.0) -> Float[Array, "H2"]:
@@ -425,6 +456,7 @@ def init_params(cfg: Gemma4Config, key: Array, dtype=jnp.float32, scale: float =
     return params
 
 
-__all__ = ["Gemma4", "Gemma4Config", "GEMMA4_PARTITIONING", "SLIDING", "FULL", "rope_freqs",
+__all__ = ["Gemma4", "Gemma4Config", "GEMMA4_PARTITIONING", "SLIDING", "FULL", "layer_types",
+           "GEMMA4_E2B", "GEMMA4_E4B", "GEMMA4_26B_A4B", "GEMMA4_31B", "rope_freqs",
            "layer_freqs", "queries", "keys_values", "mlp", "route", "experts",
            "feed_forward", "layer_shapes", "top_shapes", "init_params"]

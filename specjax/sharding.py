@@ -41,7 +41,9 @@ AXES = (DATA, MODEL)
 # Logical axes of weight dims. Each counts a number of the model contract
 # (``specjax.models.base.ModelConfig``); ``VOCAB`` counts the dim's own size.
 HEADS, KV_HEADS, MLP, VOCAB = "heads", "kv_heads", "mlp", "vocab"
-_COUNTS = {HEADS: "num_heads", KV_HEADS: "num_kv_heads", MLP: "intermediate_size"}
+MOE_MLP = "moe_mlp"  # an expert's MLP width (Gemma 4's MoE block)
+_COUNTS = {HEADS: "num_heads", KV_HEADS: "num_kv_heads", MLP: "intermediate_size",
+           MOE_MLP: "moe_intermediate_size"}
 
 Fused = Mapping[str, tuple[tuple[str, ...], list[int]]]
 
@@ -243,14 +245,15 @@ def source_spec(source, mesh: Mesh):
 
 def cache_spec(cache, mesh: Mesh):
     """The ``PartitionSpec`` pytree of a ``KVCache``: rows over ``data``, KV heads over
-    ``model`` where they divide."""
+    ``model`` where they divide (each layer's own, where layers differ: Gemma 4)."""
     m = axis_size(mesh, MODEL)
-    heads = MODEL if m > 1 and cache.v[0].shape[1] % m == 0 else None
+    heads = lambda x: MODEL if m > 1 and x.shape[-3] % m == 0 else None  # noqa: E731
     if getattr(cache, "stacked", False):  # [L, B, K, ., .]: the layer axis stays whole
-        return cache.replace(k=P(None, DATA, heads, None, None),
-                             v=P(None, DATA, heads, None, None), length=P(DATA))
-    return cache.replace(k=tuple(P(DATA, heads, None, None) for _ in cache.k),
-                         v=tuple(P(DATA, heads, None, None) for _ in cache.v),
+        h = heads(cache.v)
+        return cache.replace(k=P(None, DATA, h, None, None),
+                             v=P(None, DATA, h, None, None), length=P(DATA))
+    return cache.replace(k=tuple(P(DATA, heads(x), None, None) for x in cache.k),
+                         v=tuple(P(DATA, heads(x), None, None) for x in cache.v),
                          length=P(DATA))
 
 

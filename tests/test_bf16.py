@@ -101,3 +101,24 @@ def test_every_method_bf16_greedy_equals_bf16_ar(weights):
         assert out.to_lists() == ar, name
     assert sum(int(o.target_forwards.sum()) for o in outs.values()) < \
         len(outs) * len(PROMPTS) * NEW, "no method accepted anything: the comparison proves little"
+
+
+def test_gemma4_methods_bf16_greedy_equal_bf16_ar():
+    """The Gemma 4 toy in bfloat16 (weights and products): its own methods (``mtp``, the
+    assistant in bfloat16 too) equal bfloat16 AR; every other method on bfloat16 is the
+    Llama sweep above."""
+    import jax.numpy as jnp
+
+    from specjax.models.gemma4 import Gemma4
+
+    base, tp = toys.gemma4_toy()
+    model = Gemma4(base.config, compute_dtype=jnp.bfloat16)
+    tp = jax.tree.map(lambda x: x.astype(jnp.bfloat16), tp)
+    prompts = [p[:6] for p in toys.PROMPTS]
+    ar = specjax.generate(model, tp, prompts, max_new_tokens=NEW).to_lists()
+    specs = toys.sweep_specs(skip={"ar": "the reference itself"}, family="Gemma4", own=True)
+    assert specs
+    for spec in specs:
+        out = toys.run_spec(spec, model, tp, prompts, NEW)
+        assert out.to_lists() == ar, spec
+        assert int(np.asarray(out.accepted)[1]) > 0, f"{spec}: nothing accepted"

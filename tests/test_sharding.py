@@ -214,6 +214,26 @@ else:
         assert specjax.speculative_generate(g, gp, ng, None, PROMPTS, max_new_tokens=NEW,
                                             mesh=m).to_lists() == ref
 
+    def test_gemma4_sharded_equals_one_device():
+        """The Gemma 4 toy (layers of two geometries, KV sharing, per-layer embeddings) on
+        data=2,model=4: query heads and MLP columns split, the one-head full layers' K/V
+        and cache whole; ar and its own methods (``mtp``: the assistant replicated) equal
+        one device."""
+        model, tp = toys.gemma4_toy()
+        m = sharding.make_mesh(2, 4)
+        sp = sharding.shard_params(model.config, tp, m)
+        assert sp["layers"][0]["q"].sharding.spec == P("model", None)
+        assert sp["layers"][1]["k"].sharding.spec == P()  # one K/V head on the full layers
+        assert sp["layers"][3]["gate"].sharding.spec == P("model", None)  # double-wide
+        cache = jax.jit(lambda: sharding.constrain_cache(model.init_cache(4, 64), m))()
+        assert [_spec(x) for x in cache.k] == [("data",)] * len(cache.k)
+        specs = toys.sweep_specs(family="Gemma4", own=True)
+        assert "mtp:3" in specs
+        for spec in specs:
+            ref = toys.run_spec(spec, model, tp, toys.PROMPTS, toys.BUDGETS)
+            out = toys.run_spec(spec, model, tp, toys.PROMPTS, toys.BUDGETS, mesh=m)
+            assert out.to_lists() == ref.to_lists(), spec
+
     @pytest.mark.parametrize("gated", [False, pytest.param(True, marks=pytest.mark.slow)],
                              ids=["t5", "t5-v1_1"])
     def test_t5_sharded_equals_one_device(gated):

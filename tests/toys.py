@@ -298,16 +298,22 @@ def conformance_specs() -> list[str]:
     return [s for cls in methods.registered() if cls.decodes for s in cls.tiny]
 
 
-def sweep_specs(skip: dict | None = None, extra: tuple = ()) -> list[str]:
+def sweep_specs(skip: dict | None = None, extra: tuple = (), family: str = "Llama",
+                own: bool = False) -> list[str]:
     """The per-family sweeps' specs (scan layers, bfloat16, a mesh): every registered
-    decoding method's first tiny spec (``Method.tiny[0]``), without the kinds in ``skip``
-    (kind -> why that family cannot run it, said where the sweep calls this), then
-    ``extra``. A method registered later joins every sweep."""
+    decoding method's first tiny spec (``Method.tiny[0]``) that drafts for ``family`` (a
+    method with no ``Method.family`` drafts for any), without the kinds in ``skip`` (kind
+    -> why that family cannot run it, said where the sweep calls this), then ``extra``.
+    With ``own``, ``ar`` and the methods that draft for ``family`` alone: a family whose
+    model the Llama sweeps already cover method by method (Gemma 4's, with ``mtp``). A
+    method registered later joins every sweep of its families."""
     from specjax import methods
 
     skip = skip or {}
     return [cls.tiny[0] for cls in methods.registered()
-            if cls.decodes and cls.tiny and cls.kind not in skip] + list(extra)
+            if cls.decodes and cls.tiny and cls.kind not in skip
+            and (cls.family == family or (cls.family is None and
+                                          (not own or cls.kind == "ar")))] + list(extra)
 
 
 def run_spec(spec: str, model, params, prompts, budgets, mesh=None):
