@@ -184,11 +184,16 @@ def ar_method(lm, sampler=None) -> Method:
 
 
 
-def peer_method(spec, lm, threads: int, hf, temperature: float = 0.0) -> Method:
+def peer_method(spec, lm, threads: int, hf, temperature: float = 0.0,
+                assistant: str | None = None) -> Method:
     """The bench method of a transformers peer (``methods.Peer``, ``decodes`` False):
-    ``hf`` is ``hf_method``, ``hf-pld`` is ``hf_pld_method``, on transformers' ``hf``."""
-    if spec.format() == "hf":
+    ``hf`` is ``hf_method``, ``hf-pld`` is ``hf_pld_method``, ``hf-mtp`` is
+    ``hf_mtp_method`` with the Gemma 4 assistant directory ``assistant``, on
+    transformers' ``hf``."""
+    if spec.name == "hf":
         return hf_method(lm, threads, hf, temperature)
+    if spec.name == "hf-mtp":
+        return hf_mtp_method(lm, threads, assistant, spec.depth, hf)
     return hf_pld_method(lm, threads, hf)
 
 
@@ -270,6 +275,34 @@ def hf_pld_method(lm, threads: int, hf=None, num_tokens: int = 10) -> Method:
                              prompt_lookup_num_tokens=num_tokens, **stops)
         toks = _hf_new_tokens(lm, ids, y)
         return Run(toks, dt, calls[0])
+
+    run(_warm_up_ids(lm), 4)
+    return run
+
+
+def hf_mtp_method(lm, threads: int, assistant: str, depth: int = 4, hf=None) -> Method:
+    """HF transformers' assisted generation (greedy) with a Gemma 4 assistant
+    (``Gemma4AssistantForCausalLM`` from the directory ``assistant``, float32), drafting
+    ``depth`` tokens a round (its ``generation_config.num_assistant_tokens``, which
+    transformers reads): the peer of ``mtp:depth``. Target forwards are counted with a
+    forward hook."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    hf = load_hf(lm) if hf is None else hf
+    ast = AutoModelForCausalLM.from_pretrained(str(assistant), dtype=torch.float32)
+    ast = ast.eval().to(_torch_device())
+    ast.generation_config.num_assistant_tokens = depth
+    stops = _hf_stops(hf, lm)
+    calls = [0]
+    hf.model.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+
+    def run(ids: list[int], n: int) -> Run:
+        calls[0] = 0
+        y, dt = _hf_generate(hf, ids, max_new_tokens=n, do_sample=False,
+                             assistant_model=ast, **stops)
+        return Run(_hf_new_tokens(lm, ids, y), dt, calls[0])
 
     run(_warm_up_ids(lm), 4)
     return run

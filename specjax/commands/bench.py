@@ -79,7 +79,8 @@ def _runners(args, lm, specs: dict, threads: int, hierarchies: dict) -> dict:
     out = {}
     for name, spec in specs.items():
         if not spec.decodes:
-            out[name] = bench.peer_method(spec, lm, threads, hf, max(args.temperature, 0.0))
+            out[name] = bench.peer_method(spec, lm, threads, hf, max(args.temperature, 0.0),
+                                          getattr(args, "draft_checkpoint", None))
             continue
         if spec == methods.AR():  # the reference every other method is compared with
             out[name] = bench.ar_method(lm, sampler)
@@ -102,13 +103,14 @@ def cmd_bench(args) -> int:
 
         require("torch", f"benchmarking {', '.join(peers)} (transformers)")
     greedy = args.temperature <= 0
-    if not greedy and "hf-pld" in names:
-        raise UsageError("hf-pld is greedy only; drop it when --temperature > 0")
+    if not greedy and any(s.kind == "peer" and s.name in ("hf-pld", "hf-mtp")
+                          for s in specs.values()):
+        raise UsageError("hf-pld and hf-mtp are greedy only; drop them when --temperature > 0")
     if args.random_prompts and args.questions:
         raise UsageError("give --questions or --random-prompts, not both")
     common.writable(args.out, "--out")
     for spec in specs.values():  # head directories and calibration, before the model loads
-        if spec.decodes:
+        if spec.decodes or spec.kind == "peer" and spec.name == "hf-mtp":
             common.check_method(spec, args)
     common.readable(args.questions, "--questions")
     questions = (None if args.random_prompts else  # checked before the model loads
