@@ -6,8 +6,9 @@ that fits a few minutes of accelerator time, offline, on random weights of real 
     python scripts/device_check.py --small --out /tmp/dc  # the same, with this interpreter's
                                                           # specjax as it is installed
 
-For each model shape (SmolLM2-135M, Llama-3.1-8B, Gemma-3-270M; tiny ones with ``--small``)
-it measures, in priority order and within a time budget per phase:
+For each model shape (SmolLM2-135M, Llama-3.1-8B, Gemma-3-270M, Gemma-4-E4B, Gemma-4-31B;
+tiny ones of each family with ``--small``) it measures, in priority order and within a time
+budget per phase:
 
 * the width curve: one target forward over ``W`` new tokens with ~800 cached, against
   ``W = 1``;
@@ -15,9 +16,10 @@ it measures, in priority order and within a time budget per phase:
   (``specjax.bench.bandwidth_probe``: a copy in device memory on a GPU/TPU);
 * transformers' greedy ``generate`` on the same device, same shape and prompts (a random
   model built from the config with torch; its weights are not ours, so only speed compares);
-* every method end to end (``sd-ngram``, EAGLE-2 and ReDrafter with random heads, HSD),
-  its greedy output against ``ar``'s, its compile time, its time per round against an
-  ``ar`` step;
+* every method end to end (``sd-ngram``, EAGLE-2 and ReDrafter with random heads, HSD,
+  ...: each registered method's ``Method.device`` specs, where it drafts for the shape's
+  family, e.g. ``mtp`` with a random assistant on Gemma 4 only), its greedy output against
+  ``ar``'s, its compile time, its time per round against an ``ar`` step;
 * a kernel-count proxy of a round's cost from the compiled programs (``specjax.hlo.hlo_stats``):
   kernels (fusions, library calls, unfused ops) per decoding round against a target
   forward's, loops and conditionals per round, and host transfers (infeed/outfeed,
@@ -63,10 +65,13 @@ setup_jax()  # before JAX picks a backend: as the specjax commands run
 # --------------------------------------------------------------------------- shapes
 
 def _shapes(small: bool) -> dict[str, dict]:
-    """Model shapes to check: name -> family, config, storage and product dtypes."""
+    """Model shapes to check: name -> config, storage and product dtypes, the methods it
+    runs (``all``: every method drafting for its family, ``_all_methods``), whether
+    transformers runs beside (``hf``) and the batched phase's methods. A shape's family is
+    its config's registered one (``_family``)."""
     import jax.numpy as jnp
 
-    from specjax.models import gemma, llama
+    from specjax.models import gemma, gemma4, llama
 
     f32, bf16 = jnp.float32, jnp.bfloat16
     if small:
@@ -78,40 +83,89 @@ def _shapes(small: bool) -> dict[str, dict]:
                                layer_types=gemma.gemma3_layer_types(4, pattern=2),
                                sliding_window=32, query_pre_attn_scalar=32.0,
                                max_position_embeddings=1024)
-        return {"tiny-llama": dict(family="llama", cfg=tl, dtype=f32, compute=f32,
-                                   methods="all", hf=True,
+        # tests/toys.py's GEMMA4 at 512 tokens: sliding and full layers of their own
+        # geometry (K as V on the full ones), the last two sharing the first two's keys and
+        # values (double-wide MLPs), per-layer embeddings, a window the prompts pass
+        tg4 = gemma4.Gemma4Config(
+            vocab_size=512, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4,
+            num_kv_heads=2, head_dim=16, layer_types=("sliding", "full", "sliding", "full"),
+            global_head_dim=32, num_global_kv_heads=1, attention_k_eq_v=True,
+            sliding_window=32, partial_rotary_factor=0.25, final_logit_softcapping=30.0,
+            hidden_size_per_layer_input=8, vocab_size_per_layer_input=512,
+            num_kv_shared_layers=2, use_double_wide_mlp=True, max_position_embeddings=1024)
+        return {"tiny-llama": dict(cfg=tl, dtype=f32, compute=f32, methods="all", hf=True,
                                    batched="ar,eagle3:2,2,3,sd-ngram:7"),
-                "tiny-gemma": dict(family="gemma", cfg=tg, dtype=f32, compute=f32,
-                                   methods="all", hf=True)}
+                "tiny-gemma": dict(cfg=tg, dtype=f32, compute=f32, methods="all", hf=True),
+                "tiny-gemma4": dict(cfg=tg4, dtype=f32, compute=f32, methods="all",
+                                    hf=True)}
     llama31_8b = llama.LlamaConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
         num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
         rope_scaling=llama.RopeScaling("llama3", 8.0, 1.0, 4.0, 8192), rms_norm_eps=1e-5,
         tie_embeddings=False, max_position_embeddings=131072)
+    # Gemma 4: ar and the methods drafting for Gemma 4 alone (``mtp``, with a random
+    # assistant of the published sizes for the target's width: ``MTP.random``)
+    gemma4_methods = ",".join(["ar", *_family_methods("Gemma4")])
     return {
         # float32 as the CPU benchmarks; products at "highest" precision (no TF32)
-        "smollm2-135m": dict(family="llama", cfg=llama.SMOLLM2_135M, dtype=f32, compute=f32,
-                             methods="all", hf=True),
+        "smollm2-135m": dict(cfg=llama.SMOLLM2_135M, dtype=f32, compute=f32, methods="all",
+                             hf=True),
         # bfloat16 storage and bfloat16 products: the usual accelerator recipe, a timing
         # (README "bfloat16": greedy output can then leave ar's on near-ties)
         # an EAGLE-3 head of the published Llama-3.1-8B head's shapes (fc [4096, 3 x 4096],
         # a 32000-token draft vocabulary), random: what a user's speedup is made of
-        "llama3.1-8b": dict(family="llama", cfg=llama31_8b, dtype=bf16, compute=bf16,
+        "llama3.1-8b": dict(cfg=llama31_8b, dtype=bf16, compute=bf16,
                             methods="ar,sd-ngram:7,eagle2:3,4,7,eagle3:3,4,7,eagle3:7,10,60",
                             hf=True, batched="ar,eagle3:3,4,7,sd-ngram:7"),
-        "gemma3-270m": dict(family="gemma", cfg=gemma.GEMMA3_270M, dtype=f32, compute=f32,
-                            methods="all", hf=True),
+        "gemma3-270m": dict(cfg=gemma.GEMMA3_270M, dtype=f32, compute=f32, methods="all",
+                            hf=True),
+        # 14.9 GB of bfloat16 weights (5.6 GB of them per-layer embeddings); transformers'
+        # random model of the same shape beside it fits an 80 GB card
+        "gemma4-e4b": dict(cfg=gemma4.GEMMA4_E4B, dtype=bf16, compute=bf16,
+                           methods=gemma4_methods, hf=True),
+        # 61.4 GB (57.2 GiB) of bfloat16 weights: on an 80 GB H100 only above JAX's
+        # default cap of 75% of the device's memory (run_check raises it to 90%: the
+        # weights, a 0.9 GB assistant and the caches of a few hundred tokens fit); an H200
+        # holds it at the default. Last, so that no transformers peer of an earlier shape
+        # finds JAX's pool grown to it. No transformers peer: a second random copy in
+        # torch (another 61 GB) does not fit beside ours on an 80 GB card
+        "gemma4-31b": dict(cfg=gemma4.GEMMA4_31B, dtype=bf16, compute=bf16,
+                           methods=gemma4_methods, hf=False),
     }
 
 
-def _all_methods() -> tuple[str, ...]:
-    """Every registered method's ``Method.device`` specs, in registration order."""
+def _family(shape: dict) -> str:
+    """The registered model family of ``shape``'s config (``Llama``, ``Gemma``,
+    ``Gemma4``, ...: ``specjax.models.families``)."""
+    from specjax.models import families, loading  # noqa: F401 -- loading registers them
+
+    return families.family(shape["cfg"])
+
+
+def _decoders() -> tuple[type, ...]:
+    """The registered decoding method classes (no benchmark peers), in registration order."""
     from specjax import methods
 
-    return tuple(t for cls in methods.registered() if cls.decodes for t in cls.device)
+    return tuple(cls for cls in methods.registered() if cls.decodes)
 
 
+def _family_methods(family: str) -> tuple[str, ...]:
+    """The ``Method.device`` specs of the methods drafting for ``family`` alone
+    (``Method.family``), in registration order."""
+    return tuple(t for cls in _decoders() if cls.family == family for t in cls.device)
+
+
+def _all_methods(family: str | None = None) -> tuple[str, ...]:
+    """A shape's ``all``: the ``Method.device`` specs of every registered method that
+    drafts for ``family`` (those for any family, ``Method.family`` None, and those for
+    ``family`` alone), in registration order; ``family`` None: those for any family."""
+    return tuple(t for cls in _decoders() if cls.family in (None, family) for t in cls.device)
+
+
+#: the methods drafting for any family (each shape's ``all`` adds its family's own)
 ALL_METHODS = _all_methods()
+#: every registered method's device specs: the order the report and plot list them in
+METHOD_ORDER = tuple(t for cls in _decoders() for t in cls.device)
 
 
 def random_model(name: str, shape: dict, seed: int = 0, scale: float = 1.0,
@@ -119,13 +173,17 @@ def random_model(name: str, shape: dict, seed: int = 0, scale: float = 1.0,
     """A ``LoadedModel`` of random weights in ``shape``, made on JAX's default device (no
     file, no tokenizer, no EOS: every decode runs to its budget). ``scan_layers``: a Llama
     runs its layers under one ``lax.scan`` over stacked weights (as ``load`` makes it)."""
+    import importlib
+
     import jax
 
-    from specjax.models import gemma, llama, loading
+    from specjax.models import families, llama, loading
     from specjax.models.registry import LoadedModel
 
-    init = {"llama": llama.init_params, "gemma": gemma.init_params}[shape["family"]]
-    params = init(shape["cfg"], jax.random.key(seed), shape["dtype"])
+    # the family's model module (``specjax.models.llama``, ``gemma``, ``gemma4``, ...) draws
+    # them, leaf by leaf in the storage dtype: no float32 copy of the whole tree
+    module = importlib.import_module(families.family_of(shape["cfg"]).model().__module__)
+    params = module.init_params(shape["cfg"], jax.random.key(seed), shape["dtype"])
     if scale != 1.0:  # sharper logits: no near-ties between widths on tiny models
         params = jax.tree.map(lambda x: (x * scale).astype(x.dtype), params)
     jax.block_until_ready(params)
@@ -136,35 +194,62 @@ def random_model(name: str, shape: dict, seed: int = 0, scale: float = 1.0,
                        eos_ids=(), source=Path(f"random-{name}"))
 
 
-def hf_random_model(shape: dict):
-    """transformers' model of the same shape, random weights, on the torch device in the
-    storage dtype."""
-    import torch
+def hf_config(shape: dict):
+    """transformers' config of ``shape``'s model (no BOS/EOS/pad ids: every generate runs to
+    its budget), by its family."""
     import transformers
 
-    from specjax import bench
-
-    cfg = shape["cfg"]
+    cfg, fam = shape["cfg"], _family(shape)
     common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                   intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
                   num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
                   head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
                   rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_embeddings,
                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    types = ["full_attention" if t == "full" else "sliding_attention"
+             for t in getattr(cfg, "layer_types", ())]
+    if fam == "Gemma4":  # per-layer-type RoPE and geometry (transformers' Gemma4TextConfig)
+        rope = {"full_attention": {"rope_type": "proportional", "rope_theta": cfg.rope_theta,
+                                   "partial_rotary_factor": cfg.partial_rotary_factor},
+                "sliding_attention": {"rope_type": "default",
+                                      "rope_theta": cfg.rope_local_theta}}
+        moe = dict(enable_moe_block=True, num_experts=cfg.num_experts,
+                   top_k_experts=cfg.top_k_experts,
+                   moe_intermediate_size=cfg.moe_intermediate_size) if cfg.num_experts else {}
+        return transformers.Gemma4TextConfig(
+            **common, layer_types=types, sliding_window=cfg.sliding_window,
+            rope_parameters=rope, global_head_dim=cfg.global_head_dim or cfg.head_dim,
+            num_global_key_value_heads=cfg.num_global_kv_heads,
+            attention_k_eq_v=cfg.attention_k_eq_v,
+            final_logit_softcapping=cfg.final_logit_softcapping,
+            hidden_size_per_layer_input=cfg.hidden_size_per_layer_input,
+            vocab_size_per_layer_input=cfg.vocab_size_per_layer_input,
+            num_kv_shared_layers=cfg.num_kv_shared_layers,
+            use_double_wide_mlp=cfg.use_double_wide_mlp, **moe)
     rs = cfg.rope_scaling
     rope = {"rope_type": rs.rope_type, "rope_theta": cfg.rope_theta}
     if rs.rope_type == "llama3":
         rope.update(factor=rs.factor, low_freq_factor=rs.low_freq_factor,
                     high_freq_factor=rs.high_freq_factor,
                     original_max_position_embeddings=rs.original_max_position_embeddings)
-    if shape["family"] == "llama":
-        tc = transformers.LlamaConfig(**common, rope_parameters=rope)
-    else:
-        types = ["full_attention" if t == "full" else "sliding_attention"
-                 for t in cfg.layer_types]
-        tc = transformers.Gemma3TextConfig(**common, layer_types=types,
-                                           sliding_window=cfg.sliding_window,
-                                           query_pre_attn_scalar=int(cfg.query_pre_attn_scalar))
+    if fam == "Llama":
+        return transformers.LlamaConfig(**common, rope_parameters=rope)
+    if fam == "Gemma":
+        return transformers.Gemma3TextConfig(
+            **common, layer_types=types, sliding_window=cfg.sliding_window,
+            query_pre_attn_scalar=int(cfg.query_pre_attn_scalar))
+    raise ValueError(f"no transformers peer for the {fam} family here")
+
+
+def hf_random_model(shape: dict):
+    """transformers' model of the same shape (``hf_config``), random weights, on the torch
+    device in the storage dtype."""
+    import torch
+    import transformers
+
+    from specjax import bench
+
+    tc = hf_config(shape)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[np.dtype(shape["dtype"]).name]
     with torch.device(bench._torch_device()):
         try:
@@ -635,7 +720,8 @@ def _check_shape(name: str, shape: dict, opts, budget: Budget, probe: dict, out:
     if not_listed(shape, opts):
         out["not_listed"] = not_listed(shape, opts)
     t = time.perf_counter()
-    scan = opts.scan_layers and shape["family"] == "llama"  # Gemma stays unrolled
+    out["family"] = _family(shape)
+    scan = opts.scan_layers and out["family"] == "Llama"  # Gemma, Gemma 4 stay unrolled
     lm = random_model(name, shape, scale=3.0 if opts.small else 1.0, scan_layers=scan)
     if opts.mesh:  # every process made the same weights from one key: each places its slices
         from specjax import sharding
@@ -701,16 +787,17 @@ def _check_shape(name: str, shape: dict, opts, budget: Budget, probe: dict, out:
     gc.collect()
 
 
-def _listed(shape: dict) -> list[str]:
-    """The methods a shape lists (its ``methods``: ``all`` is ``ALL_METHODS``)."""
-    spec = shape.get("methods") or ""
-    return list(ALL_METHODS) if spec == "all" else _split(spec) if spec else []
+def _listed(shape: dict, key: str = "methods") -> list[str]:
+    """The methods a shape lists under ``key`` (``methods`` or ``batched``; ``all``: every
+    method drafting for its family, ``_all_methods``)."""
+    spec = shape.get(key) or ""
+    return list(_all_methods(_family(shape))) if spec == "all" else \
+        _split(spec) if spec else []
 
 
 def _methods_of(shape: dict, opts, key: str) -> list[str]:
     """A shape's methods (``ar`` first: the reference), narrowed by ``--methods``."""
-    spec = shape.get(key) or ""
-    methods = list(ALL_METHODS) if spec == "all" else _split(spec) if spec else []
+    methods = _listed(shape, key)
     if opts.methods:
         methods = [m for m in methods if m in _split(opts.methods)]
     return (["ar"] if methods else []) + [m for m in methods if m != "ar"]
@@ -927,9 +1014,9 @@ def plot(res: dict, path: Path) -> None:
     if a.get_legend_handles_labels()[0]:
         a.legend(fontsize=8)
     names = sorted({m for s in shapes.values() for m, r in s.get("methods", {}).items()
-                    if "round_vs_ar_step" in r and m != "ar"}, key=list(ALL_METHODS).index
-                   if all(m in ALL_METHODS for s in shapes.values() for m in s.get("methods", {}))
-                   else str)
+                    if "round_vs_ar_step" in r and m != "ar"},
+                   key=lambda m: (METHOD_ORDER.index(m) if m in METHOD_ORDER
+                                  else len(METHOD_ORDER), m))
     width = 0.8 / max(len(shapes), 1)
     for ax, key, label, title in (
             (b, "round_vs_ar_step", "time per round / ar step",
@@ -987,8 +1074,12 @@ class Settings:
 #: commit d01e7da; docs/device_check_h200.md): SmolLM2 about 200 s and the 8B shape about
 #: 200 s (13 programs compiled in 70-112 s, then the methods and the greedy divergences'
 #: probes), Gemma about 90 s. With 0.35 / 0.35 / 0.3 of a 430 s budget, the 8B phase ran out
-#: after `ar`.
-PHASE_SHARE = {"smollm2-135m": 0.4, "llama3.1-8b": 0.4, "gemma3-270m": 0.2}
+#: after `ar`. The Gemma 4 shares are guesses (not measured yet): 8 programs each, E4B's
+#: 42 and 31B's 60 unrolled layers, the 31B's 61 GB of weights drawn first. The five shapes
+#: do not fit one default budget: run the Gemma 4 ones apart (--shapes
+#: gemma4-e4b,gemma4-31b), or give a longer --budget.
+PHASE_SHARE = {"smollm2-135m": 0.4, "llama3.1-8b": 0.4, "gemma3-270m": 0.2,
+               "gemma4-e4b": 0.4, "gemma4-31b": 0.5}
 
 
 def phase_seconds(name: str, rest: Sequence[str], remaining: float) -> float:
@@ -1111,7 +1202,8 @@ def _parser() -> argparse.ArgumentParser:
                         "--verify-widths` (default auto: one padded width off CPU)")
     p.add_argument("--scan-layers", action="store_true",
                    help="Llama shapes run their layers under one lax.scan (one layer "
-                        "compiles; Gemma stays unrolled), as `specjax bench --scan-layers`")
+                        "compiles; Gemma and Gemma 4 stay unrolled), as `specjax bench "
+                        "--scan-layers`")
     p.add_argument("--mesh", help="decode every method on this mesh of all processes' "
                    "devices, e.g. model=8 (the width curve, transformers and the batched "
                    "phase are skipped there)")
@@ -1154,6 +1246,10 @@ def run_check(opts: Settings) -> int:
     measurement) and its plot to ``opts.out``, prints a summary; 1 when something was
     measured wrong (``incomplete``'s failures), else 0, complete or not."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the device
+    # JAX's allocator grows up to this part of the device's memory (default 75%): the
+    # Gemma-4-31B shape's 57.2 GiB of weights need more on an 80 GB card (where JAX's
+    # backend starts in this process; scripts/device_check.sh exports it too)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
 
     from specjax import bench
 

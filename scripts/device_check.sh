@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The prepared check of a GPU or TPU host (scripts/device_check.py): random weights of real
-# shapes (SmolLM2-135M, Llama-3.1-8B, Gemma-3-270M), offline, within a time budget (default
+# shapes (SmolLM2-135M, Llama-3.1-8B, Gemma-3-270M, Gemma-4-E4B, Gemma-4-31B: the Gemma 4
+# ones best apart, --shapes gemma4-e4b,gemma4-31b), offline, within a time budget (default
 # 520 s of phases, first compiles included; a hard stop 90 s later), results rewritten
 # after every measurement in a staging directory and moved, at the end, to
 # OUT/device_check_<device>.json with a plot beside it (OUT: --out,
@@ -45,6 +46,8 @@ if [ "$INSTALLED" != "$HERE" ]; then  # absent, or installed from another copy o
   "$PY" -m pip install -q --no-deps --no-build-isolation . >&2
 fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX and torch share the device
+# JAX may grow to 90% of the device (default 75%): Gemma-4-31B's 57.2 GiB on an 80 GB card
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 
 if [ "${1:-}" = "--specbench" ]; then
   N=${2:-60}

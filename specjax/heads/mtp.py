@@ -167,19 +167,19 @@ def load(path: str | Path, target_cfg) -> tuple:
     check_target(spec, target_cfg, p)
     src = SafetensorsSource(_table(p))
     names = _names(spec)
-    params: dict = {"layers": [{} for _ in spec.text.layer_types]}
+    ap: dict = {"layers": [{} for _ in spec.text.layer_types]}
     for name, (where, _) in names.items():
         w = src.read(name)
         w = w.astype(np.int32) if where == ("token_ordering",) else w.astype(np.float32)
-        node = params if len(where) == 1 else params["layers"][where[1]]
+        node = ap if len(where) == 1 else ap["layers"][where[1]]
         node[where[-1]] = w
     if spec.ordered:
-        order = params["token_ordering"]
+        order = ap["token_ordering"]
         if order.min() < 0 or len(np.unique(order)) != order.shape[0] or \
                 order.max() >= spec.text.vocab_size:
             raise CheckpointError(f"{p}: masked_embedding.token_ordering is not a "
                                   f"permutation of the {spec.text.vocab_size} token ids")
-    return spec, params
+    return spec, ap
 
 
 def config(spec) -> dict:
@@ -210,8 +210,8 @@ def config(spec) -> dict:
             "text_config": text}
 
 
-def save(spec, params, out_dir: str | Path, dtype: str = "float32") -> Path:
-    """Writes ``params`` as an assistant directory (``config.json``,
+def save(spec, ap, out_dir: str | Path, dtype: str = "float32") -> Path:
+    """Writes the assistant's weights ``ap`` as an assistant directory (``config.json``,
     ``model.safetensors``) that ``load`` and transformers read; returns the directory."""
     from safetensors.numpy import save_file
 
@@ -222,7 +222,7 @@ def save(spec, params, out_dir: str | Path, dtype: str = "float32") -> Path:
     dt = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype]
     tensors = {}
     for name, (where, _) in _names(spec).items():
-        node = params if len(where) == 1 else params["layers"][where[1]]
+        node = ap if len(where) == 1 else ap["layers"][where[1]]
         w = np.asarray(node[where[-1]])
         tensors[name] = w.astype(np.int64) if where == ("token_ordering",) else w.astype(dt)
     save_file(tensors, str(out / "model.safetensors"))
