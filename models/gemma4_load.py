@@ -5,6 +5,7 @@ tensors (each layer has its own shapes) and its registration (``register_family`
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 from pathlib import Path
@@ -56,9 +57,14 @@ def _global_geometry(f: ConfigFields, types: list[str], k_eq_v: bool):
     if not plc.d:
         heads = f.integer("num_global_key_value_heads", None) if k_eq_v else None
         return f.integer("global_head_dim", 512), heads
+    by_layer = {}
+    for key in plc.d:  # transformers writes the indices zero-padded past 9 layers ("05")
+        if not key.isdigit() or int(key) >= len(types):
+            plc.fail(f"'per_layer_config' key {key!r} is not a layer index below {len(types)}")
+        by_layer[int(key)] = plc.obj(key)
     seen = set()
     for i, kind in enumerate(types):
-        o = plc.obj(str(i))
+        o = by_layer.get(i, dataclasses.replace(plc, d={}, prefix=f"per_layer_config.{i}."))
         if set(o.d) - {"head_dim", "num_key_value_heads"}:
             o.fail(f"'per_layer_config.{i}' overrides {sorted(o.d)}; only head_dim and "
                    "num_key_value_heads are read")

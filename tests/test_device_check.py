@@ -67,9 +67,13 @@ def test_device_check_small_runs_every_method_equal_to_ar(tmp_path):
     """``bash scripts/device_check.sh --small --shapes tiny-llama`` on this CPU, at its
     default budget: the accelerator code path measures every method (and the batched phase),
     each greedy output equal to ar's, the sampled-verification law check passes, and the run
-    says it is complete only because nothing was skipped. The tiny Gemma shape, which
-    ``--small`` also runs, runs the same code on the other family's model (its methods'
-    equality to ar: tests/test_gemma.py); left out here to keep the suite's time."""
+    says it is complete only because nothing was skipped. Then the tiny Gemma 4 shape with
+    ar and the methods drafting for Gemma 4 alone (``mtp``, a random assistant), in this
+    process: their greedy output equal to ar's, a round's cost in ar steps, transformers'
+    Gemma 4 beside. The tiny Gemma shape, which ``--small`` also runs, runs the same code on
+    the other family's model (its methods' equality to ar: tests/test_gemma.py); the other
+    methods on the Gemma 4 shape run in a whole ``--small`` run: left out here to keep the
+    suite's time."""
     env = toys.toy_process_env({**os.environ, "PYTHON": sys.executable})  # tiny shapes only
     proc = subprocess.run(
         ["bash", str(ROOT / "scripts" / "device_check.sh"), "--small", "--shapes", "tiny-llama",
@@ -89,7 +93,8 @@ def test_device_check_small_runs_every_method_equal_to_ar(tmp_path):
     assert {p["name"] for p in rep["phases"]} == {"bandwidth", "law", "tiny-llama"}
     n_new = rep["settings"]["prompts"] * rep["settings"]["max_new_tokens"]
     s = rep["shapes"]["tiny-llama"]
-    _check_small_shape(s, n_new)
+    assert s["family"] == "Llama"
+    _check_small_shape(s, n_new, device_check.ALL_METHODS)
     assert s["compile_wall_s"] > 0
     b = rep["shapes"]["tiny-llama"]["batched"]
     assert set(b) == {"ar", "eagle3:2,2,3", "sd-ngram:7"}
@@ -97,10 +102,23 @@ def test_device_check_small_runs_every_method_equal_to_ar(tmp_path):
         assert r["batch"] == 8 and r["rows_equal_to_ar"] == 8 and r["tokens_per_s"] > 0, m
         assert r["new_tokens"] == 8 * rep["settings"]["max_new_tokens"]
 
+    mtp = device_check._family_methods("Gemma4")
+    assert mtp and all(m.startswith("mtp") for m in mtp)
+    out = tmp_path / "gemma4"
+    rc = device_check.main(["--small", "--shapes", "tiny-gemma4", "--methods",
+                            ",".join(["ar", *mtp]), "--law-rows", "0", "--batch", "1",
+                            "--widths", "1,4", "--out", str(out)])
+    rep = json.loads((out / "device_check_cpu.json").read_text())
+    assert rc == 0 and rep["complete"], (rep["skipped"], rep["failed"])
+    s = rep["shapes"]["tiny-gemma4"]
+    assert s["family"] == "Gemma4" and "not_listed" not in s
+    _check_small_shape(s, n_new, ("ar", *mtp), widths={"1", "4"})
+    assert s["methods"]["mtp:3"]["round_vs_ar_step"] > 0
 
-def _check_small_shape(s: dict, n_new: int) -> None:
+
+def _check_small_shape(s: dict, n_new: int, methods, widths=("1", "4", "16")) -> None:
     wc = s["width_curve"]
-    assert set(wc["ms"]) == {"1", "4", "16"} and all(v > 0 for v in wc["ms"].values())
+    assert set(wc["ms"]) == set(widths) and all(v > 0 for v in wc["ms"].values())
     assert wc["relative_to_1"]["1"] == 1.0 and wc["filled"] < wc["capacity"]
     assert s["kernels_forward"]["kernels"] > 0 and s["kernels_forward"]["host_transfers"] == 0
     b = s["ar_vs_bound"]
@@ -109,8 +127,8 @@ def _check_small_shape(s: dict, n_new: int) -> None:
     hf = s["hf"]
     assert hf["tokens_per_s"] > 0 and hf["new_tokens"] == n_new  # no EOS: whole budget
     ms = s["methods"]
-    assert set(ms) == set(device_check.ALL_METHODS), sorted(ms)
-    for m in device_check.ALL_METHODS:
+    assert set(ms) == set(methods), sorted(ms)
+    for m in methods:
         r = ms[m]
         assert "error" not in r, (m, r)
         assert r["equal_to_ar"] is True and r["prompts_equal_to_ar"] == s["settings"]["prompts"]
@@ -120,9 +138,11 @@ def _check_small_shape(s: dict, n_new: int) -> None:
         assert r["kernels"]["host_transfers_in_module"] == 0
     # a round of ar is one forward plus sampling; a speculative round drafts and verifies
     assert ms["ar"]["kernels_per_round"] >= s["kernels_forward"]["kernels"]
-    for m in device_check.ALL_METHODS[1:]:
+    for m in methods[1:]:
         assert ms[m]["kernels_per_round"] > ms["ar"]["kernels_per_round"], m
-    assert ms["hsd"]["spec"].startswith("hsd:") and ms["ar"]["round_vs_ar_step"] == 1.0
+    if "hsd" in ms:
+        assert ms["hsd"]["spec"].startswith("hsd:")
+    assert ms["ar"]["round_vs_ar_step"] == 1.0
     assert s["settings"]["verify_widths"] == "auto" and s["settings"]["scan_layers"] is False
     assert s["matmul_precision"] == "highest"
 
@@ -167,7 +187,70 @@ def test_settings_fill_the_small_and_full_defaults():
         (520.0, 128, "1,8,16,32,64", 1024)
     assert small.batch == full.batch == 8 and 2 <= small.workers <= 12
     assert device_check.settings(small=True, max_new_tokens=4).max_new_tokens == 4
-    assert set(device_check._shapes(True)) == {"tiny-llama", "tiny-gemma"}  # both families
+    # one tiny shape per family
+    assert set(device_check._shapes(True)) == {"tiny-llama", "tiny-gemma", "tiny-gemma4"}
+
+
+def test_shapes_take_their_family_and_its_methods_from_the_registries():
+    """A shape's family is its config's registered one; ``all`` is every method drafting
+    for that family (``Method.family`` None or the family's name), so ``mtp`` (Gemma 4's)
+    runs on the Gemma 4 shapes only; the full Gemma 4 shapes run ar and every method
+    drafting for Gemma 4 alone, in bfloat16."""
+    from specjax import methods
+    from specjax.models import gemma4
+
+    small, full = device_check._shapes(True), device_check._shapes(False)
+    fams = {n: device_check._family(s) for n, s in {**small, **full}.items()}
+    assert fams == {"tiny-llama": "Llama", "tiny-gemma": "Gemma", "tiny-gemma4": "Gemma4",
+                    "smollm2-135m": "Llama", "llama3.1-8b": "Llama", "gemma3-270m": "Gemma",
+                    "gemma4-e4b": "Gemma4", "gemma4-31b": "Gemma4"}
+    mtp = tuple(t for cls in methods.registered() if cls.family == "Gemma4"
+                for t in cls.device)
+    assert mtp == device_check._family_methods("Gemma4") and "mtp:3" in mtp
+    anyone = device_check.ALL_METHODS
+    assert anyone[0] == "ar" and "hsd" in anyone and not set(mtp) & set(anyone)
+    assert device_check._all_methods("Gemma4") == anyone + mtp
+    for name in ("tiny-llama", "tiny-gemma"):
+        assert device_check._listed(small[name]) == list(anyone), name
+    assert device_check._listed(small["tiny-gemma4"]) == list(anyone + mtp)
+    for name, cfg in (("gemma4-e4b", gemma4.GEMMA4_E4B), ("gemma4-31b", gemma4.GEMMA4_31B)):
+        s = full[name]
+        assert s["cfg"] == cfg and s["dtype"] == s["compute"] == jnp.bfloat16
+        assert device_check._listed(s) == ["ar", *mtp]
+    assert list(full)[-1] == "gemma4-31b" and not full["gemma4-31b"]["hf"]
+    assert set(mtp) <= set(device_check.METHOD_ORDER)
+    # --methods may name mtp where a Gemma 4 shape runs, not where none does
+    opts = device_check.settings(small=True, shapes="tiny-llama", methods="ar,mtp:3")
+    with pytest.raises(ValueError, match="mtp:3"):
+        device_check.check_settings(opts)
+    opts = device_check.settings(small=True, shapes="tiny-gemma4", methods="ar,mtp:3")
+    assert list(device_check.check_settings(opts)) == ["tiny-gemma4"]
+
+
+def test_transformers_peer_configs_read_back_as_the_shapes():
+    """transformers' config of each shape's peer (``hf_config``) reads back through the
+    family's own HF config parser as the shape's config (no weights made)."""
+    import dataclasses
+
+    from specjax.models import gemma4, gemma4_load, gemma_load, llama_load
+
+    parsers = {"Llama": llama_load.hf_config, "Gemma": gemma_load.hf_gemma_config,
+               "Gemma4": gemma4_load.hf_gemma4_config}
+    shapes = {**device_check._shapes(True), **device_check._shapes(False),
+              "moe": dict(cfg=gemma4.GEMMA4_26B_A4B)}
+    for name, s in shapes.items():
+        d = json.loads(device_check.hf_config(s).to_json_string())
+        # transformers pads per_layer_config's keys to a width ("05" of 42 layers)
+        d["per_layer_config"] = {str(int(k)): v for k, v in
+                                 (d.get("per_layer_config") or {}).items()}
+        if not d["per_layer_config"]:
+            del d["per_layer_config"]
+        assert d["eos_token_id"] is None and d["bos_token_id"] is None, name
+        assert parsers[device_check._family(s)](d) == s["cfg"], name
+    with pytest.raises(ValueError, match="T5"):
+        from specjax.models import t5
+
+        device_check.hf_config(dict(cfg=dataclasses.replace(t5.T5_SMALL)))
 
 
 def test_phase_seconds_split_what_remains_by_share():

@@ -5,6 +5,7 @@ one MoE, against transformers' own ``Gemma4ForCausalLM``; the text decoder of a 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import shutil
@@ -280,3 +281,34 @@ def test_an_unsupported_config_is_one_clear_line(dirs, tmp_path, how):
     with pytest.raises(WeightLoadError) as e:
         hf_gemma4_config(d)
     one_line(e, *fragments)
+
+
+@pytest.mark.parametrize("size", ["E2B", "E4B", "26B_A4B", "31B"])
+def test_the_released_sizes_read_as_transformers_writes_them(size):
+    """``GEMMA4_<size>`` is what the parser reads from transformers' own serialization of
+    that size's text config (the published config.json's fields)."""
+    from transformers import Gemma4TextConfig
+
+    from specjax.models import gemma4
+
+    want = getattr(gemma4, f"GEMMA4_{size}")
+    full = [f"{'full' if t == 'full' else 'sliding'}_attention" for t in want.layer_types]
+    kw = dict(vocab_size=want.vocab_size, hidden_size=want.hidden_size,
+              intermediate_size=want.intermediate_size, num_hidden_layers=want.num_layers,
+              num_attention_heads=want.num_heads, num_key_value_heads=want.num_kv_heads,
+              head_dim=want.head_dim, global_head_dim=want.global_head_dim,
+              num_global_key_value_heads=want.num_global_kv_heads,
+              attention_k_eq_v=want.attention_k_eq_v, layer_types=full,
+              sliding_window=want.sliding_window, final_logit_softcapping=30.0,
+              hidden_size_per_layer_input=want.hidden_size_per_layer_input,
+              vocab_size_per_layer_input=262144, num_kv_shared_layers=want.num_kv_shared_layers,
+              use_double_wide_mlp=want.use_double_wide_mlp,
+              enable_moe_block=bool(want.num_experts), num_experts=want.num_experts or None,
+              top_k_experts=want.top_k_experts or None,
+              moe_intermediate_size=want.moe_intermediate_size or None,
+              max_position_embeddings=want.max_position_embeddings)
+    got = hf_gemma4_config({**Gemma4TextConfig(**kw).to_dict(), "model_type": "gemma4_text"})
+    if not want.hidden_size_per_layer_input:  # unused without per-layer embeddings
+        got = dataclasses.replace(got, vocab_size_per_layer_input=0)
+        want = dataclasses.replace(want, vocab_size_per_layer_input=0)
+    assert got == want

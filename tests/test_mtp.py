@@ -23,6 +23,7 @@ Greedy equality and the sampling law at batch 1 and ragged batches: tests/test_c
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import jax
@@ -350,3 +351,23 @@ def test_a_directory_that_is_no_assistant_is_one_line(hf, tmp_path, bad):
     with pytest.raises(methods.SpecError) as e:
         methods.check("mtp:4", opts)
     toys.one_line(e, "--draft-checkpoint" if bad == "none" else "gemma4_assistant")
+
+
+# --------------------------------------------------------------------------- the bench peer
+
+def test_hf_mtp_peer_runs_transformers_assisted_generation(hf, lm, runs):
+    """``hf-mtp`` in ``specjax bench``: transformers' assisted generation with the same
+    assistant, its tokens and target forwards those of the loop above."""
+    from specjax import bench
+
+    root, target, _, _ = hf
+    run = bench.hf_mtp_method(dataclasses.replace(lm, eos_ids=(1,)), 1, str(root / "copying"),
+                              4, target)
+    _, _, theirs, _ = runs
+    for prompt, (toks, calls) in list(zip(PROMPTS, theirs))[:2]:
+        r = run([int(t) for t in prompt], NEW)
+        assert (r.tokens, r.target_forwards) == (toks, calls)
+    assert methods.parse("hf-mtp:3").format() == "hf-mtp:3"
+    with pytest.raises(methods.SpecError) as e:
+        methods.check("hf-mtp", methods.Options())
+    toys.one_line(e, "--draft-checkpoint")
