@@ -67,8 +67,9 @@ setup_jax()  # before JAX picks a backend: as the specjax commands run
 def _shapes(small: bool) -> dict[str, dict]:
     """Model shapes to check: name -> config, storage and product dtypes, the methods it
     runs (``all``: every method drafting for its family, ``_all_methods``), whether
-    transformers runs beside (``hf``) and the batched phase's methods. A shape's family is
-    its config's registered one (``_family``)."""
+    transformers runs beside (``hf``), the batched phase's methods and at most how many
+    programs compile at once (``workers``, else ``--workers``). A shape's family is its
+    config's registered one (``_family``)."""
     import jax.numpy as jnp
 
     from specjax.models import gemma, gemma4, llama
@@ -124,13 +125,15 @@ def _shapes(small: bool) -> dict[str, dict]:
         "gemma4-e4b": dict(cfg=gemma4.GEMMA4_E4B, dtype=bf16, compute=bf16,
                            methods=gemma4_methods, hf=True),
         # 61.4 GB (57.2 GiB) of bfloat16 weights: on an 80 GB H100 only above JAX's
-        # default cap of 75% of the device's memory (run_check raises it to 90%: the
-        # weights, a 0.9 GB assistant and the caches of a few hundred tokens fit); an H200
-        # holds it at the default. Last, so that no transformers peer of an earlier shape
-        # finds JAX's pool grown to it. No transformers peer: a second random copy in
-        # torch (another 61 GB) does not fit beside ours on an 80 GB card
+        # default cap of 75% of the device's memory (run_check raises it to 95%: the
+        # weights, a 0.9 GB assistant, the caches of a few hundred tokens and the scratch
+        # of 4 concurrent compiles, each autotuning the logits' product with a 2.8 GB copy
+        # of the embedding, by estimate, not yet run on one); an H200 holds it at the
+        # default. Last, so that no transformers peer of an earlier shape finds JAX's pool
+        # grown to it. No transformers peer: a second random copy in torch (another 61 GB)
+        # does not fit beside ours on an 80 GB card
         "gemma4-31b": dict(cfg=gemma4.GEMMA4_31B, dtype=bf16, compute=bf16,
-                           methods=gemma4_methods, hf=False),
+                           methods=gemma4_methods, hf=False, workers=4),
     }
 
 
@@ -744,11 +747,12 @@ def _check_shape(name: str, shape: dict, opts, budget: Budget, probe: dict, out:
     cache, wjobs = width_programs(lm, widths, opts.capacity, opts.filled)
     t = time.perf_counter()
     # on a mesh over processes, every process runs its programs in one order: no threads
+    workers = min(opts.workers, shape.get("workers", opts.workers))
     futs = prepare(lm, settings, layers, list(questions[0].ids),
                    [(m, 1) for m in methods] + [(m, opts.batch) for m in batched],
                    {("width", w): job for w, job in wjobs.items()},
-                   0 if opts.mesh else opts.workers)
-    _log(f"{name}: compiling {len(futs)} programs in {opts.workers} threads")
+                   0 if opts.mesh else workers)
+    _log(f"{name}: compiling {len(futs)} programs in {workers} threads")
     for f in futs.values():  # timings start once nothing compiles beside them
         _wait(f, budget)
     out["compile_wall_s"] = time.perf_counter() - t  # this shape's programs, at once
@@ -1248,8 +1252,9 @@ def run_check(opts: Settings) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the device
     # JAX's allocator grows up to this part of the device's memory (default 75%): the
     # Gemma-4-31B shape's 57.2 GiB of weights need more on an 80 GB card (where JAX's
-    # backend starts in this process; scripts/device_check.sh exports it too)
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    # backend starts in this process; scripts/device_check.sh exports it too). The pool
+    # grows only as JAX allocates: torch's peers still find the rest
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
     from specjax import bench
 

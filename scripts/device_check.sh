@@ -46,8 +46,8 @@ if [ "$INSTALLED" != "$HERE" ]; then  # absent, or installed from another copy o
   "$PY" -m pip install -q --no-deps --no-build-isolation . >&2
 fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX and torch share the device
-# JAX may grow to 90% of the device (default 75%): Gemma-4-31B's 57.2 GiB on an 80 GB card
-export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
+# JAX may grow to 95% of the device (default 75%): Gemma-4-31B's 57.2 GiB on an 80 GB card
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
 
 if [ "${1:-}" = "--specbench" ]; then
   N=${2:-60}

@@ -34,7 +34,9 @@ HERE = Path(__file__).parent
 PY = sys.executable
 # model=4 by default: test_cli_two_processes_print_what_one_decodes (sd-ngram:4)
 DEFAULT_PLAN = {"data=2,model=2": ["ar", "sd-ngram:4", "eagle2:3,2,5"]}
-FULL_PLAN = {"data=2,model=2": toys.conformance_specs(), "model=4": toys.conformance_specs()}
+# every method that drafts for the Llama toy (mtp, Gemma 4's: one process, tests/test_sharding.py)
+FULL_PLAN = {"data=2,model=2": toys.conformance_specs("Llama"),
+             "model=4": toys.conformance_specs("Llama")}
 
 
 def _results(plan: dict) -> list[dict]:

@@ -223,11 +223,11 @@ SPECS = [s for c in methods.registered() if c.decodes for s in (*c.tiny, *c.devi
 def test_scratch_is_the_built_decoders(draft_len):
     """``Method.scratch`` (what the pre-load context check counts) equals the scratch of
     the decoder each spec builds, defaults and ``--draft-len`` included."""
-    lm = toys.ToyLM(*toys.llama())
+    llama = toys.ToyLM(*toys.llama())
     opts = methods.Options(layers=(1, 2), draft_len=draft_len)
     for text in SPECS:
         spec = methods.parse(text)
-        built = spec.random(lm, opts, jax.random.key(0))
+        built = spec.random(toys.lm_for(text, llama), opts, jax.random.key(0))
         assert spec.scratch(opts) == built.decoder.scratch > 0 or text == "ar", text
     assert methods.parse("ar").scratch(opts) == 0
     assert methods.parse("eagle3").scratch(opts) == 61  # EAGLE's own 7,10,60

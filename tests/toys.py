@@ -290,12 +290,14 @@ def _options():
 OPTIONS = _options()
 
 
-def conformance_specs() -> list[str]:
+def conformance_specs(family: str | None = None) -> list[str]:
     """Every registered decoding method's tiny specs (``Method.tiny``, sized for ``llama``'s
-    3 layers and 12 tokens), in registry order."""
+    3 layers and 12 tokens; a method of one family's for that family's toy: ``lm_for``),
+    in registry order; with ``family``, those that draft for it."""
     from specjax import methods
 
-    return [s for cls in methods.registered() if cls.decodes for s in cls.tiny]
+    return [s for cls in methods.registered() if cls.decodes
+            and (family is None or cls.family in (None, family)) for s in cls.tiny]
 
 
 def sweep_specs(skip: dict | None = None, extra: tuple = (), family: str = "Llama",

@@ -103,9 +103,9 @@ def cmd_bench(args) -> int:
 
         require("torch", f"benchmarking {', '.join(peers)} (transformers)")
     greedy = args.temperature <= 0
-    if not greedy and any(s.kind == "peer" and s.name in ("hf-pld", "hf-mtp")
-                          for s in specs.values()):
-        raise UsageError("hf-pld and hf-mtp are greedy only; drop them when --temperature > 0")
+    greedy_only = [s.name for s in specs.values() if s.kind == "peer" and s.name != "hf"]
+    if not greedy and greedy_only:
+        raise UsageError(f"{greedy_only[0]} is greedy only; drop it when --temperature > 0")
     if args.random_prompts and args.questions:
         raise UsageError("give --questions or --random-prompts, not both")
     common.writable(args.out, "--out")

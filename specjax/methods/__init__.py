@@ -20,7 +20,9 @@ Text forms (``parse`` / ``MethodSpec.format``; ``parse(m.format()) == m``):
   (``Options.draft_checkpoint``, transformers' layout) as a chain or a dynamic tree;
 * ``hsd[:SPEC]``: a hierarchy (``specjax.hsd.HierarchySpec``; bare ``hsd`` is tuned from
   ``Options.calibration``);
-* ``hf``, ``hf-pld``: the transformers peers a benchmark compares against (not decoders).
+* ``hf``, ``hf-pld``, ``hf-mtp[:depth]``: the transformers peers a benchmark compares
+  against (not decoders): ``generate``, prompt lookup, and assisted generation with a
+  Gemma 4 assistant.
 
 Where dispatch happens: on the spec's own class. ``parse`` and ``split`` pick the
 registered class whose prefix matches the text (the longest one), ``check(spec, options)``

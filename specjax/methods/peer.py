@@ -46,9 +46,14 @@ class Peer(Method):
     def check(self, options: Options) -> None:
         """``hf-mtp`` reads a Gemma 4 assistant (``mtp``'s check); the others nothing."""
         if self.name == "hf-mtp":
+            import importlib.util
+
             from specjax.methods.mtp import MTP
 
             MTP(self.depth).check(options)
+            if importlib.util.find_spec("transformers.models.gemma4_assistant") is None:
+                raise SpecError("hf-mtp runs transformers' Gemma4AssistantForCausalLM: "
+                                "install transformers >= 5.7")
 
     def build(self, lm, options: Options) -> Built:
         raise SpecError(f"{self.format()} is a peer for benchmarks, not a specjax decoder")
