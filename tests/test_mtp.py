@@ -111,8 +111,8 @@ def lm(hf):
     return specjax.models.load(str(hf[0] / "target"), tokenizer=False)
 
 
-PROMPTS = [list(np.random.default_rng(s).integers(2, V, 4 + 3 * s)) for s in range(6)]
-NEW = 30
+PROMPTS = [list(np.random.default_rng(s).integers(2, V, 4 + 4 * s)) for s in range(4)]
+NEW = 28
 
 
 def _hf_generate(target, prompt, assistant=None):
