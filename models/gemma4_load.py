@@ -16,6 +16,7 @@ import numpy as np
 from specjax.models.families import Family, model_class, register_family
 from specjax.models.gemma4 import FULL, SLIDING, Gemma4Config, layer_shapes, top_shapes
 from specjax.models.hf_config import ConfigFields, config_fields, read_config_json
+from specjax.models.safetensors_file import check_floating
 from specjax.models.streaming import TensorSource, WeightLoadError, placer
 
 _ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
@@ -241,6 +242,10 @@ def stream_gemma4(cfg: Gemma4Config, src: TensorSource, source: str, dtype, mesh
     :func:`tensor_table`), read one tensor at a time in its stored dtype, cast to ``dtype``
     and placed at once (``streaming.placer``: with ``mesh``, on its sharding)."""
     table = tensor_table(cfg, src.shapes, source, ignore)
+    dtypes = getattr(src, "table", {})
+    for name, _ in table.values():  # integers or booleans are no weights a cast recovers
+        if name in dtypes:
+            check_floating(name, dtypes[name].dtype, dtypes[name].file)
     place = placer(cfg, mesh)
     params: dict = {"layers": [{} for _ in range(cfg.num_layers)]}
     pending = None

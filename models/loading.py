@@ -131,11 +131,9 @@ def load_hf_dir(path: str | Path, dtype=jnp.float32, mesh=None,
     path = Path(path)
     cfg = hf_dir_config(path)
     table = hf_weight_table(path)
-    for name, t in table.items():
-        check_floating(name, t.dtype, t.file)
     src = SafetensorsSource(table)
     fam = family_of(cfg)
-    if fam.hf_stream is not None:
+    if fam.hf_stream is not None:  # checks the dtypes of the tensors it reads itself
         if stacked:
             raise ValueError("stacked layers (scan_layers) are for Llama-family models only")
         if mesh is not None:
@@ -143,6 +141,8 @@ def load_hf_dir(path: str | Path, dtype=jnp.float32, mesh=None,
 
             sharding.check_model(cfg, mesh)
         return cfg, fam.hf_stream(cfg, src, path, dtype, mesh)
+    for name, t in table.items():
+        check_floating(name, t.dtype, t.file)
     if fam.hf_params is not None:
         if stacked:
             raise ValueError("stacked layers (scan_layers) are for Llama-family models only")

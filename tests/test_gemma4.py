@@ -234,7 +234,7 @@ def test_multimodal_directory_loads_its_text_decoder(dirs, tmp_path):
 
 # --------------------------------------------------------------------------- bad inputs
 
-@pytest.mark.parametrize("how", ["misshaped", "missing", "unexpected"])
+@pytest.mark.parametrize("how", ["misshaped", "missing", "unexpected", "integers"])
 def test_a_bad_tensor_is_one_clear_line(dirs, tmp_path, how):
     from safetensors.numpy import load_file, save_file
 
@@ -248,6 +248,10 @@ def test_a_bad_tensor_is_one_clear_line(dirs, tmp_path, how):
     elif how == "missing":
         del tensors["model.layers.0.mlp.up_proj.weight"]
         fragments = ("missing", "model.layers.0.mlp.up_proj.weight")
+    elif how == "integers":
+        name = "model.layers.0.self_attn.q_norm.weight"
+        tensors[name] = np.ones(tensors[name].shape, np.int32)
+        fragments = (name, "int32", "floating point")
     else:  # a V projection on the K-as-V full layer
         name = "model.layers.1.self_attn.v_proj.weight"
         tensors[name] = np.zeros((16, 32), np.float32)
