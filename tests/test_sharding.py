@@ -234,6 +234,27 @@ else:
             out = toys.run_spec(spec, model, tp, toys.PROMPTS, toys.BUDGETS, mesh=m)
             assert out.to_lists() == ref.to_lists(), spec
 
+    def test_gemma4_loads_straight_onto_a_mesh(tmp_path):
+        """A Gemma 4 HF directory (transformers' classes, saved) streamed onto data=2,
+        model=4: each weight on its sharding, the values those of a one-device load."""
+        import torch
+        from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+        torch.manual_seed(0)
+        Gemma4ForCausalLM(Gemma4TextConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16,
+            layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4,
+            hidden_size_per_layer_input=8, vocab_size_per_layer_input=64,
+            num_kv_shared_layers=2)).save_pretrained(str(tmp_path))
+        m = sharding.make_mesh(2, 4)
+        one = specjax.models.load(str(tmp_path), tokenizer=False)
+        on = specjax.models.load(str(tmp_path), tokenizer=False, mesh=m)
+        assert on.params["layers"][0]["q"].sharding.spec == P("model", None)
+        assert on.params["ple_embed"].sharding.spec == P("model", None)  # 64 rows over 4
+        for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(on.params)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
     @pytest.mark.parametrize("gated", [False, pytest.param(True, marks=pytest.mark.slow)],
                              ids=["t5", "t5-v1_1"])
     def test_t5_sharded_equals_one_device(gated):
