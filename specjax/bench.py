@@ -265,16 +265,20 @@ def hf_pld_method(lm, threads: int, hf=None, num_tokens: int = 10) -> Method:
 
     torch.set_num_threads(threads)
     hf = load_hf(lm) if hf is None else hf
+    return _counted_greedy(lm, hf, prompt_lookup_num_tokens=num_tokens)
+
+
+def _counted_greedy(lm, hf, **kw) -> Method:
+    """transformers' greedy ``generate`` with ``kw`` (an assisted generation's), target
+    forwards counted with a forward hook; warmed up once."""
     stops = _hf_stops(hf, lm)
     calls = [0]
     hf.model.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
 
     def run(ids: list[int], n: int) -> Run:
         calls[0] = 0
-        y, dt = _hf_generate(hf, ids, max_new_tokens=n, do_sample=False,
-                             prompt_lookup_num_tokens=num_tokens, **stops)
-        toks = _hf_new_tokens(lm, ids, y)
-        return Run(toks, dt, calls[0])
+        y, dt = _hf_generate(hf, ids, max_new_tokens=n, do_sample=False, **kw, **stops)
+        return Run(_hf_new_tokens(lm, ids, y), dt, calls[0])
 
     run(_warm_up_ids(lm), 4)
     return run
@@ -294,18 +298,7 @@ def hf_mtp_method(lm, threads: int, assistant: str, depth: int = 4, hf=None) -> 
     ast = AutoModelForCausalLM.from_pretrained(str(assistant), dtype=torch.float32)
     ast = ast.eval().to(_torch_device())
     ast.generation_config.num_assistant_tokens = depth
-    stops = _hf_stops(hf, lm)
-    calls = [0]
-    hf.model.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
-
-    def run(ids: list[int], n: int) -> Run:
-        calls[0] = 0
-        y, dt = _hf_generate(hf, ids, max_new_tokens=n, do_sample=False,
-                             assistant_model=ast, **stops)
-        return Run(_hf_new_tokens(lm, ids, y), dt, calls[0])
-
-    run(_warm_up_ids(lm), 4)
-    return run
+    return _counted_greedy(lm, hf, assistant_model=ast)
 
 
 def hf_method(lm, threads: int, hf=None, temperature: float = 0.0) -> Method:

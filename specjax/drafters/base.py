@@ -94,6 +94,34 @@ class TopKTree:
         return (self.num_nodes + 1,)
 
 
+class ChainOrTree:
+    """Sizes of a drafter that drafts ``depth`` tokens as a chain (``topk`` 1) or as a tree
+    of ``total_tokens`` nodes from the ``topk`` best tokens per level (DFlash, Gemma 4
+    assistants), every round verified at one width. Needs those three fields; its
+    ``__post_init__`` calls ``_default_total``. Defines ``chain``, ``num_nodes`` and
+    ``verify_widths``; the drafter declares the rest of ``Drafter``."""
+
+    def _default_total(self) -> None:
+        """``total_tokens`` None: ``depth`` for a chain, every node a tree drafts."""
+        from specjax.drafters.eagle import pool_size
+
+        if self.total_tokens is None:
+            n = self.depth if self.topk == 1 else pool_size(self.depth, self.topk)
+            object.__setattr__(self, "total_tokens", n)
+
+    @property
+    def chain(self) -> bool:
+        return self.topk == 1
+
+    @property
+    def num_nodes(self) -> int:
+        return self.depth if self.chain else self.total_tokens
+
+    @property
+    def verify_widths(self) -> tuple[int, ...]:
+        return (self.num_nodes + 1,)
+
+
 def _check_sizes(depth: int, width: int) -> None:
     if depth < 1 or width < 1:
         raise ValueError(f"draft depth and width must be >= 1, got depth={depth}, "

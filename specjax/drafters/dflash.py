@@ -227,7 +227,7 @@ class DFlashState:
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashDrafter(base.OnTarget):
+class DFlashDrafter(base.ChainOrTree, base.OnTarget):
     """DFlash over ``target``: one drafter forward per round drafts ``depth`` tokens (default
     ``block_size - 1``) as a chain (``topk == 1``), or as a tree of ``total_tokens`` nodes
     from the ``topk`` best tokens at each block slot. ``spec``: the drafter's sizes."""
@@ -243,21 +243,7 @@ class DFlashDrafter(base.OnTarget):
         every node a tree drafts otherwise."""
         if self.depth is None:
             object.__setattr__(self, "depth", self.spec.block_size - 1)
-        if self.total_tokens is None:
-            n = self.depth if self.topk == 1 else eagle.pool_size(self.depth, self.topk)
-            object.__setattr__(self, "total_tokens", n)
-
-    @property
-    def chain(self) -> bool:
-        return self.topk == 1
-
-    @property
-    def num_nodes(self) -> int:
-        return self.depth if self.chain else self.total_tokens
-
-    @property
-    def verify_widths(self) -> tuple[int, ...]:
-        return (self.num_nodes + 1,)
+        self._default_total()
 
     @property
     def feature_layers(self) -> tuple[int, ...]:

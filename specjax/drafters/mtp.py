@@ -223,7 +223,7 @@ class MTPState:
 
 
 @dataclasses.dataclass(frozen=True)
-class MTPDrafter(base.OnTarget):
+class MTPDrafter(base.ChainOrTree, base.OnTarget):
     """A Gemma 4 assistant over its Gemma 4 ``target``: a chain of ``depth`` tokens
     (``topk`` 1), or a tree of ``total_tokens`` nodes grown over ``depth`` levels from
     the ``topk`` best tokens of the ``topk`` best nodes of each level, one batched
@@ -237,21 +237,7 @@ class MTPDrafter(base.OnTarget):
     reads_rejected: bool = False
 
     def __post_init__(self):
-        if self.total_tokens is None:
-            n = self.depth if self.topk == 1 else eagle.pool_size(self.depth, self.topk)
-            object.__setattr__(self, "total_tokens", n)
-
-    @property
-    def chain(self) -> bool:
-        return self.topk == 1
-
-    @property
-    def num_nodes(self) -> int:
-        return self.depth if self.chain else self.total_tokens
-
-    @property
-    def verify_widths(self) -> tuple[int, ...]:
-        return (self.num_nodes + 1,)
+        self._default_total()
 
     def check(self, target) -> None:
         self.check_target(target)
@@ -283,23 +269,27 @@ class MTPDrafter(base.OnTarget):
         return MTPState(h=self._h(ctx.params, h).astype(jnp.float32),
                         stale=jnp.zeros((b,), jnp.int32))
 
-    def _step(self, dparams, ctx, state: MTPState, tokens, h, pos):
-        t, cache = self.spec.text, ctx.cache
+    def _visible(self, ctx, state: MTPState, pos) -> dict:
+        """Per assistant layer type, the target cache slots its queries read this round."""
+        t = self.spec.text
         end = pos + (state.stale if self.reads_rejected else 0)
-        vis = {k: visible_slots(k, t.sliding_window, end, cache.capacity)
-               for k in set(t.layer_types)}
-        return step(self.spec, dparams, self.target, ctx.params, cache,
+        return {k: visible_slots(k, t.sliding_window, end, ctx.cache.capacity)
+                for k in set(t.layer_types)}
+
+    def _step(self, dparams, ctx, vis, tokens, h, pos):
+        return step(self.spec, dparams, self.target, ctx.params, ctx.cache,
                     self.target.config.kv_layers, tokens, h, pos, vis)
 
     def propose(self, dparams, state: MTPState, ctx, key, sampler):
         b = ctx.tokens.shape[0]
         pos = ctx.length - 1
+        vis = self._visible(ctx, state, pos)  # the same slots for every step of the round
         root = jnp.take_along_axis(ctx.tokens, pos[:, None], axis=1)
-        logits, h = self._step(dparams, ctx, state, root, state.h[:, None], pos)
+        logits, h = self._step(dparams, ctx, vis, root, state.h[:, None], pos)
         if self.chain:
             toks = [jnp.argmax(logits[:, 0], -1).astype(jnp.int32)]
             for _ in range(self.depth - 1):
-                logits, h = self._step(dparams, ctx, state, toks[-1][:, None], h, pos)
+                logits, h = self._step(dparams, ctx, vis, toks[-1][:, None], h, pos)
                 toks.append(jnp.argmax(logits[:, 0], -1).astype(jnp.int32))
             toks = jnp.stack(toks, axis=1)
             draft = Draft(tokens=toks, parents=tree.chain(b, self.depth),
@@ -309,7 +299,7 @@ class MTPDrafter(base.OnTarget):
 
         def level(h_prev, d, tokens, parent):  # the chosen nodes of level d, one batch
             h_in = jnp.take_along_axis(h_prev, parent[:, :, None], axis=1)
-            lg, h_out = self._step(dparams, ctx, state, tokens, h_in, pos)
+            lg, h_out = self._step(dparams, ctx, vis, tokens, h_in, pos)
             return jax.nn.log_softmax(lg, axis=-1), h_out
 
         h0 = jnp.broadcast_to(h, (b, k, h.shape[-1]))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from specjax.methods.registry import (Built, Method, Options, SpecError, _cast, _joined,
-                                       _sections, register, speculative)
+from specjax.methods.registry import (Built, DraftSizes, Method, Options, SpecError, _cast,
+                                       register, speculative)
 
 
 RANDOM_BLOCK = 16  # the block of a random drafter without sizes (z-lab's published b16)
@@ -15,7 +15,7 @@ RANDOM_BLOCK = 16  # the block of a random drafter without sizes (z-lab's publis
 
 @register
 @dataclasses.dataclass(frozen=True)
-class DFlash(Method):
+class DFlash(DraftSizes, Method):
     """``dflash[:depth]`` (a chain of the first ``depth`` block slots; default the whole
     block) or ``dflash:depth,topk,total`` (a tree of ``total`` nodes from the ``topk`` best
     tokens at each slot), over a DFlash drafter directory (``Options.draft_checkpoint``:
@@ -33,45 +33,6 @@ class DFlash(Method):
     checkpoint: ClassVar[str | None] = "draft_checkpoint"
     tiny: ClassVar[tuple[str, ...]] = ("dflash:3", "dflash:3,2,5")
     device: ClassVar[tuple[str, ...]] = ("dflash", "dflash:15,4,32")
-
-    def __post_init__(self):
-        """``SpecError`` unless the sizes can draft: each >= 1, and a tree's
-        ``depth <= total <= topk + (depth - 1) * topk^2``."""
-        from specjax.drafters.eagle import pool_size
-
-        if self.depth is not None and self.depth < 1 or self.topk < 1:
-            raise SpecError(f"{self.format()}: depth and topk must be >= 1")
-        if self.topk == 1:
-            if self.total not in (None, self.depth):
-                raise SpecError(f"{self.format()}: a chain (topk 1) drafts depth nodes")
-            return
-        if self.depth is None or self.total is None:
-            raise SpecError(f"{self.format()}: a tree needs depth,topk,total")
-        if not self.depth <= self.total <= pool_size(self.depth, self.topk):
-            raise SpecError(f"{self.format()}: total ({self.total}) must lie in [depth "
-                            f"{self.depth}, {pool_size(self.depth, self.topk)}] (topk + "
-                            "(depth - 1) * topk^2)")
-
-    @classmethod
-    def parse(cls, text: str) -> DFlash:
-        sizes, opts = _sections(text, cls.kind, cls.forms[0])
-        if opts:
-            raise SpecError(f"bad spec {text!r}: dflash takes no options; use {cls.forms[0]}")
-        if not sizes:
-            return cls()
-        try:
-            n = tuple(int(x) for x in sizes.split(","))
-        except ValueError:
-            n = ()
-        if len(n) not in (1, 3) or min(n) < 1:
-            raise SpecError(f"bad sizes {sizes!r} in {text!r}: want depth or depth,topk,total, "
-                            "each >= 1")
-        return cls(n[0]) if len(n) == 1 else cls(*n)
-
-    def format(self) -> str:
-        sizes = () if self.depth is None else (
-            (self.depth,) if self.topk == 1 else (self.depth, self.topk, self.total))
-        return _joined(self.kind, sizes, [])
 
     def check(self, options: Options) -> None:
         """``draft_checkpoint`` is a DFlash drafter directory whose config fits the spec."""

@@ -8,15 +8,15 @@ import dataclasses
 import math
 from typing import ClassVar
 
-from specjax.methods.registry import (Built, Method, Options, SpecError, _cast, _joined,
-                                       _sections, register, speculative)
+from specjax.methods.registry import (Built, DraftSizes, Method, Options, SpecError, _cast,
+                                       register, speculative)
 
 DEFAULT_DEPTH = 4
 
 
 @register
 @dataclasses.dataclass(frozen=True)
-class MTP(Method):
+class MTP(DraftSizes, Method):
     """``mtp[:depth]`` (a chain of ``depth`` drafts, default 4) or ``mtp:depth,topk,total``
     (a tree of ``total`` nodes, EAGLE-2's expansion of the ``topk`` best nodes per level),
     over a Gemma 4 assistant directory (``Options.draft_checkpoint``: transformers'
@@ -36,42 +36,6 @@ class MTP(Method):
     family: ClassVar[str | None] = "Gemma4"
     tiny: ClassVar[tuple[str, ...]] = ("mtp:3", "mtp:3,2,5")
     device: ClassVar[tuple[str, ...]] = ("mtp:3", "mtp:5,4,16")
-
-    def __post_init__(self):
-        """``SpecError`` unless the sizes can draft: each >= 1, and a tree's
-        ``depth <= total <= topk + (depth - 1) * topk^2``."""
-        from specjax.drafters.eagle import pool_size
-
-        if self.depth < 1 or self.topk < 1:
-            raise SpecError(f"{self.format()}: depth and topk must be >= 1")
-        if self.topk == 1:
-            if self.total not in (None, self.depth):
-                raise SpecError(f"{self.format()}: a chain (topk 1) drafts depth nodes")
-            return
-        if self.total is None or not self.depth <= self.total <= pool_size(self.depth, self.topk):
-            raise SpecError(f"{self.format()}: a tree needs depth,topk,total with total in "
-                            f"[{self.depth}, {pool_size(self.depth, self.topk)}]")
-
-    @classmethod
-    def parse(cls, text: str) -> MTP:
-        sizes, opts = _sections(text, cls.kind, cls.forms[0])
-        if opts:
-            raise SpecError(f"bad spec {text!r}: mtp takes no options; use {cls.forms[0]}")
-        if not sizes:
-            return cls()
-        try:
-            n = tuple(int(x) for x in sizes.split(","))
-        except ValueError:
-            n = ()
-        if len(n) not in (1, 3) or min(n) < 1:
-            raise SpecError(f"bad sizes {sizes!r} in {text!r}: want depth or depth,topk,total, "
-                            "each >= 1")
-        return cls(n[0]) if len(n) == 1 else cls(*n)
-
-    def format(self) -> str:
-        sizes = () if self == MTP() else (
-            (self.depth,) if self.topk == 1 else (self.depth, self.topk, self.total))
-        return _joined(self.kind, sizes, [])
 
     def check(self, options: Options) -> None:
         """``draft_checkpoint`` is a Gemma 4 assistant directory: config and weight headers

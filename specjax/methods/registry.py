@@ -160,6 +160,54 @@ class Method:
         return build(self, lm, options)
 
 
+class DraftSizes:
+    """What a spec shares that drafts ``depth`` tokens as a chain (``topk`` 1) or as a tree
+    of ``total`` nodes from the ``topk`` best tokens per level (``dflash``, ``mtp``): the
+    size checks, the text form ``kind[:depth[,topk,total]]`` and its parse. Mixed in before
+    ``Method`` by a frozen dataclass with fields ``depth``, ``topk`` and ``total``; its
+    defaults format as the bare ``kind``."""
+
+    def __post_init__(self):
+        """``SpecError`` unless the sizes can draft: each >= 1, and a tree's
+        ``depth <= total <= topk + (depth - 1) * topk^2``."""
+        from specjax.drafters.eagle import pool_size
+
+        if self.depth is not None and self.depth < 1 or self.topk < 1:
+            raise SpecError(f"{self.format()}: depth and topk must be >= 1")
+        if self.topk == 1:
+            if self.total not in (None, self.depth):
+                raise SpecError(f"{self.format()}: a chain (topk 1) drafts depth nodes")
+            return
+        if self.depth is None or self.total is None:
+            raise SpecError(f"{self.format()}: a tree needs depth,topk,total")
+        if not self.depth <= self.total <= pool_size(self.depth, self.topk):
+            raise SpecError(f"{self.format()}: total ({self.total}) must lie in [depth "
+                            f"{self.depth}, {pool_size(self.depth, self.topk)}] (topk + "
+                            "(depth - 1) * topk^2)")
+
+    @classmethod
+    def parse(cls, text: str):
+        sizes, opts = _sections(text, cls.kind, cls.forms[0])
+        if opts:
+            raise SpecError(f"bad spec {text!r}: {cls.kind} takes no options; use "
+                            f"{cls.forms[0]}")
+        if not sizes:
+            return cls()
+        try:
+            n = tuple(int(x) for x in sizes.split(","))
+        except ValueError:
+            n = ()
+        if len(n) not in (1, 3) or min(n) < 1:
+            raise SpecError(f"bad sizes {sizes!r} in {text!r}: want depth or depth,topk,total, "
+                            "each >= 1")
+        return cls(n[0]) if len(n) == 1 else cls(*n)
+
+    def format(self) -> str:
+        sizes = () if self == type(self)() else (
+            (self.depth,) if self.topk == 1 else (self.depth, self.topk, self.total))
+        return _joined(self.kind, sizes, [])
+
+
 #: any registered method spec (the registry is open: ``register`` adds classes)
 MethodSpec = Method
 
